@@ -1,0 +1,405 @@
+"""The write-back cache: file contents as sequences of fixed-size blocks in two arenas.
+
+Each tier is one pre-sized arena file carved into slots of ``block_size`` bytes:
+the RAM tier lives on tmpfs (mapped once, so writes are a memcpy), the NVMe tier
+in the cache dir (pread/pwrite, so its pages never count against the daemon's
+RSS). Slots are reused, never given back to the OS: fresh memory costs 2-3 s/GiB
+on first touch here (shared/notes/fuse.md), reused slots cost nothing. Both
+arenas are files, so committed bytes outlive the daemon; the journal maps each
+committed file to its slots.
+
+A block is shared by reference count: committing a staged file snapshots its
+block list, and a later write into a shared block copies it first (copy on
+write). Budgets are slot counts; a writer that finds no slot waits (backpressure)
+until an upload finishes or clean data can be evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import trio
+
+log = logging.getLogger(__name__)
+
+RAM, DISK = 0, 1
+TIER_NAMES = ("ram", "disk")
+BlockRef = tuple[int, int]  # (tier, slot)
+
+
+class Tier:
+    """One arena file and its free slots."""
+
+    def __init__(self, index: int, path: Path, block_size: int, budget: int, mapped: bool):
+        self.index = index
+        self.path = path
+        self.block_size = block_size
+        self.n_slots = max(budget // block_size, 0)
+        self.mapped = mapped
+        self.free: list[int] = []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # Never shrink: slots beyond a smaller new budget may still hold committed data.
+        self.file_size = max(os.fstat(self.fd).st_size, self.n_slots * block_size)
+        if self.file_size:
+            os.ftruncate(self.fd, self.file_size)
+        self.mm = mmap.mmap(self.fd, self.file_size) if mapped and self.file_size else None
+
+    def reset_free(self, used: set[int]) -> None:
+        # Pop from the end: low slots first, so a small working set stays in touched pages.
+        self.free = [s for s in range(self.n_slots - 1, -1, -1) if s not in used]
+
+    def write(self, slot: int, offset: int, data) -> None:
+        pos = slot * self.block_size + offset
+        if self.mm is not None:
+            self.mm[pos : pos + len(data)] = data
+        else:
+            os.pwrite(self.fd, data, pos)
+
+    def read(self, slot: int, offset: int, length: int) -> bytes:
+        pos = slot * self.block_size + offset
+        if self.mm is not None:
+            return self.mm[pos : pos + length]
+        return os.pread(self.fd, length, pos)
+
+    def view(self, slot: int, length: int) -> memoryview | bytes:
+        """Zero-copy view for hashing and uploading (RAM tier); a read on disk."""
+        if self.mm is not None:
+            pos = slot * self.block_size
+            return memoryview(self.mm)[pos : pos + length]
+        return self.read(slot, 0, length)
+
+    def sync(self) -> None:
+        if self.mm is not None:
+            self.mm.flush()
+        else:
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view is still alive in a thread; the OS cleans up
+                pass
+        os.close(self.fd)
+
+
+class Cache:
+    """Slot allocation with budgets, reference counts, clean-data eviction."""
+
+    def __init__(self, cache_dir: Path, ram_dir: Path, block_size: int, ram_budget: int, disk_budget: int):
+        self.block_size = block_size
+        self.tiers = (
+            Tier(RAM, ram_dir / "ram.arena", block_size, ram_budget, mapped=True),
+            Tier(DISK, cache_dir / "disk.arena", block_size, disk_budget, mapped=False),
+        )
+        self.ram_arena_id = _arena_id(ram_dir / "ram.arena.id")
+        self.refcounts: dict[BlockRef, int] = {}
+        # Clean (durable, unopened) contents that may be dropped to make room, oldest first.
+        self.clean: OrderedDict[object, tuple[Content, Callable[[], None]]] = OrderedDict()
+        self._space = trio.Event()
+        self.waiters = 0
+        for tier in self.tiers:
+            tier.reset_free(set())
+
+    # -- start-up -----------------------------------------------------------------
+    def adopt(self, refs: Iterable[BlockRef]) -> None:
+        """Take ownership of blocks named by the journal (one reference each)."""
+        for ref in refs:
+            self.refcounts[ref] = self.refcounts.get(ref, 0) + 1
+        for tier in self.tiers:
+            tier.reset_free({slot for (t, slot) in self.refcounts if t == tier.index})
+
+    def valid_ref(self, ref: BlockRef) -> bool:
+        tier, slot = ref
+        return tier in (RAM, DISK) and 0 <= slot < self.tiers[tier].file_size // self.block_size
+
+    # -- allocation -----------------------------------------------------------------
+    def try_alloc(self) -> BlockRef | None:
+        ram, disk = self.tiers
+        if not ram.free:
+            self._evict(prefer_tier=RAM)
+        for tier in (ram, disk):
+            if tier.free:
+                ref = (tier.index, tier.free.pop())
+                self.refcounts[ref] = 1
+                return ref
+        if self._evict(prefer_tier=None):
+            return self.try_alloc()
+        return None
+
+    async def alloc(self) -> BlockRef:
+        """A fresh block; waits while both tiers are full of data not yet uploaded."""
+        while (ref := self.try_alloc()) is None:
+            self.waiters += 1
+            try:
+                await self._space.wait()
+            finally:
+                self.waiters -= 1
+        return ref
+
+    def incref(self, ref: BlockRef) -> None:
+        self.refcounts[ref] += 1
+
+    def decref(self, ref: BlockRef) -> None:
+        n = self.refcounts[ref] - 1
+        if n:
+            self.refcounts[ref] = n
+            return
+        del self.refcounts[ref]
+        tier, slot = ref
+        if slot < self.tiers[tier].n_slots:  # slots past a shrunk budget are retired
+            self.tiers[tier].free.append(slot)
+        self._space.set()
+        self._space = trio.Event()
+
+    # -- clean data -------------------------------------------------------------------
+    def mark_clean(self, owner: object, content: Content, on_evict: Callable[[], None]) -> None:
+        self.clean[owner] = (content, on_evict)
+        self.clean.move_to_end(owner)
+        if self.waiters:
+            self._space.set()
+            self._space = trio.Event()
+
+    def unmark_clean(self, owner: object) -> None:
+        self.clean.pop(owner, None)
+
+    def _evict(self, prefer_tier: int | None) -> bool:
+        """Drop the least recently used clean content (holding a block on prefer_tier)."""
+        for owner, (content, on_evict) in self.clean.items():
+            if prefer_tier is None or any(r is not None and r[0] == prefer_tier for r in content.blocks):
+                del self.clean[owner]
+                on_evict()
+                content.drop_blocks()
+                return True
+        return False
+
+    # -- block I/O ----------------------------------------------------------------------
+    def write(self, ref: BlockRef, offset: int, data) -> None:
+        self.tiers[ref[0]].write(ref[1], offset, data)
+
+    def read(self, ref: BlockRef, offset: int, length: int) -> bytes:
+        return self.tiers[ref[0]].read(ref[1], offset, length)
+
+    def view(self, ref: BlockRef, length: int):
+        return self.tiers[ref[0]].view(ref[1], length)
+
+    def copy_block(self, src: BlockRef, dst: BlockRef, length: int) -> None:
+        if length:
+            self.write(dst, 0, self.read(src, 0, length))
+
+    def zero(self, ref: BlockRef, offset: int, length: int) -> None:
+        if length > 0:
+            self.write(ref, offset, bytes(length))
+
+    def sync(self) -> None:
+        for tier in self.tiers:
+            tier.sync()
+
+    def usage(self) -> dict:
+        out = {}
+        for tier in self.tiers:
+            used = sum(1 for (t, _) in self.refcounts if t == tier.index)
+            out[TIER_NAMES[tier.index]] = {
+                "used": used * self.block_size,
+                "budget": tier.n_slots * self.block_size,
+            }
+        out["clean_bytes"] = sum(c.size for c, _ in self.clean.values())
+        out["writers_waiting"] = self.waiters
+        return out
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+
+def _arena_id(path: Path) -> str:
+    """Identifies this incarnation of the RAM arena: a reboot empties tmpfs and makes a new one."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        new = uuid.uuid4().hex
+        path.write_text(new)
+        return new
+
+
+class Content:
+    """An immutable committed file content: its size and blocks.
+
+    ``blocks[i]`` is None when block i is not cached: a hole (zeros) for a file that
+    is only local, or bytes still in the store when ``in_store`` is set. Holders
+    (the namespace version, a pending upload, open readers) call hold/release;
+    the blocks go back to the cache with the last release.
+    """
+
+    def __init__(self, cache: Cache, size: int, blocks: list[BlockRef | None], in_store: bool = False):
+        self.cache = cache
+        self.size = size
+        self.blocks = blocks
+        self.in_store = in_store
+        self.key: str | None = None  # where the bytes are in the store, once they are
+        self.holders = 0
+
+    def hold(self) -> Content:
+        self.holders += 1
+        return self
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.holders <= 0:
+            self.drop_blocks()
+
+    def drop_blocks(self) -> None:
+        for i, ref in enumerate(self.blocks):
+            if ref is not None:
+                self.cache.decref(ref)
+                self.blocks[i] = None
+
+    def block_length(self, index: int) -> int:
+        bs = self.cache.block_size
+        return max(0, min(bs, self.size - index * bs))
+
+    def missing(self, offset: int, length: int) -> list[int]:
+        """Indexes of blocks in the range that must come from the store first."""
+        if not self.in_store:
+            return []
+        bs = self.cache.block_size
+        end = min(offset + length, self.size)
+        return [i for i in range(offset // bs, (end + bs - 1) // bs) if self.blocks[i] is None]
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes from cached blocks (holes read as zeros); callers fetch missing blocks first."""
+        end = min(offset + length, self.size)
+        if offset >= end:
+            return b""
+        bs = self.cache.block_size
+        first, last = offset // bs, (end - 1) // bs
+        if first == last:  # the common case: one block, one copy
+            return self._read_block(first, offset - first * bs, end - offset)
+        chunks = []
+        for i in range(first, last + 1):
+            start = max(offset, i * bs) - i * bs
+            stop = min(end, (i + 1) * bs) - i * bs
+            chunks.append(self._read_block(i, start, stop - start))
+        return b"".join(chunks)
+
+    def _read_block(self, index: int, start: int, length: int) -> bytes:
+        ref = self.blocks[index]
+        return bytes(length) if ref is None else self.cache.read(ref, start, length)
+
+    def refs(self) -> list[BlockRef]:
+        return [r for r in self.blocks if r is not None]
+
+
+class StagedFile:
+    """The private, writable copy of a file behind one open-for-write handle.
+
+    ``valid[i]`` is how many leading bytes of block i hold written data; bytes past
+    it are stale slot contents and read as zeros. Sequential writes only move the
+    mark, so a fresh slot is never zeroed in full.
+    """
+
+    def __init__(self, cache: Cache, base: Content | None = None):
+        self.cache = cache
+        self.size = 0
+        self.blocks: list[BlockRef | None] = []
+        self.valid: list[int] = []
+        if base is not None:  # share the committed blocks; writes copy them first
+            self.size = base.size
+            for i, ref in enumerate(base.blocks):
+                if ref is not None:
+                    cache.incref(ref)
+                self.blocks.append(ref)
+                self.valid.append(base.block_length(i) if ref is not None else 0)
+
+    async def write(self, offset: int, data: bytes) -> int:
+        bs = self.cache.block_size
+        end = offset + len(data)
+        view = memoryview(data)
+        pos = offset
+        while pos < end:
+            index, start = divmod(pos, bs)
+            take = min(bs - start, end - pos)
+            ref = await self._writable_block(index)
+            if start > self.valid[index]:  # a gap inside the block: zero it
+                self.cache.zero(ref, self.valid[index], start - self.valid[index])
+            self.cache.write(ref, start, view[pos - offset : pos - offset + take])
+            self.valid[index] = max(self.valid[index], start + take)
+            pos += take
+        self.size = max(self.size, end)
+        return len(data)
+
+    async def _writable_block(self, index: int) -> BlockRef:
+        while True:
+            while len(self.blocks) <= index:
+                self.blocks.append(None)
+                self.valid.append(0)
+            ref = self.blocks[index]
+            if ref is not None and self.cache.refcounts[ref] == 1:
+                return ref
+            new = await self.cache.alloc()
+            if index >= len(self.blocks) or self.blocks[index] is not ref:  # raced another write/truncate
+                self.cache.decref(new)
+                continue
+            if ref is None:
+                self.valid[index] = 0
+            else:  # shared with a committed version: copy on write
+                self.cache.copy_block(ref, new, self.valid[index])
+                self.cache.decref(ref)
+            self.blocks[index] = new
+            return new
+
+    def read(self, offset: int, length: int) -> bytes:
+        end = min(offset + length, self.size)
+        bs = self.cache.block_size
+        out = bytearray()
+        pos = offset
+        while pos < end:
+            index, start = divmod(pos, bs)
+            take = min(bs - start, end - pos)
+            ref = self.blocks[index] if index < len(self.blocks) else None
+            have = max(0, min(take, self.valid[index] - start)) if ref is not None else 0
+            if have:
+                out += self.cache.read(ref, start, have)
+            out += bytes(take - have)
+            pos += take
+        return bytes(out)
+
+    def truncate(self, size: int) -> None:
+        bs = self.cache.block_size
+        keep = (size + bs - 1) // bs
+        for ref in self.blocks[keep:]:
+            if ref is not None:
+                self.cache.decref(ref)
+        del self.blocks[keep:]
+        del self.valid[keep:]
+        if size < self.size and keep:
+            last = keep - 1
+            self.valid[last] = min(self.valid[last], size - last * bs)
+        self.size = size
+
+    def snapshot(self) -> Content:
+        """A committed Content sharing this file's blocks (gaps zeroed so every block is whole)."""
+        blocks: list[BlockRef | None] = []
+        for i in range(len(self.blocks)):
+            ref = self.blocks[i]
+            want = max(0, min(self.cache.block_size, self.size - i * self.cache.block_size))
+            if ref is not None:
+                if self.valid[i] < want:
+                    # Shared blocks are never partially valid (copy on write makes them private).
+                    self.cache.zero(ref, self.valid[i], want - self.valid[i])
+                    self.valid[i] = want
+                self.cache.incref(ref)
+            blocks.append(ref)
+        n_blocks = (self.size + self.cache.block_size - 1) // self.cache.block_size
+        blocks += [None] * (n_blocks - len(blocks))
+        return Content(self.cache, self.size, blocks[:n_blocks])
+
+    def discard(self) -> None:
+        self.truncate(0)

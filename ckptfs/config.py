@@ -1,0 +1,61 @@
+"""Mount settings shared by the CLI and the daemon, and where each mount keeps its files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def default_store_dir() -> Path:
+    """The embedded local store used when no STORE_URL is given."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return Path(base) / "ckptfs" / "store"
+
+
+def mount_id(mountpoint: str | os.PathLike) -> str:
+    """A short stable name for a mountpoint (for default cache and socket paths)."""
+    return hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:16]
+
+
+def default_cache_dir(mountpoint: str | os.PathLike) -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "ckptfs" / mount_id(mountpoint)
+
+
+def runtime_dir() -> Path:
+    """Where control sockets live: short paths (sockaddr_un holds 108 bytes), private to the user."""
+    if os.geteuid() == 0:
+        return Path("/run/ckptfs")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "ckptfs" if xdg else Path(f"/tmp/ckptfs-{os.geteuid()}")
+
+
+def control_socket_path(mountpoint: str | os.PathLike) -> Path:
+    return runtime_dir() / f"{mount_id(mountpoint)}.sock"
+
+
+@dataclass
+class MountConfig:
+    mountpoint: str
+    store_url: str  # s3://bucket[/prefix] or file:///path
+    cache_dir: str
+    endpoint_url: str | None = None
+    ram_cache: int = 1 * GiB  # RAM tier budget (tmpfs arena), bytes
+    cache_size: int = 16 * GiB  # NVMe tier budget (arena file in cache_dir), bytes
+    part_size: int = 8 * MiB
+    upload_concurrency: int = 8  # parts in flight across all files
+    log_level: str = "INFO"
+    foreground: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> MountConfig:
+        return cls(**json.loads(text))

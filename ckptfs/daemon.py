@@ -1,0 +1,242 @@
+"""Wiring: builds the parts, serves the mount and the workers in one trio nursery, shuts down cleanly.
+
+Start-up order matters for crash recovery: the journal is replayed and its blocks
+adopted by the cache before anything can allocate, the log is compacted to what is
+still pending, and only then does the namespace lay those ops over the store
+listing and hand them back to the uploader.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from . import control
+from .cache import Cache
+from .config import MountConfig, control_socket_path
+from .errors import CkptfsError, FsError, MountError
+from .fetcher import Fetcher
+from .fuse_ops import Operations
+from .journal import Journal
+from .namespace import Namespace
+from .store import open_store
+from .store.base import StoreError
+from .uploader import Uploader
+
+log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 0.5
+READ_AHEAD_KB = 1024  # read requests of 1 MiB instead of 128 KiB (shared/notes/fuse.md)
+
+
+def run(config: MountConfig, on_ready: Callable[[], None] | None = None) -> None:
+    """Mount and serve until unmounted. Raises MountError if the mount cannot start."""
+    Daemon(config).run(on_ready or (lambda: None))
+
+
+def ram_dir_for(cache_dir: Path) -> Path:
+    """The RAM tier's tmpfs directory: one per cache dir, so a remount finds its arena."""
+    name = "ckptfs-" + hashlib.sha256(str(cache_dir.resolve()).encode()).hexdigest()[:16]
+    shm = Path("/dev/shm")
+    return shm / name if shm.is_dir() else cache_dir / "ram"
+
+
+class Daemon:
+    def __init__(self, config: MountConfig):
+        self.config = config
+        self.mountpoint = os.path.abspath(config.mountpoint)
+        self.cache_dir = Path(config.cache_dir).expanduser().resolve()
+        self.started = time.time()
+        self.stop_requested: trio.Event | None = None  # made inside trio.run
+
+    def run(self, on_ready: Callable[[], None]) -> None:
+        self._prepare_mountpoint()
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = self._lock_cache_dir()
+        try:
+            self.store = open_store(self.config.store_url, self.config.endpoint_url,
+                                    max_connections=self.config.upload_concurrency * 2 + 4)
+            self.store.check()
+            listing = list(self.store.list(""))
+        except StoreError as exc:
+            raise MountError(str(exc)) from exc
+        self.cache = Cache(self.cache_dir, ram_dir_for(self.cache_dir), self.config.part_size,
+                           self.config.ram_cache, self.config.cache_size)
+        self.journal = Journal(self.cache_dir / "journal", self.cache.ram_arena_id)
+        pending, open_uploads = self.journal.replay()
+        pending = self._adopt_blocks(pending)
+        self.journal.open(pending, open_uploads)
+        if pending:
+            log.info("journal: %d operations still pending from the last run; resuming", len(pending))
+        self.uploader = Uploader(self.store, self.cache, self.journal, self.config.part_size,
+                                 self.config.upload_concurrency)
+        self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
+        self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid())
+        self.ops = Operations(self.namespace, self.config.part_size)
+        options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
+        if os.geteuid() == 0:
+            options.add("allow_other")
+        try:
+            pyfuse3.init(self.ops, self.mountpoint, options)
+        except RuntimeError as exc:
+            raise MountError(f"cannot mount at {self.mountpoint}: {exc}") from exc
+        try:
+            trio.run(self._serve, pending, open_uploads, listing, on_ready)
+        finally:
+            pyfuse3.close(unmount=True)
+            self.journal.close()
+            self.cache.close()
+            self.store.close()
+            log.info("unmounted %s", self.mountpoint)
+
+    # -- start-up helpers ---------------------------------------------------------------
+    def _prepare_mountpoint(self) -> None:
+        if _is_mounted(self.mountpoint):
+            try:
+                os.stat(self.mountpoint)
+            except OSError as exc:
+                if exc.errno != errno.ENOTCONN:
+                    raise MountError(f"{self.mountpoint}: {exc.strerror}") from exc
+                # A daemon died and left its mount behind: clear it so we can mount again.
+                log.warning("%s: clearing a stale mount left by a dead daemon", self.mountpoint)
+                subprocess.run(["umount", "-l", self.mountpoint] if os.geteuid() == 0
+                               else ["fusermount3", "-u", "-z", self.mountpoint], check=False)
+            else:
+                raise MountError(f"{self.mountpoint} is already a mount point")
+        if not os.path.isdir(self.mountpoint):
+            raise MountError(f"mount point {self.mountpoint} is not a directory")
+
+    def _lock_cache_dir(self):
+        lock = open(self.cache_dir / "lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise MountError(f"cache dir {self.cache_dir} is in use by another ckptfs mount") from None
+        return lock
+
+    def _adopt_blocks(self, pending):
+        kept = []
+        for op in pending:
+            bad = [ref for ref in op.blocks if ref is not None and not self.cache.valid_ref(ref)]
+            if bad:
+                log.error("journal: %s names cache blocks that no longer exist; dropped", op.key)
+                continue
+            kept.append(op)
+        self.cache.adopt(ref for op in kept for ref in op.blocks if ref is not None)
+        return kept
+
+    # -- serving ---------------------------------------------------------------------------------
+    async def _serve(self, pending, open_uploads, listing, on_ready) -> None:
+        self.stop_requested = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.uploader.run, open_uploads)
+            self.namespace.load(listing, pending)
+            server = control.ControlServer(control_socket_path(self.mountpoint), {
+                "status": self._status,
+                "sync": self._sync,
+                "umount": self._umount,
+            })
+            await nursery.start(server.serve)
+            nursery.start_soon(self._watch_signals)
+            nursery.start_soon(self._when_serving, on_ready)
+            nursery.start_soon(self._stopper)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+    async def _when_serving(self, on_ready) -> None:
+        st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
+        bdi = Path(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb")
+        try:
+            bdi.write_text(str(READ_AHEAD_KB))
+        except OSError as exc:
+            log.debug("cannot raise read-ahead (%s): reads stay at 128 KiB", exc)
+        log.info("serving %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache_dir)
+        on_ready()
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal %d: unmounting; pending uploads resume on the next mount", signum)
+                self.stop_requested.set()
+
+    async def _stopper(self) -> None:
+        await self.stop_requested.wait()
+        await trio.sleep(0.05)  # let the umount reply reach the client
+        pyfuse3.terminate()
+
+    # -- control commands -------------------------------------------------------------------------
+    async def _status(self, request: dict, progress) -> dict:
+        usage = self.cache.usage()
+        up = self.uploader
+        return {
+            "mountpoint": self.mountpoint,
+            "store": self.store.url,
+            "cache_dir": str(self.cache_dir),
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "part_size": self.config.part_size,
+            "ram": usage["ram"],
+            "disk": usage["disk"],
+            "clean_bytes": usage["clean_bytes"],
+            "writers_waiting": usage["writers_waiting"],
+            "pending": {"files": up.pending_count(), "bytes": up.pending_bytes()},
+            "uploading": {"parts_in_flight": self.config.upload_concurrency - up.part_slots.value},
+            "uploaded_bytes": up.uploaded_bytes,
+            "durable_files": up.durable_files,
+            "fetched_bytes": self.fetcher.fetched_bytes,
+            "errors": list(up.errors),
+            **self.namespace.status(),
+        }
+
+    async def _sync(self, request: dict, progress) -> dict:
+        try:
+            target = self.namespace.sync_target(request.get("paths") or [])
+        except FsError as exc:
+            raise CkptfsError(str(exc)) from None
+        timeout = request.get("timeout")
+        with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
+            await self._drain(target, progress)
+        if scope.cancelled_caught:
+            up = self.uploader
+            raise CkptfsError(f"timed out after {timeout:g} s: {up.pending_count(target)} operations "
+                              f"({up.pending_bytes(target)} bytes) not yet in the store")
+        return {"durable_up_to": target}
+
+    async def _umount(self, request: dict, progress) -> dict:
+        if request.get("wait", True):
+            await self._drain(self.uploader.last_seq(), progress)
+        self.stop_requested.set()
+        return {"pending_files": self.uploader.pending_count()}
+
+    async def _drain(self, target: int, progress) -> None:
+        """Wait until every op up to ``target`` is in the store, reporting progress."""
+        up = self.uploader
+        total = up.pending_bytes(target)
+        async with trio.open_nursery() as nursery:
+            async def report():
+                while True:
+                    left = up.pending_bytes(target)
+                    await progress({"pending_files": up.pending_count(target), "pending_bytes": left,
+                                    "total_bytes": max(total, left)})
+                    await trio.sleep(PROGRESS_INTERVAL_S)
+            nursery.start_soon(report)
+            await up.wait_durable(target)
+            nursery.cancel_scope.cancel()
+        await progress({"pending_files": 0, "pending_bytes": 0, "total_bytes": total})
+
+
+def _is_mounted(path: str) -> bool:
+    with open("/proc/mounts") as mounts:
+        return any(line.split()[1] == path for line in mounts if len(line.split()) > 1)

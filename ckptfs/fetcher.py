@@ -1,0 +1,73 @@
+"""Reads of data that is not cached: ranged GETs of whole blocks into the cache.
+
+A block is fetched once however many readers want it at the same time: the first
+one starts the GET, the others wait on its event. Fetched blocks become part of
+the file's cached content, so the next read is local.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from .cache import Cache, Content
+from .errors import FsError
+from .store.base import NotFound, ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+
+class Fetcher:
+    def __init__(self, store: ObjectStore, cache: Cache, concurrency: int):
+        self.store = store
+        self.cache = cache
+        self.threads = trio.CapacityLimiter(concurrency)
+        self.inflight: dict[tuple[int, int], trio.Event] = {}
+        self.fetched_bytes = 0
+
+    async def fill(self, content: Content, indexes: list[int]) -> None:
+        """Make sure the given blocks of ``content`` are cached."""
+        if not indexes:
+            return
+        if len(indexes) == 1:
+            await self._fetch_block(content, indexes[0])
+            return
+        async with trio.open_nursery() as nursery:
+            for index in indexes:
+                nursery.start_soon(self._fetch_block, content, index)
+
+    async def _fetch_block(self, content: Content, index: int) -> None:
+        while content.blocks[index] is None:
+            slot = (id(content), index)
+            event = self.inflight.get(slot)
+            if event is not None:  # someone is fetching it: wait, then look again
+                await event.wait()
+                continue
+            event = self.inflight[slot] = trio.Event()
+            try:
+                await self._download(content, index)
+            finally:
+                del self.inflight[slot]
+                event.set()
+
+    async def _download(self, content: Content, index: int) -> None:
+        start = index * self.cache.block_size
+        length = content.block_length(index)
+        key = content.key
+        try:
+            data = await trio.to_thread.run_sync(self.store.get_range, key, start, length, limiter=self.threads)
+        except NotFound as exc:
+            raise FsError(5, f"{key} is gone from the store") from exc
+        except StoreError as exc:
+            log.error("read of %s failed: %s", key, exc)
+            raise FsError(exc.errno, str(exc)) from exc
+        if len(data) != length:
+            raise FsError(5, f"{key}: short read from the store ({len(data)} of {length} bytes)")
+        ref = await self.cache.alloc()
+        self.cache.write(ref, 0, data)
+        self.fetched_bytes += length
+        if content.blocks[index] is None and content.holders > 0:
+            content.blocks[index] = ref
+        else:  # raced, or the content was dropped meanwhile
+            self.cache.decref(ref)

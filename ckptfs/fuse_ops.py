@@ -1,0 +1,213 @@
+"""pyfuse3 request handlers: thin wrappers over the namespace, and the one place errors become errno.
+
+Each handler decodes its arguments, calls the namespace and turns the result into
+pyfuse3's types. ``FsError`` becomes ``FUSEError(errno)``; any other exception is
+logged and answered with EIO, because an exception escaping a handler would take
+the whole mount down.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+
+import pyfuse3
+
+from .errors import FsError
+from .namespace import Attr, Namespace
+
+log = logging.getLogger(__name__)
+
+ENTRY_TIMEOUT = 1.0  # seconds the kernel may cache names and attributes
+STATE_XATTR = b"user.ckptfs.state"
+
+
+def _errno_boundary(handler):
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except FsError as exc:
+            if exc.errno not in (errno.ENOENT, pyfuse3.ENOATTR):
+                log.info("%s: %s", handler.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except OSError as exc:
+            log.error("%s failed: %s", handler.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("%s failed unexpectedly", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def _name(raw: bytes) -> str:
+    # surrogateescape keeps undecodable bytes; the namespace refuses them with EINVAL.
+    return os.fsdecode(raw)
+
+
+class Operations(pyfuse3.Operations):
+    enable_writeback_cache = False  # measured slower here (shared/notes/fuse.md)
+
+    def __init__(self, namespace: Namespace, block_size: int):
+        super().__init__()
+        self.ns = namespace
+        self.block_size = block_size
+        self._dir_listings: dict[int, list] = {}
+        self._next_dir_fh = 1 << 40
+
+    def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = attr.ino
+        entry.generation = 0
+        entry.entry_timeout = ENTRY_TIMEOUT
+        entry.attr_timeout = ENTRY_TIMEOUT
+        entry.st_mode = attr.mode
+        entry.st_nlink = 2 if attr.is_dir else 1
+        entry.st_uid = attr.uid
+        entry.st_gid = attr.gid
+        entry.st_rdev = 0
+        entry.st_size = attr.size
+        entry.st_blksize = 1 << 20  # tells cp, tar and friends to use large I/O
+        entry.st_blocks = (attr.size + 511) // 512
+        entry.st_atime_ns = attr.atime_ns
+        entry.st_mtime_ns = attr.mtime_ns
+        entry.st_ctime_ns = attr.ctime_ns
+        return entry
+
+    # -- names ---------------------------------------------------------------------------
+    @_errno_boundary
+    async def lookup(self, parent_inode, name, ctx=None):
+        return self._entry(self.ns.lookup(parent_inode, _name(name)))
+
+    async def forget(self, inode_list):
+        for inode, count in inode_list:
+            self.ns.forget(inode, count)
+
+    @_errno_boundary
+    async def getattr(self, inode, ctx=None):
+        return self._entry(self.ns.getattr(inode))
+
+    @_errno_boundary
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        result = await self.ns.setattr(
+            inode,
+            fh,
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return self._entry(result)
+
+    @_errno_boundary
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self._entry(self.ns.mkdir(parent_inode, _name(name), mode & ~ctx.umask, ctx.uid, ctx.gid))
+
+    @_errno_boundary
+    async def rmdir(self, parent_inode, name, ctx):
+        self.ns.rmdir(parent_inode, _name(name))
+
+    @_errno_boundary
+    async def unlink(self, parent_inode, name, ctx):
+        self.ns.unlink(parent_inode, _name(name))
+
+    @_errno_boundary
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self.ns.rename(parent_inode_old, _name(name_old), parent_inode_new, _name(name_new), flags)
+
+    # -- directories -------------------------------------------------------------------------
+    @_errno_boundary
+    async def opendir(self, inode, ctx):
+        # Snapshot the listing at open so offsets stay stable while entries change.
+        fh = self._next_dir_fh
+        self._next_dir_fh += 1
+        self._dir_listings[fh] = self.ns.readdir(inode)
+        return fh
+
+    @_errno_boundary
+    async def readdir(self, fh, start_id, token):
+        entries = self._dir_listings.get(fh, [])
+        for index in range(start_id, len(entries)):
+            name, attr = entries[index]
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), index + 1):
+                break
+
+    async def releasedir(self, fh):
+        self._dir_listings.pop(fh, None)
+
+    async def fsyncdir(self, fh, datasync):
+        pass
+
+    # -- files -----------------------------------------------------------------------------------
+    @_errno_boundary
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        handle, attr = self.ns.create(parent_inode, _name(name), mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
+        # direct_io: the kernel hands large writes straight to us (1 MiB requests)
+        # instead of splitting them through its page cache (shared/notes/fuse.md).
+        return pyfuse3.FileInfo(fh=handle.fh, direct_io=True), self._entry(attr)
+
+    @_errno_boundary
+    async def open(self, inode, flags, ctx):
+        handle, keep_cache = await self.ns.open(inode, flags)
+        writing = handle.staged is not None
+        return pyfuse3.FileInfo(fh=handle.fh, direct_io=writing, keep_cache=keep_cache)
+
+    @_errno_boundary
+    async def read(self, fh, off, size):
+        return await self.ns.read(fh, off, size)
+
+    @_errno_boundary
+    async def write(self, fh, off, buf):
+        return await self.ns.write(fh, off, buf)
+
+    @_errno_boundary
+    async def flush(self, fh):
+        self.ns.flush(fh)
+
+    @_errno_boundary
+    async def release(self, fh):
+        self.ns.release(fh)
+
+    @_errno_boundary
+    async def fsync(self, fh, datasync):
+        self.ns.fsync(fh)
+
+    @_errno_boundary
+    async def statfs(self, ctx):
+        usage = self.ns.statfs()
+        stats = pyfuse3.StatvfsData()
+        stats.f_bsize = stats.f_frsize = 4096
+        # The store has no fixed size: report a large one, with the cache's use as used space.
+        total = max(1 << 50, usage["ram"]["budget"] + usage["disk"]["budget"])
+        used = usage["ram"]["used"] + usage["disk"]["used"]
+        stats.f_blocks = total // 4096
+        stats.f_bfree = stats.f_bavail = (total - used) // 4096
+        stats.f_files = 1 << 32
+        stats.f_ffree = stats.f_favail = (1 << 32) - usage["files"]
+        stats.f_namemax = 255
+        return stats
+
+    # -- extended attributes ------------------------------------------------------------------------
+    @_errno_boundary
+    async def getxattr(self, inode, name, ctx):
+        if name == STATE_XATTR:
+            return self.ns.state(inode).encode()
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    @_errno_boundary
+    async def listxattr(self, inode, ctx):
+        self.ns.node(inode)
+        return [STATE_XATTR]
+
+    async def setxattr(self, inode, name, value, ctx):
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    async def removexattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.ENOTSUP)

@@ -1,0 +1,651 @@
+"""The directory tree, open handles, and committed versus staged file contents.
+
+The store is the source of truth: on start the tree is the store's listing with
+the journal's pending ops laid over it. Each file node has one committed
+``Version`` (what readers see); each handle opened for writing stages a private
+copy (``StagedFile``), committed on flush/close by the last write: the snapshot
+becomes the new version, a ``put`` op goes to the journal and the uploader.
+Renames, unlinks and mkdirs become ops too, so the store ends with exactly what
+the namespace says.
+
+Every method that changes state does so without awaiting in the middle (trio is
+single-threaded), so a change and its journal record are one atomic step.
+Errors a user can hit are ``FsError`` with an errno.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .cache import Cache, Content, StagedFile
+from .errors import FsError
+from .fetcher import Fetcher
+from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
+from .store.base import MAX_KEY_BYTES, ObjectInfo
+from .uploader import Uploader
+
+log = logging.getLogger(__name__)
+
+ROOT_INODE = 1
+MAX_NAME_BYTES = 255
+RESERVED_PREFIX = ".ckptfs-"  # the local store's own files live under this at its root
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+@dataclass
+class Attr:
+    ino: int
+    is_dir: bool
+    mode: int
+    size: int
+    uid: int
+    gid: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+class Version:
+    """A committed content of a file; ``seq`` is its pending put op, None once durable."""
+
+    def __init__(self, content: Content, seq: int | None):
+        self.content = content.hold()
+        self.seq = seq
+
+
+class Node:
+    def __init__(self, ino: int, name: str, parent: Node | None, is_dir: bool, mode: int, uid: int, gid: int):
+        self.ino = ino
+        self.name = name
+        self.parent = parent
+        self.is_dir = is_dir
+        self.mode = mode
+        self.uid, self.gid = uid, gid
+        self.atime_ns = self.mtime_ns = self.ctime_ns = time.time_ns()
+        self.children: dict[str, Node] = {}
+        self.version: Version | None = None
+        self.nlookup = 0
+        self.handles = 0
+        self.live: Handle | None = None  # the writer whose size getattr shows
+        self.kernel_version: Version | None = None  # what the kernel page cache may hold
+        self.last_seq = 0  # newest op that concerns this node (for sync PATH)
+        self.unlinked = False
+
+    def key(self) -> str:
+        parts = []
+        node = self
+        while node.parent is not None:
+            parts.append(node.name)
+            node = node.parent
+        key = "/".join(reversed(parts))
+        return key + "/" if self.is_dir and key else key
+
+    def size(self) -> int:
+        if self.live is not None:
+            return self.live.staged.size
+        return self.version.content.size if self.version is not None else 0
+
+    def walk(self) -> Iterable[Node]:
+        yield self
+        for child in list(self.children.values()):
+            yield from child.walk()
+
+
+class Handle:
+    def __init__(self, fh: int, node: Node, staged: StagedFile | None, content: Content | None, append: bool):
+        self.fh = fh
+        self.node = node
+        self.staged = staged  # writers: the private copy
+        self.content = content  # readers: the version they opened (held)
+        self.append = append
+        self.dirty = False
+
+
+class Namespace:
+    def __init__(self, cache: Cache, journal: Journal, uploader: Uploader, fetcher: Fetcher, uid: int, gid: int):
+        self.cache = cache
+        self.journal = journal
+        self.uploader = uploader
+        self.fetcher = fetcher
+        self.uid, self.gid = uid, gid
+        self.root = Node(ROOT_INODE, "", None, True, stat.S_IFDIR | 0o755, uid, gid)
+        self.inodes: dict[int, Node] = {ROOT_INODE: self.root}
+        self.handles: dict[int, Handle] = {}
+        self._next_ino = ROOT_INODE + 1
+        self._next_fh = 1
+
+    # -- building the tree ----------------------------------------------------------------
+    def load(self, listing: Iterable[ObjectInfo], pending: list[Op]) -> None:
+        """The store's listing, then the journal's pending ops on top (in order)."""
+        for info in listing:
+            parts = _split_key(info.key)
+            if parts is None:
+                log.warning("not shown: store key %r cannot be a path on the mount", info.key)
+                continue
+            if info.key.endswith("/"):
+                self._ensure_dir(parts)
+                continue
+            parent = self._ensure_dir(parts[:-1])
+            if parent is None or parts[-1] in parent.children:
+                log.warning("not shown: store key %r clashes with a directory", info.key)
+                continue
+            content = Content(self.cache, info.size, [None] * self._n_blocks(info.size), in_store=True)
+            content.key = info.key
+            node = self._add(parent, parts[-1], is_dir=False)
+            node.version = Version(content, None)
+            node.mtime_ns = node.ctime_ns = int(info.mtime * 1e9)
+        for op in pending:
+            self._replay(op)
+
+    def _replay(self, op: Op) -> None:
+        parts = _split_key(op.key)
+        node = self._find(parts) if parts is not None else None
+        if op.kind == PUT and parts is not None:
+            parent = self._ensure_dir(parts[:-1])
+            content = Content(self.cache, op.size, list(op.blocks))
+            if parent is not None and (node is None or not node.is_dir):
+                node = node or self._add(parent, parts[-1], is_dir=False)
+                self._set_version(node, content, op)
+                self.uploader.submit(op, content, self._on_durable(node))
+                return
+            log.error("journal: cannot show %r (a directory is in the way); uploading it anyway", op.key)
+            self.uploader.submit(op, content)
+            return
+        if op.kind == DELETE and node is not None and (not node.is_dir or not node.children):
+            self._detach(node)
+        elif op.kind == MKDIR and parts is not None:
+            self._ensure_dir(parts)
+        elif op.kind == MOVE and parts is not None:
+            src = self._find(_split_key(op.src) or [])
+            parent = self._ensure_dir(parts[:-1])
+            if src is not None and parent is not None and node is None:
+                self._move(src, parent, parts[-1])
+                node = src
+        self.uploader.submit(op, None, self._on_moved(node) if op.kind == MOVE else None)
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def node(self, ino: int) -> Node:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT) from None
+
+    def lookup(self, parent_ino: int, name: str) -> Attr:
+        parent = self._dir(parent_ino)
+        if name == ".":
+            node = parent
+        elif name == "..":
+            node = parent.parent or parent
+        else:
+            node = parent.children.get(name)
+            if node is None:
+                raise FsError(errno.ENOENT)
+        node.nlookup += 1
+        return self.attr(node)
+
+    def forget(self, ino: int, count: int) -> None:
+        node = self.inodes.get(ino)
+        if node is None or ino == ROOT_INODE:
+            return
+        node.nlookup = max(0, node.nlookup - count)
+        self._maybe_drop(node)
+
+    def getattr(self, ino: int) -> Attr:
+        return self.attr(self.node(ino))
+
+    def attr(self, node: Node) -> Attr:
+        return Attr(
+            node.ino, node.is_dir, node.mode, node.size(), node.uid, node.gid,
+            node.atime_ns, node.mtime_ns, node.ctime_ns,
+        )
+
+    def readdir(self, ino: int) -> list[tuple[str, Attr]]:
+        parent = self._dir(ino)
+        return [(name, self.attr(child)) for name, child in sorted(parent.children.items())]
+
+    def state(self, ino: int) -> str:
+        """user.ckptfs.state: writing, pending (committed, not yet in the store) or durable."""
+        node = self.node(ino)
+        if node.is_dir:
+            return "durable" if all(n.version is None or n.version.seq is None for n in node.walk()) else "pending"
+        if node.version is None:
+            return "writing"
+        return "pending" if node.version.seq is not None else "durable"
+
+    # -- directories -----------------------------------------------------------------------------
+    def mkdir(self, parent_ino: int, name: str, mode: int, uid: int, gid: int) -> Attr:
+        parent = self._dir(parent_ino)
+        self._check_new_name(parent, name)
+        if name in parent.children:
+            raise FsError(errno.EEXIST)
+        node = self._add(parent, name, is_dir=True, mode=stat.S_IFDIR | (mode & 0o7777), uid=uid, gid=gid)
+        node.last_seq = self._log(Op(MKDIR, node.key())).seq
+        node.nlookup += 1
+        self._touch(parent)
+        return self.attr(node)
+
+    def rmdir(self, parent_ino: int, name: str) -> None:
+        parent = self._dir(parent_ino)
+        node = self._child(parent, name)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if node.children:
+            raise FsError(errno.ENOTEMPTY)
+        self._log(Op(DELETE, node.key()))
+        self._detach(node)
+        self._touch(parent)
+
+    # -- files -------------------------------------------------------------------------------------
+    def create(self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[Handle, Attr]:
+        parent = self._dir(parent_ino)
+        existing = parent.children.get(name)
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST)
+            raise FsError(errno.EEXIST)  # the kernel only sends create for names it found absent
+        self._check_new_name(parent, name)
+        node = self._add(parent, name, is_dir=False, mode=stat.S_IFREG | (mode & 0o7777), uid=uid, gid=gid)
+        node.nlookup += 1
+        handle = self._open_handle(node, StagedFile(self.cache), None, bool(flags & os.O_APPEND))
+        handle.dirty = True  # a created file exists once closed, even empty
+        self._touch(parent)
+        return handle, self.attr(node)
+
+    async def open(self, ino: int, flags: int) -> tuple[Handle, bool]:
+        """A handle, and whether the kernel may keep its cached pages of this file."""
+        node = self.node(ino)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        writing = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if not writing:
+            content = node.version.content if node.version is not None else Content(self.cache, 0, [])
+            keep_cache = node.version is not None and node.kernel_version is node.version
+            node.kernel_version = node.version
+            return self._open_handle(node, None, content.hold(), False), keep_cache
+        if flags & os.O_TRUNC or node.version is None:
+            staged = StagedFile(self.cache)
+        else:
+            base = node.version.content
+            base.hold()  # keep it while we fetch what is not cached
+            try:
+                await self.fetcher.fill(base, base.missing(0, base.size))
+                staged = StagedFile(self.cache, base)
+            finally:
+                base.release()
+        handle = self._open_handle(node, staged, None, bool(flags & os.O_APPEND))
+        handle.dirty = bool(flags & os.O_TRUNC)
+        if handle.dirty:
+            node.live = handle
+        return handle, False
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
+        handle = self._handle(fh)
+        if handle.staged is not None:
+            return handle.staged.read(offset, size)
+        content = handle.content
+        await self.fetcher.fill(content, content.missing(offset, size))
+        return content.read(offset, size)
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self._handle(fh)
+        if handle.staged is None:
+            raise FsError(errno.EBADF)
+        if handle.append:
+            offset = handle.staged.size
+        written = await handle.staged.write(offset, data)
+        handle.dirty = True
+        handle.node.live = handle
+        handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
+        return written
+
+    def flush(self, fh: int) -> None:
+        """Commit what this handle wrote (every close calls it; a clean handle is a no-op)."""
+        handle = self._handle(fh)
+        if handle.staged is None or not handle.dirty:
+            return
+        node = handle.node
+        handle.dirty = False
+        if node.live is handle:
+            node.live = None
+        if node.unlinked:
+            return  # written after unlink: nobody can see it
+        self._commit(node, handle.staged.snapshot())
+
+    def release(self, fh: int) -> None:
+        handle = self.handles.pop(fh, None)
+        if handle is None:
+            return
+        node = handle.node
+        if handle.dirty:  # release without flush (should not happen): still commit
+            self.handles[fh] = handle
+            try:
+                self.flush(fh)
+            finally:
+                del self.handles[fh]
+        if handle.staged is not None:
+            handle.staged.discard()
+        if handle.content is not None:
+            handle.content.release()
+        if node.live is handle:
+            node.live = None
+        node.handles -= 1
+        self._maybe_clean(node)
+        self._maybe_drop(node)
+
+    def fsync(self, fh: int | None) -> None:
+        """Make everything committed so far survive a node reboot (journal and disk arena)."""
+        self.cache.tiers[1].sync()
+        self.journal.sync()
+
+    async def setattr(self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None) -> Attr:
+        node = self.node(ino)
+        if size is not None:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            await self._truncate(node, fh, size)
+        if mode is not None:
+            node.mode = (node.mode & ~0o7777) | (mode & 0o7777)
+        if uid is not None:
+            node.uid = uid
+        if gid is not None:
+            node.gid = gid
+        if atime_ns is not None:
+            node.atime_ns = atime_ns
+        if mtime_ns is not None:
+            node.mtime_ns = mtime_ns
+        node.ctime_ns = time.time_ns()
+        return self.attr(node)
+
+    async def _truncate(self, node: Node, fh: int | None, size: int) -> None:
+        handle = self.handles.get(fh) if fh is not None else None
+        if handle is None or handle.staged is None:
+            handle = node.live
+        if handle is not None:  # an open writer: truncate its staged copy
+            handle.staged.truncate(size)
+            handle.dirty = True
+            node.live = handle
+            return
+        # No writer: truncate(path) is open + truncate + close.
+        base = node.version.content.hold() if node.version is not None else None
+        try:
+            if base is not None and base.size == size:
+                return
+            if base is not None and size:
+                await self.fetcher.fill(base, base.missing(0, min(size, base.size)))
+            staged = StagedFile(self.cache, base)
+        finally:
+            if base is not None:
+                base.release()
+        staged.truncate(size)
+        if not node.unlinked:
+            self._commit(node, staged.snapshot())
+        staged.discard()
+
+    def unlink(self, parent_ino: int, name: str) -> None:
+        parent = self._dir(parent_ino)
+        node = self._child(parent, name)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        self._log(Op(DELETE, node.key()))
+        self._detach(node)
+        self._touch(parent)
+
+    def rename(self, old_parent_ino: int, old_name: str, new_parent_ino: int, new_name: str, flags: int) -> None:
+        if flags & RENAME_EXCHANGE:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        old_parent = self._dir(old_parent_ino)
+        new_parent = self._dir(new_parent_ino)
+        node = self._child(old_parent, old_name)
+        target = new_parent.children.get(new_name)
+        if target is node:
+            return
+        if target is not None and flags & RENAME_NOREPLACE:
+            raise FsError(errno.EEXIST)
+        self._check_new_name(new_parent, new_name)
+        if node.is_dir:
+            ancestor = new_parent
+            while ancestor is not None:
+                if ancestor is node:
+                    raise FsError(errno.EINVAL, "cannot move a directory into itself")
+                ancestor = ancestor.parent
+            if target is not None and not target.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if target is not None and target.children:
+                raise FsError(errno.ENOTEMPTY)
+            new_prefix = (new_parent.key() + new_name).encode()
+            longest = max(len(n.key().encode()) - len(node.key().encode()) for n in node.walk())
+            if len(new_prefix) + 1 + longest > MAX_KEY_BYTES:
+                raise FsError(errno.ENAMETOOLONG)
+        elif target is not None and target.is_dir:
+            raise FsError(errno.EISDIR)
+        if target is not None:
+            if target.is_dir:
+                self._log(Op(DELETE, target.key()))
+            # A file target needs no delete: the moved file's put or copy overwrites its key.
+            self._detach(target)
+        old_keys = {n: n.key() for n in node.walk()}
+        self._move(node, new_parent, new_name)
+        for n in node.walk():
+            self._relocate(n, old_keys[n])
+        self._touch(old_parent)
+        self._touch(new_parent)
+
+    def statfs(self) -> dict:
+        usage = self.cache.usage()
+        return {"ram": usage["ram"], "disk": usage["disk"], "files": len(self.inodes)}
+
+    def sync_target(self, paths: list[str]) -> int:
+        """The op sequence number ``sync`` must wait for (everything if no paths)."""
+        if not paths:
+            return self.uploader.last_seq()
+        target = 0
+        for path in paths:
+            node = self._find([p for p in path.split("/") if p and p != "."])
+            if node is None:
+                raise FsError(errno.ENOENT, f"no such file on the mount: {path}")
+            for n in node.walk():
+                pending = n.version.seq if n.version is not None and n.version.seq is not None else 0
+                target = max(target, n.last_seq, pending)
+        return target
+
+    def status(self) -> dict:
+        writing = sum(1 for h in self.handles.values() if h.staged is not None)
+        return {"open_handles": len(self.handles), "open_writers": writing, "inodes": len(self.inodes)}
+
+    # -- internals: commits and store ops --------------------------------------------------------
+    def _commit(self, node: Node, content: Content) -> None:
+        try:
+            op = self._log(Op(PUT, node.key(), size=content.size, blocks=list(content.blocks)))
+        except BaseException:
+            content.drop_blocks()
+            raise
+        self._drop_pending(node)
+        self._set_version(node, content, op)
+        self.uploader.submit(op, content, self._on_durable(node))
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+
+    def _set_version(self, node: Node, content: Content, op: Op) -> None:
+        old = node.version
+        node.version = Version(content, op.seq)
+        node.last_seq = op.seq
+        self.cache.unmark_clean(node)
+        if old is not None:
+            old.content.release()
+
+    def _on_durable(self, node: Node):
+        version = node.version
+
+        def durable(op: Op) -> None:
+            version.seq = None
+            version.content.in_store = True
+            version.content.key = op.key
+            self._maybe_clean(node)
+
+        return durable
+
+    def _on_moved(self, node: Node | None):
+        version = node.version if node is not None else None
+
+        def moved(op: Op) -> None:
+            if version is not None and version.seq is None:
+                version.content.key = op.key
+
+        return moved
+
+    def _drop_pending(self, node: Node) -> None:
+        """The node's pending put will never be needed (overwritten, unlinked, replaced)."""
+        if node.version is not None and node.version.seq is not None:
+            self.uploader.cancel(node.version.seq)
+
+    def _relocate(self, node: Node, old_key: str) -> None:
+        """Store ops for one node after a rename moved it from ``old_key``."""
+        new_key = node.key()
+        if node.is_dir:
+            node.last_seq = self._log(Op(MKDIR, new_key)).seq
+            self._log(Op(DELETE, old_key))
+            return
+        version = node.version
+        if version is None:
+            return  # created, never committed: its commit will use the new key
+        if version.seq is not None and self.uploader.retarget(version.seq, new_key):
+            node.last_seq = version.seq
+            self._log(Op(DELETE, old_key))  # an older durable version may sit there
+            return
+        op = self._log(Op(MOVE, new_key, src=old_key))
+        node.last_seq = op.seq
+        self.uploader.submit(op, None, self._on_moved(node))
+
+    def _log(self, op: Op) -> Op:
+        """Journal an op and hand it to the uploader (a put is handed over by _commit)."""
+        try:
+            self.journal.append(op)
+        except OSError as exc:
+            log.error("journal write failed: %s", exc)
+            raise FsError(exc.errno or errno.EIO, "journal write failed") from exc
+        if op.kind in (DELETE, MKDIR):
+            self.uploader.submit(op)
+        return op
+
+    # -- internals: tree ---------------------------------------------------------------------------
+    def _add(self, parent: Node, name: str, is_dir: bool, mode: int | None = None, uid=None, gid=None) -> Node:
+        if mode is None:
+            mode = stat.S_IFDIR | 0o755 if is_dir else stat.S_IFREG | 0o644
+        node = Node(self._next_ino, name, parent, is_dir, mode, self.uid if uid is None else uid, self.gid if gid is None else gid)
+        self._next_ino += 1
+        self.inodes[node.ino] = node
+        parent.children[name] = node
+        return node
+
+    def _move(self, node: Node, new_parent: Node, new_name: str) -> None:
+        del node.parent.children[node.name]
+        node.parent = new_parent
+        node.name = new_name
+        new_parent.children[new_name] = node
+        node.ctime_ns = time.time_ns()
+
+    def _detach(self, node: Node) -> None:
+        """Take a node out of the tree; it lives on while the kernel or a handle knows it."""
+        for n in list(node.walk()):
+            if not n.is_dir:
+                self._drop_pending(n)
+            self.cache.unmark_clean(n)
+            if n.version is not None:
+                n.version.content.release()
+                n.version = None
+            n.unlinked = True
+        del node.parent.children[node.name]
+        self._maybe_drop(node)
+
+    def _maybe_drop(self, node: Node) -> None:
+        if node.unlinked and node.nlookup == 0 and node.handles == 0:
+            self.inodes.pop(node.ino, None)
+
+    def _maybe_clean(self, node: Node) -> None:
+        """Durable and not open: its cached bytes may be evicted."""
+        version = node.version
+        if version is not None and version.seq is None and node.handles == 0 and not node.unlinked:
+            if version.content.refs():
+                self.cache.mark_clean(node, version.content, lambda: None)
+
+    def _open_handle(self, node: Node, staged: StagedFile | None, content: Content | None, append: bool) -> Handle:
+        handle = Handle(self._next_fh, node, staged, content, append)
+        self._next_fh += 1
+        self.handles[handle.fh] = handle
+        node.handles += 1
+        self.cache.unmark_clean(node)
+        return handle
+
+    def _ensure_dir(self, parts: list[str]) -> Node | None:
+        node = self.root
+        for part in parts:
+            child = node.children.get(part)
+            if child is None:
+                child = self._add(node, part, is_dir=True)
+            elif not child.is_dir:
+                return None
+            node = child
+        return node
+
+    def _find(self, parts: list[str]) -> Node | None:
+        node = self.root
+        for part in parts:
+            node = node.children.get(part) if node.is_dir else None
+            if node is None:
+                return None
+        return node
+
+    def _dir(self, ino: int) -> Node:
+        node = self.node(ino)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return node
+
+    def _child(self, parent: Node, name: str) -> Node:
+        node = parent.children.get(name)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        return node
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+
+    def _check_new_name(self, parent: Node, name: str) -> None:
+        try:
+            encoded = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FsError(errno.EINVAL, "names must be valid UTF-8 to be stored as keys") from None
+        if len(encoded) > MAX_NAME_BYTES:
+            raise FsError(errno.ENAMETOOLONG)
+        if len(parent.key().encode()) + len(encoded) + 1 > MAX_KEY_BYTES:
+            raise FsError(errno.ENAMETOOLONG, "the path is longer than the store's key limit")
+        if parent is self.root and name.startswith(RESERVED_PREFIX):
+            raise FsError(errno.EINVAL, f"names starting with {RESERVED_PREFIX} are reserved at the top")
+        if name in (".", ".."):
+            raise FsError(errno.EINVAL)
+
+    def _touch(self, node: Node) -> None:
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+
+    def _n_blocks(self, size: int) -> int:
+        return (size + self.cache.block_size - 1) // self.cache.block_size
+
+
+def _split_key(key: str) -> list[str] | None:
+    """A store key as path parts, or None if it cannot be shown safely (.., empty, overlong)."""
+    if not key or key.startswith("/") or len(key.encode()) > MAX_KEY_BYTES:
+        return None
+    parts = key.rstrip("/").split("/") if key != "/" else []
+    if not parts or any(p in ("", ".", "..") or len(p.encode()) > MAX_NAME_BYTES for p in parts):
+        return None
+    if parts[0].startswith(RESERVED_PREFIX):
+        return None
+    return parts

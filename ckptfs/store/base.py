@@ -1,0 +1,107 @@
+"""The object-store interface every backend implements.
+
+All methods are blocking (callers run them in threads via ``trio.to_thread``)
+and idempotent where the verb allows it: retrying a call after a crash or a
+timeout must be safe. Keys are relative to the store's prefix, use ``/`` as
+separator and never start with ``/``. A key ending in ``/`` is a directory
+marker (a zero-byte object, as S3 tools make for empty folders).
+"""
+
+from __future__ import annotations
+
+import errno
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+# S3 limits: at most 10,000 parts per upload, parts of 5 MiB..5 GiB (but the
+# last), keys of at most 1024 bytes, user metadata of at most 2 KiB.
+MAX_PARTS = 10_000
+MAX_KEY_BYTES = 1024
+
+
+class StoreError(Exception):
+    """A store call failed. ``transient`` says whether retrying may help."""
+
+    def __init__(self, message: str, *, transient: bool = False, errno_: int = errno.EIO):
+        super().__init__(message)
+        self.transient = transient
+        self.errno = errno_
+
+
+class NotFound(StoreError):
+    def __init__(self, message: str):
+        super().__init__(message, transient=False, errno_=errno.ENOENT)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    number: int  # 1-based, as in S3
+    token: str   # what complete_multipart needs back (the ETag on S3)
+
+
+class ObjectStore(ABC):
+    """One bucket/prefix (S3) or one directory (local)."""
+
+    url: str  # printable location, never with credentials
+
+    @abstractmethod
+    def check(self) -> None:
+        """Fail with a clear one-line StoreError if the store cannot be used
+        (unreachable endpoint, missing bucket, wrong credentials, bad path)."""
+
+    @abstractmethod
+    def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
+        """Write a whole object; it appears atomically."""
+
+    @abstractmethod
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Bytes [start, start+length) of the object (shorter at its end). NotFound if absent."""
+
+    @abstractmethod
+    def head(self, key: str) -> ObjectInfo | None:
+        """The object's size, mtime and user metadata, or None if absent."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, recursively, directory
+        markers included (metadata may be left empty)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove an object; absent is not an error."""
+
+    @abstractmethod
+    def copy(self, src: str, dst: str) -> None:
+        """Server-side copy with metadata. NotFound if ``src`` is absent."""
+
+    @abstractmethod
+    def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
+        """Start a multipart upload; returns its upload id."""
+
+    @abstractmethod
+    def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
+        """Upload part ``number`` (1-based); uploading the same number again replaces it."""
+
+    @abstractmethod
+    def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
+        """Make the object appear under ``key``, made of ``parts`` in order."""
+
+    @abstractmethod
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Drop an unfinished upload and its parts; unknown ids are not an error."""
+
+    @abstractmethod
+    def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+        """Unfinished uploads under ``prefix`` as (key, upload_id)."""
+
+    def close(self) -> None:
+        """Release connections."""
