@@ -1,0 +1,295 @@
+"""The S3 store: any S3-compatible endpoint through boto3 (the only module that imports it).
+
+One low-level client, shared by all threads (botocore clients are thread-safe). botocore
+retries a little ("standard" mode, few attempts); the real retry policy with backoff lives
+above this layer and decides from ``StoreError.transient``.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import boto3
+import botocore.exceptions as bex
+from botocore.config import Config
+
+from .base import MAX_KEY_BYTES, NotFound, ObjectInfo, ObjectStore, PartInfo, StoreError
+
+_TRANSIENT_CODES = {
+    "SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError", "Throttling",
+    "ThrottlingException", "TooManyRequests", "RequestTimeTooSkewed", "OperationAborted",
+}
+_DENIED_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
+_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
+_PERMANENT_ERRNO = {"KeyTooLongError": errno.ENAMETOOLONG, "EntityTooLarge": errno.EFBIG,
+                    "InvalidArgument": errno.EINVAL, "InvalidPart": errno.EINVAL,
+                    "InvalidPartOrder": errno.EINVAL, "EntityTooSmall": errno.EINVAL,
+                    "MalformedXML": errno.EINVAL}
+GiB = 1 << 30
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _reason(e: BaseException) -> str:
+    """The useful part of a connection error ("Connection refused"), without object reprs."""
+    inner = getattr(e, "kwargs", {}).get("error", e)
+    m = re.findall(r"\[Errno -?\d+\] ([^'\"\]\)]+)", str(inner))
+    if m:
+        return m[-1].strip()
+    if isinstance(e, bex.ConnectTimeoutError):
+        return "connect timeout"
+    if isinstance(e, bex.ReadTimeoutError):
+        return "read timeout"
+    return _one_line(inner) or type(e).__name__
+
+
+def _as_bytes(data: bytes | memoryview) -> bytes | bytearray:
+    """botocore refuses memoryview bodies (ParamValidationError): pass the underlying
+    bytes when the view covers all of it, else copy once (an 8 MiB copy is ~1 ms)."""
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    obj = data.obj
+    if isinstance(obj, (bytes, bytearray)) and data.contiguous and data.nbytes == len(obj):
+        return obj
+    return data.tobytes()
+
+
+class S3Store(ObjectStore):
+    # Above 5 GiB CopyObject is refused: copy in ranges instead (class attrs so tests can shrink them).
+    max_single_copy = 5 * GiB
+    copy_part_size = 1 * GiB
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
+                 max_connections: int = 16):
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._base = self.prefix + "/" if self.prefix else ""
+        self._session = boto3.session.Session()
+        self._config = Config(
+            region_name=self._session.region_name or "us-east-1",
+            connect_timeout=10,
+            read_timeout=60,
+            retries={"mode": "standard", "max_attempts": 3},
+            max_pool_connections=max_connections,
+            s3={"addressing_style": "path"} if endpoint_url else None,
+            # boto3 >= 1.36 adds CRC checksums to every PutObject/UploadPart by default:
+            # extra CPU, and some S3-compatible servers reject them. We checksum (xxh3) ourselves.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self._endpoint_url = endpoint_url
+        try:
+            self._client = self._session.client("s3", endpoint_url=endpoint_url, config=self._config)
+        except ValueError as e:  # botocore: "Invalid endpoint: ..."
+            raise StoreError(f"bad S3 endpoint URL {endpoint_url!r}: {_one_line(e)}", errno_=errno.EINVAL) from None
+        self.endpoint = self._client.meta.endpoint_url
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        if not key or key.startswith("/"):
+            raise ValueError(f"invalid store key {key!r}")
+        full = self._base + key
+        if len(full.encode()) > MAX_KEY_BYTES:
+            raise StoreError(f"s3://{self.bucket}/{full[:64]}...: key longer than {MAX_KEY_BYTES} bytes",
+                             errno_=errno.ENAMETOOLONG)
+        return full
+
+    def _fail(self, op: str, key: str, e: Exception) -> NoReturn:
+        """Raise ``e`` as a one-line StoreError naming the bucket and key (never credentials)."""
+        where = f"s3://{self.bucket}/{self._base}{key}"
+        if isinstance(e, bex.ClientError):
+            err = e.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            # HEAD answers have no body: the code is then just the status ("404").
+            detail = _one_line(err.get("Message") or code or f"HTTP {status}")
+            if code in ("NoSuchUpload",):
+                raise NotFound(f"{op} {where}: no such upload") from None
+            if code == "NoSuchBucket":
+                raise StoreError(f"{op} {where}: bucket '{self.bucket}' does not exist at {self.endpoint}") from None
+            if code in _NOT_FOUND_CODES or status == 404:
+                raise NotFound(f"{op} {where}: no such key") from None
+            if code in _DENIED_CODES or status == 403:
+                raise StoreError(f"{op} {where}: access denied ({code}): check the AWS credentials",
+                                 errno_=errno.EACCES) from None
+            transient = status >= 500 or status == 429 or code in _TRANSIENT_CODES
+            raise StoreError(f"{op} {where}: {code or status}: {detail}", transient=transient,
+                             errno_=_PERMANENT_ERRNO.get(code, errno.EIO)) from None
+        if isinstance(e, (bex.NoCredentialsError, bex.PartialCredentialsError)):
+            raise StoreError(f"{op} {where}: no AWS credentials found: set AWS_ACCESS_KEY_ID and "
+                             "AWS_SECRET_ACCESS_KEY or configure an AWS profile", errno_=errno.EACCES) from None
+        if isinstance(e, bex.ParamValidationError):
+            raise StoreError(f"{op} {where}: invalid request: {_one_line(e)}", errno_=errno.EINVAL) from None
+        if isinstance(e, bex.SSLError):
+            raise StoreError(f"{op} {where}: TLS error talking to {self.endpoint}: {_reason(e)}") from None
+        if isinstance(e, (bex.ConnectionError, bex.HTTPClientError, OSError)):
+            # Refused, timed out, dropped mid-body: trying again may work.
+            raise StoreError(f"{op} {where}: cannot reach {self.endpoint}: {_reason(e)}", transient=True) from None
+        # Anything else from botocore (truncated body, checksum mismatch in flight, ...):
+        # assume a retry may help; the retry layer above gives up eventually.
+        raise StoreError(f"{op} {where}: {type(e).__name__}: {_one_line(e)}", transient=True) from None
+
+    def _call(self, op: str, key: str, method: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return getattr(self._client, method)(Bucket=self.bucket, **kwargs)
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            self._fail(op, key, e)
+
+    # -- ObjectStore -------------------------------------------------------------
+
+    def check(self) -> None:
+        if self._session.get_credentials() is None:
+            raise StoreError("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                             "or configure an AWS profile", errno_=errno.EACCES)
+        # A client of its own with a short connect timeout and no retries, so a dead
+        # endpoint fails `ckptfs mount` in seconds rather than after a retry storm.
+        quick = self._session.client("s3", endpoint_url=self._endpoint_url, config=self._config.merge(
+            Config(connect_timeout=3, read_timeout=5, retries={"mode": "standard", "total_max_attempts": 1})))
+        where = f"bucket '{self.bucket}' at {self.endpoint}"
+        try:
+            quick.head_bucket(Bucket=self.bucket)
+        except bex.ClientError as e:
+            err = e.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if status == 404 or code in ("NoSuchBucket", "404", "NotFound"):
+                raise StoreError(f"bucket '{self.bucket}' does not exist at {self.endpoint}",
+                                 errno_=errno.ENOENT) from None
+            if status == 403 or code in _DENIED_CODES:
+                raise StoreError(f"access denied to {where}: check the AWS credentials",
+                                 errno_=errno.EACCES) from None
+            raise StoreError(f"cannot use {where}: {code or status} {_one_line(err.get('Message', ''))}".rstrip(),
+                             transient=status >= 500) from None
+        except (bex.NoCredentialsError, bex.PartialCredentialsError):
+            raise StoreError("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                             "or configure an AWS profile", errno_=errno.EACCES) from None
+        except (bex.BotoCoreError, OSError) as e:
+            raise StoreError(f"cannot reach {self.endpoint}: {_reason(e)}", transient=True) from None
+        finally:
+            quick.close()
+
+    def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
+        self._call("put", key, "put_object", Key=self._key(key), Body=_as_bytes(data), Metadata=metadata or {})
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            if self.head(key) is None:
+                raise NotFound(f"get s3://{self.bucket}/{self._base}{key}: no such key")
+            return b""
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                           Range=f"bytes={start}-{start + length - 1}")
+            with resp["Body"] as body:
+                return body.read()
+        except bex.ClientError as e:
+            # 416: the object exists but starts before `start` (or is empty): nothing to read.
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+                return b""
+            self._fail("get", key, e)
+        except (bex.BotoCoreError, OSError) as e:
+            self._fail("get", key, e)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            r = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except bex.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            self._fail("head", key, e)
+        except (bex.BotoCoreError, OSError) as e:
+            self._fail("head", key, e)
+        return ObjectInfo(key, r["ContentLength"], r["LastModified"].timestamp(), dict(r.get("Metadata", {})))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._base + prefix)
+            for page in pages:
+                for o in page.get("Contents", []):
+                    key = o["Key"][len(self._base):]
+                    if key:  # skip the "prefix/" marker itself
+                        yield ObjectInfo(key, o["Size"], o["LastModified"].timestamp())
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            self._fail("list", prefix, e)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except bex.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 404 or \
+                    e.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                self._fail("delete", key, e)
+        except (bex.BotoCoreError, OSError) as e:
+            self._fail("delete", key, e)
+
+    def copy(self, src: str, dst: str) -> None:
+        info = self.head(src)
+        if info is None:
+            raise NotFound(f"copy s3://{self.bucket}/{self._base}{src}: no such key")
+        source = {"Bucket": self.bucket, "Key": self._key(src)}
+        if info.size <= self.max_single_copy:
+            self._call("copy", f"{src} -> {dst}", "copy_object", Key=self._key(dst), CopySource=source,
+                       MetadataDirective="COPY")
+            return
+        upload_id = self.create_multipart(dst, info.metadata)
+        try:
+            parts = []
+            for n, off in enumerate(range(0, info.size, self.copy_part_size), start=1):
+                end = min(off + self.copy_part_size, info.size) - 1
+                r = self._call("copy", f"{src} -> {dst}", "upload_part_copy", Key=self._key(dst),
+                               UploadId=upload_id, PartNumber=n, CopySource=source,
+                               CopySourceRange=f"bytes={off}-{end}")
+                parts.append(PartInfo(n, r["CopyPartResult"]["ETag"]))
+            self.complete_multipart(dst, upload_id, parts)
+        except BaseException:
+            try:
+                self.abort_multipart(dst, upload_id)
+            except StoreError:
+                pass  # the original error matters more; a stale upload shows in list_multipart
+            raise
+
+    # -- multipart ---------------------------------------------------------------
+
+    def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
+        r = self._call("create_multipart", key, "create_multipart_upload", Key=self._key(key),
+                       Metadata=metadata or {})
+        return r["UploadId"]
+
+    def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
+        r = self._call("upload_part", key, "upload_part", Key=self._key(key), UploadId=upload_id,
+                       PartNumber=number, Body=_as_bytes(data))
+        return PartInfo(number, r["ETag"])
+
+    def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
+        self._call("complete_multipart", key, "complete_multipart_upload", Key=self._key(key),
+                   UploadId=upload_id,
+                   MultipartUpload={"Parts": [{"PartNumber": p.number, "ETag": p.token} for p in parts]})
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            self._call("abort_multipart", key, "abort_multipart_upload", Key=self._key(key), UploadId=upload_id)
+        except NotFound:
+            pass  # unknown or already finished upload
+
+    def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+        out = []
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self._base + prefix)
+            for page in pages:
+                for u in page.get("Uploads", []):
+                    out.append((u["Key"][len(self._base):], u["UploadId"]))
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            self._fail("list_multipart", prefix, e)
+        return out
+
+    def close(self) -> None:
+        self._client.close()

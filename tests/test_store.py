@@ -1,0 +1,443 @@
+"""Contract tests of the object stores: the same suite runs on the local store (a tmp dir)
+and on S3Store against the real S3 server of the test session (``s3_server``/``s3_bucket``)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import socket
+import time
+
+import pytest
+
+from ckptfs.store import NotFound, ObjectStore, StoreError, open_store
+from ckptfs.store.local import TMP_DIR, LocalStore
+
+MiB = 1 << 20
+
+
+def _blob(n: int, seed: int = 0) -> bytes:
+    """Incompressible bytes, distinct per seed (a swapped or stale part shows up)."""
+    return random.Random(seed).randbytes(n)
+
+
+@pytest.fixture
+def s3_store(request):
+    server = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")  # created empty by the fixture
+
+    def make(prefix: str = "pfx") -> ObjectStore:
+        s = open_store(f"s3://{bucket}/{prefix}", endpoint_url=server.endpoint)
+        s.check()
+        stores.append(s)
+        return s
+
+    stores: list[ObjectStore] = []
+    yield make
+    for s in stores:
+        s.close()
+
+
+@pytest.fixture
+def fake_credentials(monkeypatch):
+    """Some credentials, for tests that never reach a server."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "fake-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-secret")
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path) -> ObjectStore:
+    if request.param == "local":
+        s = open_store((tmp_path / "store").as_uri())
+        s.check()
+        return s
+    return request.getfixturevalue("s3_store")()
+
+
+def _keys(store: ObjectStore, prefix: str = "") -> list[str]:
+    return [o.key for o in store.list(prefix)]
+
+
+# -- basic verbs -----------------------------------------------------------------
+
+
+def test_put_get_head_with_metadata(store):
+    data = _blob(100_000, seed=1)
+    store.put("ckpt/step1/model.pt", data, {"xxh3": "0123456789abcdef", "state": "durable"})
+    assert store.get_range("ckpt/step1/model.pt", 0, len(data)) == data
+    assert store.get_range("ckpt/step1/model.pt", 10, 20) == data[10:30]
+    assert store.get_range("ckpt/step1/model.pt", len(data) - 5, 100) == data[-5:]  # short at the end
+    assert store.get_range("ckpt/step1/model.pt", len(data) + 10, 5) == b""  # past the end
+    info = store.head("ckpt/step1/model.pt")
+    assert info is not None
+    assert info.key == "ckpt/step1/model.pt"
+    assert info.size == len(data)
+    assert abs(info.mtime - time.time()) < 300
+    assert info.metadata == {"xxh3": "0123456789abcdef", "state": "durable"}
+
+
+def test_put_overwrites_and_accepts_memoryview(store):
+    store.put("f", b"old contents", {"v": "1"})
+    buf = bytearray(b"xxNEWyy")
+    store.put("f", memoryview(buf)[2:5], {"v": "2"})  # a slice: not the whole buffer
+    assert store.get_range("f", 0, 100) == b"NEW"
+    assert store.head("f").metadata == {"v": "2"}
+    store.put("g", memoryview(b"whole bytes"))
+    assert store.get_range("g", 0, 100) == b"whole bytes"
+
+
+def test_empty_object_and_dir_marker(store):
+    store.put("empty.bin", b"")
+    assert store.head("empty.bin").size == 0
+    assert store.get_range("empty.bin", 0, 10) == b""
+    store.put("dir/", b"")
+    marker = store.head("dir/")
+    assert marker is not None and marker.size == 0
+    assert store.get_range("dir/", 0, 10) == b""
+    assert store.head("dir") is None  # "dir" and "dir/" are different keys
+
+
+def test_missing_key(store):
+    assert store.head("nope") is None
+    with pytest.raises(NotFound) as exc:
+        store.get_range("nope", 0, 10)
+    assert exc.value.errno == errno.ENOENT and not exc.value.transient
+    assert "nope" in str(exc.value)
+    with pytest.raises(NotFound):
+        store.get_range("nope/deeper", 0, 0)
+
+
+def test_list_nested_keys_and_markers(store):
+    keys = {"ckpt/": 0, "ckpt/step1/": 0, "ckpt/step1/model.pt": 3, "ckpt/step1/optim.pt": 5,
+            "ckpt/step10/": 0, "ckpt/step10/model.pt": 7, "ckpt/latest": 2, "ckpt-old": 1,
+            "empty/": 0, "top.txt": 4}
+    for key, size in keys.items():
+        store.put(key, b"x" * size)
+    listed = list(store.list())
+    assert {o.key: o.size for o in listed} == keys
+    # S3 order: UTF-8 byte order of the whole key ("ckpt-old" < "ckpt/", "step1/" < "step10/").
+    assert [o.key for o in listed] == sorted(keys, key=str.encode)
+    assert _keys(store, "ckpt/step1/") == ["ckpt/step1/", "ckpt/step1/model.pt", "ckpt/step1/optim.pt"]
+    assert _keys(store, "ckpt/step1") == ["ckpt/step1/", "ckpt/step1/model.pt", "ckpt/step1/optim.pt",
+                                          "ckpt/step10/", "ckpt/step10/model.pt"]
+    assert _keys(store, "ckpt/l") == ["ckpt/latest"]
+    assert _keys(store, "ckpt") == sorted((k for k in keys if k.startswith("ckpt")), key=str.encode)
+    assert _keys(store, "nothing/") == []
+    assert _keys(store, "emp") == ["empty/"]
+
+
+def test_unicode_and_spaces(store):
+    keys = ["my dir/file name.pt", "ünïcødé/模型 权重.bin", "emoji 🚀.txt", "a+b=c&d%20e.txt"]
+    for i, key in enumerate(keys):
+        store.put(key, key.encode() * 3, {"n": str(i)})
+    for i, key in enumerate(keys):
+        assert store.get_range(key, 0, 1000) == key.encode() * 3
+        assert store.head(key).metadata == {"n": str(i)}
+    files = [k for k in _keys(store) if not k.endswith("/")]
+    assert sorted(files) == sorted(keys)
+    assert "ünïcødé/模型 权重.bin" in _keys(store, "ünïcødé/")
+    store.copy("ünïcødé/模型 权重.bin", "my dir/副本 copy.bin")
+    assert store.get_range("my dir/副本 copy.bin", 0, 1000) == keys[1].encode() * 3
+    for key in keys:
+        store.delete(key)
+        assert store.head(key) is None
+
+
+def test_delete(store):
+    store.put("d/sub/a.bin", b"a")
+    store.put("d/sub/b.bin", b"b")
+    store.delete("d/sub/a.bin")
+    assert store.head("d/sub/a.bin") is None
+    assert store.head("d/sub/b.bin").size == 1
+    store.delete("d/sub/a.bin")  # absent: fine
+    store.delete("never/was/there")
+    store.delete("d/sub/")  # a marker over other keys: no error, the other keys stay
+    assert store.head("d/sub/b.bin").size == 1
+    store.put("m/", b"")
+    store.delete("m/")
+    assert store.head("m/") is None
+    store.delete("m/")
+
+
+def test_copy_preserves_metadata(store):
+    data = _blob(300_000, seed=2)
+    store.put("src/a.pt", data, {"xxh3": "feedface", "compress": "none"})
+    store.put("dst/b.pt", b"to be replaced")
+    store.copy("src/a.pt", "dst/b.pt")
+    assert store.get_range("dst/b.pt", 0, len(data)) == data
+    info = store.head("dst/b.pt")
+    assert info.size == len(data)
+    assert info.metadata == {"xxh3": "feedface", "compress": "none"}
+    assert store.get_range("src/a.pt", 0, len(data)) == data  # the source stays
+    with pytest.raises(NotFound):
+        store.copy("src/missing.pt", "dst/c.pt")
+    assert store.head("dst/c.pt") is None
+
+
+# -- multipart -----------------------------------------------------------------------
+
+
+def test_multipart_out_of_order_and_reupload(store):
+    p1, p2_old, p2, p3 = _blob(5 * MiB, 1), _blob(5 * MiB, 9), _blob(5 * MiB, 2), _blob(MiB + 3, 3)
+    key = "ckpt/step2/shard 0.pt"
+    uid = store.create_multipart(key, {"xxh3": "abc123", "parts": "3"})
+    assert (key, uid) in store.list_multipart()
+    i3 = store.upload_part(key, uid, 3, p3)
+    i2_old = store.upload_part(key, uid, 2, p2_old)
+    buf = bytearray(p1 + p2)  # parts as memoryview slices of one buffer, as the cache hands them
+    i1 = store.upload_part(key, uid, 1, memoryview(buf)[: 5 * MiB])
+    i2 = store.upload_part(key, uid, 2, memoryview(buf)[5 * MiB:])  # re-upload replaces part 2
+    assert [i1.number, i2.number, i3.number] == [1, 2, 3]
+    assert i2.token != i2_old.token
+    assert store.head(key) is None  # nothing visible before completion
+    assert key not in _keys(store)
+    store.complete_multipart(key, uid, [i1, i2, i3])
+    info = store.head(key)
+    assert info.size == 10 * MiB + MiB + 3
+    assert info.metadata == {"xxh3": "abc123", "parts": "3"}
+    assert store.get_range(key, 0, info.size) == p1 + p2 + p3
+    assert store.get_range(key, 5 * MiB - 2, 4) == p1[-2:] + p2[:2]
+    assert (key, uid) not in store.list_multipart()
+
+
+def test_multipart_stale_token_rejected(store):
+    key = "stale.bin"
+    uid = store.create_multipart(key)
+    old = store.upload_part(key, uid, 1, _blob(5 * MiB, 1))
+    store.upload_part(key, uid, 1, _blob(5 * MiB, 2))
+    with pytest.raises(StoreError) as exc:
+        store.complete_multipart(key, uid, [old])
+    assert not exc.value.transient
+    assert store.head(key) is None
+    store.abort_multipart(key, uid)
+
+
+def test_multipart_abort_and_list(store):
+    ua = store.create_multipart("a/x.bin")
+    ub = store.create_multipart("b/y.bin")
+    store.upload_part("a/x.bin", ua, 1, b"part data")
+    assert store.list_multipart("a/") == [("a/x.bin", ua)]
+    assert sorted(store.list_multipart()) == sorted([("a/x.bin", ua), ("b/y.bin", ub)])
+    store.abort_multipart("a/x.bin", ua)
+    store.abort_multipart("a/x.bin", ua)  # unknown id now: fine
+    assert store.list_multipart() == [("b/y.bin", ub)]
+    assert store.head("a/x.bin") is None
+    assert _keys(store) == []  # uploads in progress are invisible to list
+    store.abort_multipart("b/y.bin", ub)
+    assert store.list_multipart() == []
+    with pytest.raises(NotFound):
+        store.upload_part("a/x.bin", ua, 2, b"too late")
+
+
+# -- local store -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/../../b", "", ".", "./a", "a/./b", "..",
+                                 "../", "a\0b", f"{TMP_DIR}/x", f"{TMP_DIR}/"])
+def test_local_rejects_escaping_keys(tmp_path, key):
+    store = LocalStore(tmp_path / "store")
+    store.check()
+    for call in (lambda: store.put(key, b"x"), lambda: store.get_range(key, 0, 1), lambda: store.head(key),
+                 lambda: store.delete(key), lambda: store.create_multipart(key),
+                 lambda: store.copy("ok", key)):
+        with pytest.raises(ValueError):
+            call()
+    assert not (tmp_path / "x").exists() and not (tmp_path / "b").exists()
+
+
+def test_local_layout(tmp_path):
+    root = tmp_path / "deep" / "store"
+    store = LocalStore(root)
+    store.check()  # creates the root, parents too
+    assert store.url == f"file://{root}"
+    store.put("a/b/c.bin", b"data", {"xxh3": "1234"})
+    assert (root / "a" / "b" / "c.bin").read_bytes() == b"data"
+    assert os.getxattr(root / "a" / "b" / "c.bin", "user.ckptfs.xxh3") == b"1234"
+    # Implicit directories list as markers; the internal dir never shows.
+    uid = store.create_multipart("pending.bin")
+    store.upload_part("pending.bin", uid, 1, b"p")
+    assert _keys(store) == ["a/", "a/b/", "a/b/c.bin"]
+    assert _keys(store, ".ckptfs") == []
+    assert os.listdir(root / TMP_DIR) == ["uploads"]  # no temp file left behind
+    store.delete("a/b/c.bin")
+    assert (root / "a" / "b").is_dir()  # parents stay
+    store.delete("a/")  # not empty: stays, no error
+    assert (root / "a").is_dir()
+    store.delete("a/b/")
+    store.delete("a/")
+    assert not (root / "a").exists()
+    store.abort_multipart("pending.bin", uid)
+    assert os.listdir(root / TMP_DIR / "uploads") == []
+
+
+def test_local_check_errors(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="not a directory"):
+        LocalStore(tmp_path / "file").check()
+    with pytest.raises(StoreError, match="cannot create"):
+        LocalStore(tmp_path / "file" / "sub").check()
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        try:
+            with pytest.raises(StoreError, match="not writable") as exc:
+                LocalStore(ro).check()
+            assert exc.value.errno == errno.EACCES
+        finally:
+            ro.chmod(0o700)
+
+
+def test_local_file_in_the_way(tmp_path):
+    store = LocalStore(tmp_path)
+    store.put("a", b"x")
+    with pytest.raises(StoreError) as exc:
+        store.put("a/b", b"y")  # a file where a directory must go: an errno, not a crash
+    assert exc.value.errno == errno.ENOTDIR
+
+
+# -- S3 specifics ------------------------------------------------------------------
+
+
+def test_s3_prefix_isolation(s3_store):
+    one, two, root, p = s3_store("jobs/one"), s3_store("jobs/two/"), s3_store(""), s3_store("jobs/on")
+    assert one.url.endswith("/jobs/one") and two.url.endswith("/jobs/two") and "//" not in root.url[5:]
+    root.put("jobs/one/", b"")  # a marker for the prefix itself: not a key inside the store
+    one.put("k.bin", b"1")
+    two.put("k.bin", b"2")
+    assert _keys(one) == ["k.bin"] and _keys(two) == ["k.bin"]
+    assert one.get_range("k.bin", 0, 9) == b"1" and two.get_range("k.bin", 0, 9) == b"2"
+    assert _keys(p) == []  # "jobs/on" does not see "jobs/one/..."
+    assert _keys(root) == ["jobs/one/", "jobs/one/k.bin", "jobs/two/k.bin"]
+    uid = one.create_multipart("m.bin")
+    assert two.list_multipart() == [] and one.list_multipart() == [("m.bin", uid)]
+    assert ("jobs/one/m.bin", uid) in root.list_multipart()
+    one.abort_multipart("m.bin", uid)
+    two.delete("k.bin")
+    assert one.head("k.bin").size == 1
+
+
+def test_s3_copy_in_ranges(s3_store):
+    """Objects over 5 GiB are copied with UploadPartCopy: run that path with small sizes."""
+    store = s3_store()
+    store.max_single_copy = 0
+    store.copy_part_size = 5 * MiB
+    data = _blob(12 * MiB + 5, seed=4)
+    store.put("big.bin", data, {"xxh3": "99"})
+    store.copy("big.bin", "big copy.bin")
+    info = store.head("big copy.bin")
+    assert info.size == len(data) and info.metadata == {"xxh3": "99"}
+    assert store.get_range("big copy.bin", 0, len(data)) == data
+    assert store.list_multipart() == []
+
+
+def test_s3_unreachable_is_transient_and_fast(fake_credentials):
+    store = open_store("s3://bucket/p", endpoint_url="http://127.0.0.1:1")
+    t = time.monotonic()
+    with pytest.raises(StoreError) as exc:
+        store.put("k", b"x")
+    assert exc.value.transient
+    assert "127.0.0.1:1" in str(exc.value) and "\n" not in str(exc.value)
+    assert time.monotonic() - t < 10
+
+
+# -- open_store --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url, words", [
+    ("ftp://x", "unsupported store URL 'ftp://x'"),
+    ("/plain/path", "unsupported store URL"),
+    ("s3://", "bad bucket name"),
+    ("s3:///prefix", "bad bucket name"),
+    ("s3://bad bucket/x", "bad bucket name"),
+    ("file://relative/path", "absolute path"),
+    ("s3://AKIAXXX:sEcReT@bucket/p", "credentials"),
+])
+def test_open_store_bad_urls(url, words):
+    with pytest.raises(StoreError) as exc:
+        open_store(url)
+    msg = str(exc.value)
+    assert words in msg and "\n" not in msg and "sEcReT" not in msg
+    assert exc.value.errno == errno.EINVAL
+
+
+def test_open_store_local(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    store = open_store(None)
+    assert isinstance(store, LocalStore) and store.root == tmp_path / "xdg" / "ckptfs" / "store"
+    store.check()
+    assert open_store("").root == store.root
+    spaced = tmp_path / "with space"
+    store = open_store(spaced.as_uri())
+    assert isinstance(store, LocalStore) and store.root == spaced
+    assert open_store(store.url).root == spaced  # url round-trips
+    with pytest.raises(StoreError, match="endpoint"):
+        open_store(spaced.as_uri(), endpoint_url="http://127.0.0.1:9000")
+
+
+def _check_fails(url: str, endpoint: str) -> StoreError:
+    store = open_store(url, endpoint_url=endpoint)
+    t = time.monotonic()
+    with pytest.raises(StoreError) as exc:
+        store.check()
+    assert time.monotonic() - t < 5, "check() must fail fast"
+    msg = str(exc.value)
+    assert "\n" not in msg and len(msg) < 300
+    return exc.value
+
+
+def test_open_store_missing_bucket(s3_server):
+    err = _check_fails("s3://no-such-bucket-ckptfs/p", s3_server.endpoint)
+    assert str(err) == f"bucket 'no-such-bucket-ckptfs' does not exist at {s3_server.endpoint}"
+    assert not err.transient
+
+
+def test_open_store_wrong_credentials(s3_server, s3_bucket, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-42")
+    err = _check_fails(f"s3://{s3_bucket}", s3_server.endpoint)
+    assert str(err) == (f"access denied to bucket '{s3_bucket}' at {s3_server.endpoint}: "
+                        "check the AWS credentials")
+    assert err.errno == errno.EACCES and not err.transient and "wrong-secret-42" not in str(err)
+
+
+def test_open_store_unreachable_endpoint(fake_credentials):
+    err = _check_fails("s3://bucket", "http://127.0.0.1:1")
+    assert str(err).startswith("cannot reach http://127.0.0.1:1: ")
+    assert "refused" in str(err).lower()
+
+
+def test_open_store_endpoint_that_drops_connections(fake_credentials):
+    """A host that never answers SYNs (a listener whose accept queue is full): the
+    connect timeout, not a retry storm, bounds check()."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        fillers = []
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            fillers.append(s)
+        try:
+            err = _check_fails("s3://bucket", f"http://127.0.0.1:{port}")
+        finally:
+            for s in fillers:
+                s.close()
+    assert str(err).startswith(f"cannot reach http://127.0.0.1:{port}: ") and err.transient
+
+
+def test_open_store_no_credentials(monkeypatch, tmp_path):
+    for var in list(os.environ):
+        if var.startswith("AWS_") and var != "AWS_CA_BUNDLE":
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    err = _check_fails("s3://bucket", "http://127.0.0.1:1")
+    assert "no AWS credentials" in str(err) and err.errno == errno.EACCES
+
+
+def test_open_store_bad_endpoint():
+    with pytest.raises(StoreError, match="bad endpoint URL"):
+        open_store("s3://bucket", endpoint_url="127.0.0.1:9000")
