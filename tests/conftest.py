@@ -1,0 +1,208 @@
+"""Shared pytest fixtures for the ckptfs test suite.
+
+Sections (add new ones below, each self-contained):
+  - S3 server: `s3_server` (session), `s3_bucket` (function)
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.swift import ACCESS_KEY, REGION, SECRET_KEY, S3Endpoint, SwiftServer
+
+# =============================================================================================
+# S3 server
+# =============================================================================================
+#
+# s3_server: the real S3 server of the session (OpenStack Swift + s3api on 127.0.0.1).
+#   - CKPTFS_TEST_S3_ENDPOINT set (scripts/test does this): use that server, credentials from
+#     AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION (Swift's test defaults if unset).
+#   - otherwise: start a SwiftServer in a temporary directory for the session, stop it and
+#     remove the directory at the end.
+#   Returns an S3Endpoint: .endpoint, .access_key, .secret_key, .region, .client(), .env(),
+#   .make_bucket(name). For the whole session os.environ carries CKPTFS_TEST_S3_ENDPOINT,
+#   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_REGION (so subprocesses
+#   such as a ckptfs daemon inherit them), with AWS settings that could redirect or break a
+#   client removed (profiles, session tokens, endpoint overrides, the CA bundle, config files).
+#
+# s3_bucket: a fresh, uniquely named, empty bucket on s3_server (its name); emptied (objects and
+#   in-progress multipart uploads) and deleted afterwards, best effort.
+
+# Variables that would make boto3 (or a peer tool) ignore or break the test credentials.
+_AWS_ENV_REMOVED = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_CA_BUNDLE",  # plain http to 127.0.0.1; rclone refuses to start while it is set
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+)
+
+
+def _use_s3_env(mp: pytest.MonkeyPatch, server: S3Endpoint) -> None:
+    for name in _AWS_ENV_REMOVED:
+        mp.delenv(name, raising=False)
+    mp.setenv("AWS_CONFIG_FILE", os.devnull)
+    mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name, value in server.env().items():
+        mp.setenv(name, value)
+    mp.setenv("AWS_REGION", server.region)
+
+
+def _check_reachable(server: S3Endpoint) -> None:
+    try:
+        server.client(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2}).list_buckets()
+    except Exception as e:  # noqa: BLE001 - report any failure the same way
+        raise RuntimeError(
+            f"CKPTFS_TEST_S3_ENDPOINT={server.endpoint} does not answer ListBuckets with the "
+            f"given credentials (access key {server.access_key!r}): {e!r}"
+        ) from e
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    endpoint = os.environ.get("CKPTFS_TEST_S3_ENDPOINT")
+    with pytest.MonkeyPatch.context() as mp:
+        if endpoint:
+            server = S3Endpoint(
+                endpoint,
+                access_key=os.environ.get("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+                secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+                region=os.environ.get("AWS_DEFAULT_REGION", REGION),
+            )
+            _use_s3_env(mp, server)
+            _check_reachable(server)
+            yield server
+            return
+        root = Path(tempfile.mkdtemp(prefix="ckptfs-swift-"))
+        server = SwiftServer(root)
+        try:
+            server.start()
+            _use_s3_env(mp, server)
+            yield server
+        finally:
+            server.stop()
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _bucket_name(test_name: str) -> str:
+    stem = re.sub(r"[^a-z0-9]+", "-", test_name.lower()).strip("-")[:32].strip("-") or "test"
+    return f"t-{stem}-{uuid.uuid4().hex[:10]}"
+
+
+def _add_content_md5(request, **kwargs) -> None:
+    # Swift's s3api (2.30) rejects DeleteObjects without Content-MD5 ("Missing required header"),
+    # and botocore >= 1.36 sends a CRC32 checksum header instead. Add the MD5 ourselves.
+    body = request.body or b""
+    if isinstance(body, str):
+        body = body.encode()
+    request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body).digest()).decode()
+
+
+def _destroy_bucket(client, bucket: str) -> None:
+    """Abort in-progress multipart uploads, delete every object, delete the bucket."""
+    client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
+    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
+        for up in page.get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    client.delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    client = s3_server.client()
+    name = _bucket_name(request.node.name)
+    client.create_bucket(Bucket=name)
+    yield name
+    try:
+        _destroy_bucket(client, name)
+    except Exception as e:  # noqa: BLE001 - cleanup is best effort
+        warnings.warn(f"could not remove test bucket {name}: {e!r}", stacklevel=1)
+
+
+# =============================================================================================
+# Mounts
+# =============================================================================================
+#
+# store: a place to mount, parametrized over both stores: .url, .endpoint (None for local),
+#   .read(key) -> bytes straight from the store (not through ckptfs), .keys() -> set of keys.
+# mount_factory(**kwargs): a Mount on `store` in a fresh directory (not started); every mount
+#   it made is unmounted (and its daemon stopped) at the end of the test, pass or fail.
+
+from tests.mounting import Mount  # noqa: E402
+
+
+class LocalStoreView:
+    def __init__(self, root: Path):
+        self.root = root
+        self.url = f"file://{root}"
+        self.endpoint = None
+
+    def read(self, key: str) -> bytes:
+        return (self.root / key).read_bytes()
+
+    def keys(self) -> set[str]:
+        return {str(p.relative_to(self.root)) for p in self.root.rglob("*")
+                if p.is_file() and not str(p.relative_to(self.root)).startswith(".ckptfs-")}
+
+
+class S3StoreView:
+    def __init__(self, server, bucket: str, prefix: str = "run1"):
+        self.client = server.client()
+        self.bucket = bucket
+        self.prefix = prefix
+        self.url = f"s3://{bucket}/{prefix}"
+        self.endpoint = server.endpoint
+
+    def read(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")["Body"].read()
+
+    def keys(self) -> set[str]:
+        out = set()
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
+            out |= {o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", []) if not o["Key"].endswith("/")}
+        return out
+
+    def multipart_uploads(self) -> list:
+        return self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return LocalStoreView(tmp_path / "store")
+    server = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    return S3StoreView(server, bucket)
+
+
+@pytest.fixture
+def mount_factory(store, tmp_path):
+    mounts: list[Mount] = []
+
+    def make(**kwargs) -> Mount:
+        m = Mount(store.url, tmp_path / f"m{len(mounts)}", endpoint_url=store.endpoint, **kwargs)
+        mounts.append(m)
+        return m
+
+    yield make
+    for m in mounts:
+        m.cleanup()

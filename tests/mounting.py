@@ -1,0 +1,91 @@
+"""Real ckptfs mounts for end-to-end tests, driven through the real CLI in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CKPTFS = [sys.executable, "-m", "ckptfs"]
+
+
+def ckptfs(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run([*CKPTFS, *args], capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"ckptfs {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
+    return done
+
+
+def is_mounted(path: Path) -> bool:
+    target = str(path).replace(" ", "\\040")
+    with open("/proc/mounts") as mounts:
+        return any(line.split()[1] == target for line in mounts)
+
+
+class Mount:
+    """One ckptfs mount: a mountpoint, a cache dir and a store; start/stop/kill it any number of times."""
+
+    def __init__(self, store_url: str, root: Path, endpoint_url: str | None = None,
+                 ram_cache: str = "256MiB", cache_size: str = "2GiB", extra: tuple[str, ...] = ()):
+        self.store_url = store_url
+        self.path = root / "mnt"
+        self.cache_dir = root / "cache"
+        self.endpoint_url = endpoint_url
+        self.ram_cache = ram_cache
+        self.cache_size = cache_size
+        self.extra = extra
+        self.pid: int | None = None
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def args(self) -> list[str]:
+        args = [self.store_url, str(self.path), "--cache-dir", str(self.cache_dir),
+                "--ram-cache", self.ram_cache, "--cache-size", self.cache_size, *self.extra]
+        if self.endpoint_url:
+            args += ["--endpoint-url", self.endpoint_url]
+        return args
+
+    def start(self) -> Mount:
+        ckptfs("mount", *self.args(), timeout=120)
+        self.pid = self.status()["pid"]
+        return self
+
+    def status(self) -> dict:
+        return json.loads(ckptfs("status", str(self.path), "--json").stdout)
+
+    def sync(self, *paths: str, timeout: float = 300) -> None:
+        ckptfs("sync", str(self.path), *paths, timeout=timeout)
+
+    def stop(self) -> None:
+        ckptfs("umount", str(self.path), timeout=300)
+        self.pid = None
+
+    def kill(self) -> None:
+        """SIGKILL the daemon, as an OOM kill would; its dead mount stays until the next mount."""
+        os.kill(self.pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        self.pid = None
+
+    def cleanup(self) -> None:
+        """Whatever state the test left: stop our daemon and leave nothing mounted."""
+        if self.pid is not None and is_mounted(self.path):
+            try:
+                self.stop()
+            except Exception:  # noqa: BLE001 - fall through to the hard way
+                pass
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if is_mounted(self.path):
+            subprocess.run(["umount", "-l", str(self.path)], check=False)

@@ -1,0 +1,181 @@
+"""End to end: real mounts (FUSE, daemon process, CLI), real torch.save/torch.load, both stores."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.checkpoints import assert_same, make_checkpoint
+from tests.mounting import is_mounted
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_torch_save_load_roundtrip(store, mount_factory):
+    m = mount_factory().start()
+    state = make_checkpoint(200)
+    path = m.path / "step-1000" / "model.pt"
+    path.parent.mkdir()
+    torch.save(state, path)
+    assert_same(torch.load(path, weights_only=False), state)
+    m.sync()
+    assert os.getxattr(path, "user.ckptfs.state") == b"durable"
+    assert store.read("step-1000/model.pt") == path.read_bytes()
+    m.stop()
+
+
+def test_many_small_files_odd_names_and_empty_file(store, mount_factory):
+    m = mount_factory().start()
+    shards = m.path / "shards"
+    shards.mkdir()
+    expected = {}
+    for i in range(100):
+        data = os.urandom(64 << 10)
+        (shards / f"__{i}_0.distcp").write_bytes(data)
+        expected[f"shards/__{i}_0.distcp"] = data
+    for name, data in [("empty.bin", b""), ("name with spaces.pt", b"spaces" * 1000),
+                       ("ünïcødé-😀.bin", b"unicode" * 1000)]:
+        (m.path / name).write_bytes(data)
+        expected[name] = data
+    m.sync()
+    assert store.keys() == set(expected)
+    for key, data in expected.items():
+        assert store.read(key) == data
+        assert (m.path / key).read_bytes() == data
+    assert sorted(os.listdir(m.path)) == sorted(["empty.bin", "name with spaces.pt", "shards", "ünïcødé-😀.bin"])
+    m.stop()
+
+
+def test_file_larger_than_ram_tier_spills_to_disk(store, mount_factory):
+    m = mount_factory(ram_cache="32MiB", cache_size="512MiB").start()
+    data = os.urandom(150 << 20)
+    (m.path / "big.bin").write_bytes(data)
+    status = m.status()
+    assert status["disk"]["used"] > 0 and status["ram"]["budget"] == 32 << 20
+    assert (m.path / "big.bin").read_bytes() == data
+    m.sync()
+    assert store.read("big.bin") == data
+    m.stop()
+
+
+def test_overwrite_truncate_append_and_replace(store, mount_factory):
+    m = mount_factory().start()
+    target = m.path / "latest.pt"
+    target.write_bytes(b"A" * (20 << 20))
+    target.write_bytes(b"B" * 1000)  # overwrite with a smaller file
+    assert target.read_bytes() == b"B" * 1000
+    with open(target, "ab") as f:  # append
+        f.write(b"C" * 10)
+    with open(target, "r+b") as f:  # random write into the committed file
+        f.seek(10)
+        f.write(b"xyz")
+    expected = b"B" * 10 + b"xyz" + b"B" * 987 + b"C" * 10
+    assert target.read_bytes() == expected
+    os.truncate(target, 500)
+    assert target.read_bytes() == expected[:500]
+    tmp = m.path / "latest.pt.tmp"
+    state = make_checkpoint(30, seed=7)
+    torch.save(state, tmp)
+    os.replace(tmp, target)  # the temp file + os.replace pattern
+    assert not tmp.exists()
+    assert_same(torch.load(target, weights_only=False), state)
+    m.sync()
+    assert store.keys() == {"latest.pt"}
+    assert store.read("latest.pt") == target.read_bytes()
+    m.stop()
+
+
+def test_directory_rename(store, mount_factory):
+    m = mount_factory().start()
+    tmp_dir = m.path / "tmp-checkpoint-1000"
+    (tmp_dir / "sub").mkdir(parents=True)
+    (tmp_dir / "a.bin").write_bytes(b"a" * 100)
+    m.sync()  # a.bin durable: its rename is a server-side copy
+    (tmp_dir / "sub" / "b.bin").write_bytes(os.urandom(12 << 20))  # pending: retargeted
+    b = (tmp_dir / "sub" / "b.bin").read_bytes()
+    os.rename(tmp_dir, m.path / "checkpoint-1000")
+    assert not tmp_dir.exists()
+    assert (m.path / "checkpoint-1000" / "a.bin").read_bytes() == b"a" * 100
+    assert (m.path / "checkpoint-1000" / "sub" / "b.bin").read_bytes() == b
+    m.sync()
+    assert store.keys() == {"checkpoint-1000/a.bin", "checkpoint-1000/sub/b.bin"}
+    assert store.read("checkpoint-1000/sub/b.bin") == b
+    m.stop()
+
+
+def test_remount_reads_back_from_store_and_keeps_empty_dirs(store, mount_factory):
+    m = mount_factory().start()
+    state = make_checkpoint(40, seed=3)
+    torch.save(state, m.path / "ckpt.pt")
+    (m.path / "empty-dir" / "nested").mkdir(parents=True)
+    m.stop()  # drains uploads
+    assert not is_mounted(m.path)
+    m.start()  # same cache dir
+    assert_same(torch.load(m.path / "ckpt.pt", weights_only=False), state)
+    assert (m.path / "empty-dir" / "nested").is_dir()
+    m.stop()
+    fresh = mount_factory().start()  # another cache dir: every byte comes from the store
+    assert_same(torch.load(fresh.path / "ckpt.pt", weights_only=False), state)
+    assert (fresh.path / "empty-dir" / "nested").is_dir()
+    assert fresh.status()["fetched_bytes"] >= (fresh.path / "ckpt.pt").stat().st_size
+    fresh.stop()
+
+
+def test_sigkill_after_close_keeps_committed_file(store, mount_factory):
+    m = mount_factory().start()
+    data = os.urandom(60 << 20)
+    (m.path / "d").mkdir()
+    (m.path / "d" / "committed.bin").write_bytes(data)  # close() returned: committed
+    m.kill()
+    m.start()  # clears the dead mount, replays the journal
+    assert (m.path / "d" / "committed.bin").read_bytes() == data
+    m.sync()
+    assert store.read("d/committed.bin") == data
+    if hasattr(store, "multipart_uploads"):
+        assert store.multipart_uploads() == []  # nothing orphaned
+    m.stop()
+
+
+def test_errors_users_can_hit(store, mount_factory):
+    m = mount_factory().start()
+    root = m.path
+    (root / "dir").mkdir()
+    (root / "dir" / "f").write_bytes(b"x")
+
+    def err(fn, *args) -> int:
+        with pytest.raises(OSError) as info:
+            fn(*args)
+        return info.value.errno
+
+    assert err(open, root / "missing") == errno.ENOENT
+    assert err(os.mkdir, root / "dir") == errno.EEXIST
+    assert err(os.rmdir, root / "dir") == errno.ENOTEMPTY
+    assert err(os.unlink, root / "dir") == errno.EISDIR
+    assert err(os.listdir, root / "dir" / "f") == errno.ENOTDIR
+    assert err(open, root / "dir" / "f" / "x", "w") == errno.ENOTDIR
+    assert err(open, root / ("n" * 256), "w") == errno.ENAMETOOLONG
+    deep = root
+    for _ in range(5):
+        deep = deep / ("d" * 250)
+        if deep.parent == root:
+            deep.mkdir()
+        else:
+            try:
+                deep.mkdir()
+            except OSError as exc:
+                assert exc.errno == errno.ENAMETOOLONG  # the store's 1024-byte key limit
+                break
+    else:
+        pytest.fail("a path over the 1024-byte key limit was accepted")
+    assert err(open, os.fsencode(root) + b"/bad\xffname", "w") == errno.EINVAL
+    assert err(open, root / ".ckptfs-tmp", "w") == errno.EINVAL
+    assert err(os.rename, root / "dir", root / "dir" / "inside") == errno.EINVAL
+    shutil.rmtree(root / "dir")
+    assert os.listdir(root) == []
+    m.sync()
+    assert store.keys() == set()
+    m.stop()
