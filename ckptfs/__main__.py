@@ -1,0 +1,3 @@
+from ckptfs.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,553 @@
+"""The ``ckptfs`` command: parse arguments, call the store / daemon / control channel, print.
+
+Errors meant for the user are ``CkptfsError`` or ``StoreError``: printed as one line
+``ckptfs: <message>``; exit 2 for bad usage, 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import humanfriendly
+
+from ckptfs import control
+from ckptfs.config import GiB, MiB, MountConfig, default_cache_dir, default_store_dir
+from ckptfs.errors import CkptfsError, MountError, UsageError
+from ckptfs.store.base import ObjectStore, StoreError
+
+log = logging.getLogger("ckptfs")
+
+READY_TIMEOUT_S = 60.0  # how long `mount` waits for the detached daemon to serve
+UNMOUNT_WAIT_S = 60.0  # how long `umount` waits for the mount and the daemon to go
+S3_MIN_PART, S3_MAX_PART = 5 * MiB, 5 * GiB
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+# --- parsing --------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line) and, in subcommands, accepts
+    options between positionals (``mount s3://b --part-size 16M /mnt``)."""
+
+    intermixed = False
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if not self.intermixed:
+            return super().parse_known_args(args, namespace)
+        self.intermixed = False  # parse_known_intermixed_args calls back into parse_known_args
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self.intermixed = True
+
+
+def _size(text: str) -> int:
+    try:
+        return humanfriendly.parse_size(text, binary=True)
+    except humanfriendly.InvalidSize:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 4GiB, 512M, 8MiB, 1048576)") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = lambda n: humanfriendly.format_size(n, binary=True)  # noqa: E731
+    parser = _Parser(prog="ckptfs", description="A FUSE filesystem for AI training checkpoints.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("mount", help="mount a store on a directory; returns once the mount serves",
+                       description="Mount STORE_URL on MOUNTPOINT. Sizes take binary units: 512M = 512 MiB.")
+    p.add_argument("store_url", nargs="?", metavar="STORE_URL",
+                   help=f"s3://bucket[/prefix] or file:///path (default: the local store in {default_store_dir()})")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory")
+    p.add_argument("--cache-dir", metavar="DIR", help="write-back cache, journal and log (default: under ~/.cache/ckptfs)")
+    p.add_argument("--ram-cache", type=_size, metavar="SIZE", help=f"RAM tier budget (default {fmt(MountConfig.ram_cache)})")
+    p.add_argument("--cache-size", type=_size, metavar="SIZE", help=f"disk tier budget (default {fmt(MountConfig.cache_size)})")
+    p.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint (MinIO, Ceph RGW, Swift s3api, ...)")
+    p.add_argument("--part-size", type=_size, metavar="SIZE", help=f"upload part size (default {fmt(MountConfig.part_size)})")
+    p.add_argument("--upload-concurrency", type=_positive_int, metavar="N",
+                   help=f"parts uploading at once (default {MountConfig.upload_concurrency})")
+    p.add_argument("--foreground", action="store_true", help="serve in this process, logging to stderr")
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                   help=f"one of {', '.join(LOG_LEVELS)} (default {MountConfig.log_level})")
+    p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # set by `mount` for its detached daemon
+    p.set_defaults(func=cmd_mount)
+
+    p = sub.add_parser("sync", help="block until what was committed is durable in the store")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="files or directories to wait for (default: everything)")
+    p.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 1)")
+    p.set_defaults(func=cmd_sync)
+
+    p = sub.add_parser("status", help="cache use, pending uploads, errors")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--json", action="store_true", help="print the daemon's status as JSON")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("umount", help="drain uploads (with progress), then unmount")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--no-wait", action="store_true", help="unmount without draining; pending uploads resume at the next mount")
+    p.set_defaults(func=cmd_umount)
+
+    for p in sub.choices.values():
+        p.intermixed = True  # type: ignore[attr-defined]
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except CkptfsError as e:
+        print(f"ckptfs: {_one_line(str(e))}", file=sys.stderr)
+        return e.exit_code
+    except StoreError as e:
+        print(f"ckptfs: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ckptfs: interrupted", file=sys.stderr)
+        return 130
+
+
+# --- mount ----------------------------------------------------------------------
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    config = mount_config(args)
+    if args.ready_fd is None:  # the detached daemon's parent already checked these
+        store = _open_store(config)
+        try:
+            _check_mountpoint(config.mountpoint)
+            store.check()
+        finally:
+            store.close()
+    if args.foreground:
+        return _serve(config, args.ready_fd)
+    return _spawn_daemon(config)
+
+
+def mount_config(args: argparse.Namespace) -> MountConfig:
+    mountpoint = os.path.realpath(args.mountpoint)
+    options = {
+        "ram_cache": args.ram_cache,
+        "cache_size": args.cache_size,
+        "part_size": args.part_size,
+        "upload_concurrency": args.upload_concurrency,
+        "log_level": args.log_level,
+    }
+    config = MountConfig(
+        mountpoint=mountpoint,
+        store_url=args.store_url or f"file://{default_store_dir()}",
+        cache_dir=os.path.abspath(args.cache_dir or default_cache_dir(mountpoint)),
+        endpoint_url=args.endpoint_url,
+        foreground=args.foreground and args.ready_fd is None,  # a person is watching the log
+        **{k: v for k, v in options.items() if v is not None},
+    )
+    if config.part_size < 1:
+        raise UsageError("--part-size must be at least 1 byte")
+    if config.store_url.lower().startswith("s3://") and not S3_MIN_PART <= config.part_size <= S3_MAX_PART:
+        raise UsageError(f"--part-size {humanfriendly.format_size(config.part_size, binary=True)} is out of range: "
+                         "S3 parts must be between 5 MiB and 5 GiB")
+    return config
+
+
+def _check_mountpoint(mountpoint: str) -> None:
+    if mountpoint in _ckptfs_mounts():
+        try:
+            control.call(mountpoint, "status", timeout=10)
+        except control.NoDaemon:
+            return  # a dead daemon's mount: the new daemon clears it and resumes its uploads
+        except CkptfsError:
+            pass  # alive but not answering: still taken
+        raise UsageError(f"{mountpoint} is already a ckptfs mount (see 'ckptfs status {mountpoint}')")
+    if not os.path.exists(mountpoint):
+        raise UsageError(f"mountpoint {mountpoint} does not exist")
+    if not os.path.isdir(mountpoint):
+        raise UsageError(f"mountpoint {mountpoint} is not a directory")
+    try:
+        with os.scandir(mountpoint) as entries:
+            empty = next(entries, None) is None
+    except OSError as e:
+        raise UsageError(f"cannot read mountpoint {mountpoint}: {e.strerror}") from None
+    if not empty:
+        raise UsageError(f"mountpoint {mountpoint} is not empty")
+
+
+def _open_store(config: MountConfig) -> ObjectStore:
+    from ckptfs.store import open_store  # the s3 store pulls in boto3: only `mount` needs it
+
+    try:
+        return open_store(config.store_url, endpoint_url=config.endpoint_url)
+    except StoreError as e:
+        # open_store does no I/O: what it rejects is the command line itself.
+        raise UsageError(str(e)) if e.errno == errno.EINVAL else e
+
+
+def _serve(config: MountConfig, ready_fd: int | None) -> int:
+    """Run the daemon in this process. With ``ready_fd``, tell the parent `mount` how start-up went."""
+    if ready_fd is not None:
+        os.set_inheritable(ready_fd, False)  # helpers such as fusermount3 must not hold the pipe open
+    logging.basicConfig(level=config.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ckptfs import daemon
+
+    ready = False
+
+    def on_ready() -> None:
+        nonlocal ready
+        ready = True
+        log.info("ckptfs: %s mounted on %s", config.store_url, config.mountpoint)
+        if ready_fd is not None:
+            _report(ready_fd, "ok")
+
+    try:
+        daemon.run(config, on_ready)
+    except (CkptfsError, StoreError) as e:
+        if ready_fd is not None and not ready:
+            _report(ready_fd, f"error: {_one_line(str(e))}")
+        raise
+    return 0
+
+
+def _report(fd: int, line: str) -> None:
+    try:
+        os.write(fd, line.encode() + b"\n")
+        os.close(fd)
+    except OSError:
+        pass  # the parent is gone (Ctrl-C): keep serving anyway
+
+
+def daemon_argv(config: MountConfig) -> list[str]:
+    """The `ckptfs mount ... --foreground` arguments that rebuild ``config`` in the detached daemon."""
+    argv = ["mount", config.store_url, config.mountpoint, "--cache-dir", config.cache_dir,
+            "--ram-cache", str(config.ram_cache), "--cache-size", str(config.cache_size),
+            "--part-size", str(config.part_size), "--upload-concurrency", str(config.upload_concurrency),
+            "--log-level", config.log_level, "--foreground"]
+    if config.endpoint_url:
+        argv += ["--endpoint-url", config.endpoint_url]
+    return argv
+
+
+def _spawn_daemon(config: MountConfig) -> int:
+    cache_dir = Path(config.cache_dir)
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_path = cache_dir / "ckptfs.log"
+    # Run the same ckptfs code as this process, from / so the daemon pins no directory.
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    r, w = os.pipe()
+    try:
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ckptfs", *daemon_argv(config), "--ready-fd", str(w)],
+                pass_fds=(w,), start_new_session=True, cwd="/", env=env,
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+    finally:
+        os.close(w)
+    try:
+        line = read_ready(r, READY_TIMEOUT_S)
+    finally:
+        os.close(r)
+    if line == "ok":
+        return 0
+    if line is None:
+        proc.terminate()
+        raise MountError(f"the daemon did not finish mounting within {READY_TIMEOUT_S:g} s (stopped it); see {log_path}")
+    if line.startswith("error: "):
+        raise MountError(line[len("error: "):])
+    raise MountError(f"the daemon exited during start-up; see {log_path}")
+
+
+def read_ready(fd: int, timeout: float) -> str | None:
+    """The first line written to ``fd`` ("" on EOF without one), or None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace").strip()
+
+
+# --- status, sync, umount -------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    mountpoint = _mountpoint(args.mountpoint)
+    status = _call(mountpoint, "status", timeout=30)
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    mountpoint = _mountpoint(args.mountpoint)
+    paths = _relative_paths(mountpoint, args.paths)
+    bar = ProgressBar("sync")
+    try:
+        # The daemon enforces the timeout; ours only guards against a hung daemon.
+        _call(mountpoint, "sync", {"paths": paths, "timeout": args.timeout}, on_progress=bar,
+              timeout=None if args.timeout is None else args.timeout + 30)
+    finally:
+        bar.close()
+    print(f"ckptfs: durable ({bar.summary() or 'nothing was pending'})", file=sys.stderr)
+    return 0
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mountpoint = _mountpoint(args.mountpoint)
+    try:
+        pid = control.call(mountpoint, "status", timeout=30).get("pid")
+    except control.NoDaemon:
+        if mountpoint not in _ckptfs_mounts():
+            raise
+        _lazy_unmount(mountpoint)
+        print(f"ckptfs: the daemon of {mountpoint} was gone; unmounted it lazily "
+              "(pending uploads resume at the next mount with the same cache dir)", file=sys.stderr)
+        return 0
+    bar = ProgressBar("drain")
+    try:
+        result = control.call(mountpoint, "umount", {"wait": not args.no_wait}, on_progress=bar)
+    finally:
+        bar.close()
+    _wait_gone(mountpoint, pid if isinstance(pid, int) else None, UNMOUNT_WAIT_S)
+    if result.get("pending_files"):
+        print(f"ckptfs: unmounted {mountpoint}; {result['pending_files']} pending uploads resume "
+              "at the next mount with the same cache dir", file=sys.stderr)
+    elif bar.summary():
+        print(f"ckptfs: unmounted {mountpoint} ({bar.summary()})", file=sys.stderr)
+    return 0
+
+
+def _call(mountpoint: str, cmd: str, args: dict | None = None,
+          on_progress: Callable[[dict], None] | None = None, timeout: float | None = None) -> dict:
+    try:
+        return control.call(mountpoint, cmd, args, on_progress=on_progress, timeout=timeout)
+    except control.NoDaemon:
+        if mountpoint in _ckptfs_mounts():
+            raise control.NoDaemon(f"the ckptfs daemon of {mountpoint} is gone (stale mount): mount it again "
+                                   f"to resume its uploads, or run 'ckptfs umount {mountpoint}'") from None
+        raise
+
+
+def _mountpoint(path: str) -> str:
+    """The canonical mountpoint, without stat()ing the mount itself (a hung daemon would block us)."""
+    path = os.path.abspath(path)
+    path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    return path if path in _ckptfs_mounts() else os.path.realpath(path)
+
+
+def _relative_paths(mountpoint: str, paths: list[str]) -> list[str]:
+    """PATHs as the daemon wants them: relative to the mountpoint; [] means everything."""
+    out = []
+    for path in paths:
+        for candidate in (os.path.abspath(path), os.path.realpath(path)):
+            if os.path.commonpath([mountpoint, candidate]) == mountpoint:
+                break
+        else:
+            raise UsageError(f"{path} is not inside the ckptfs mount {mountpoint}")
+        rel = os.path.relpath(candidate, mountpoint)
+        if rel == ".":
+            return []
+        out.append(rel)
+    return out
+
+
+def _wait_gone(mountpoint: str, pid: int | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while mountpoint in _ckptfs_mounts() or (pid is not None and _alive(pid)):
+        if time.monotonic() > deadline:
+            still = f"{mountpoint} is still mounted" if mountpoint in _ckptfs_mounts() else f"the daemon (pid {pid}) is still running"
+            raise CkptfsError(f"{still} after {timeout:g} s; see 'ckptfs status {mountpoint}' and the daemon log")
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:  # an exited daemon nobody reaped yet (some container inits never do) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _lazy_unmount(mountpoint: str) -> None:
+    commands = [["fusermount3", "-u", "-z", mountpoint]]
+    if os.geteuid() == 0:
+        commands.append(["umount", "-l", mountpoint])
+    why = "fusermount3 not found"
+    for command in commands:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = str(e)
+            continue
+        if done.returncode == 0:
+            return
+        why = _one_line(done.stderr) or f"{command[0]} exited with status {done.returncode}"
+    raise CkptfsError(f"could not unmount {mountpoint}: {why}")
+
+
+def _ckptfs_mounts() -> set[str]:
+    """Mountpoints of ckptfs filesystems in /proc/mounts (live or with a dead daemon)."""
+    try:
+        text = Path("/proc/mounts").read_text(errors="surrogateescape")
+    except OSError:
+        return set()
+    found = set()
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and (fields[2] == "fuse.ckptfs" or (fields[2].startswith("fuse") and fields[0] == "ckptfs")):
+            found.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]))  # \040 is a space
+    return found
+
+
+# --- output ---------------------------------------------------------------------
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _fmt(n: object) -> str:
+    return humanfriendly.format_size(n, binary=True) if isinstance(n, (int, float)) else "?"
+
+
+class ProgressBar:
+    """Upload progress from the daemon's {"pending_files", "pending_bytes", "total_bytes"}:
+    a tqdm bar in bytes on a terminal, nothing otherwise (the caller prints ``summary``)."""
+
+    def __init__(self, desc: str):
+        self.desc = desc
+        self.start = time.monotonic()
+        self.last: dict | None = None
+        self.bar = None
+
+    def __call__(self, progress: dict) -> None:
+        from tqdm import tqdm
+
+        self.last = progress
+        total = int(progress.get("total_bytes") or 0)
+        done = max(total - int(progress.get("pending_bytes") or 0), 0)
+        if self.bar is None:
+            self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc=self.desc,
+                            file=sys.stderr, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
+        self.bar.total = total  # grows when more is committed while we wait
+        self.bar.n = done
+        files = progress.get("pending_files", "?")
+        self.bar.set_postfix_str(f"{files} file{'' if files == 1 else 's'} left", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def summary(self) -> str | None:
+        """What we waited for, or None if nothing was pending."""
+        total = (self.last or {}).get("total_bytes")
+        if not total:
+            return None
+        return f"waited {time.monotonic() - self.start:.1f} s for {_fmt(total)} to upload"
+
+
+_STATUS_KEYS = {"mountpoint", "store", "cache_dir", "pid", "uptime_s", "part_size", "ram", "disk", "clean_bytes",
+                "pending", "uploading", "uploaded_bytes", "durable_files", "errors"}
+
+
+def _uploading(parts: object, nbytes: object) -> str:
+    return f"{parts} parts" + (f", {_fmt(nbytes)}" if nbytes is not None else "")
+
+
+def format_status(s: dict) -> str:
+    """A readable summary of the daemon's status dict; missing keys are skipped."""
+    rows: list[tuple[str, str]] = []
+
+    def get(*keys: str) -> object:
+        value: object = s
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    def used_of(key: str) -> str | None:
+        used, budget = get(key, "used"), get(key, "budget")
+        if used is None and budget is None:
+            return None
+        return f"{_fmt(used)} of {_fmt(budget)}"
+
+    for label, value in [
+        ("mountpoint", get("mountpoint")),
+        ("store", get("store")),
+        ("cache dir", get("cache_dir")),
+        ("daemon pid", get("pid")),
+        ("uptime", humanfriendly.format_timespan(s["uptime_s"]) if isinstance(s.get("uptime_s"), (int, float)) else None),
+        ("part size", _fmt(s["part_size"]) if "part_size" in s else None),
+        ("RAM cache", used_of("ram")),
+        ("disk cache", used_of("disk")),
+        ("clean (cached)", _fmt(s["clean_bytes"]) if "clean_bytes" in s else None),
+        ("pending upload", f"{get('pending', 'files')} files, {_fmt(get('pending', 'bytes'))}" if "pending" in s else None),
+        ("uploading", _uploading(get("uploading", "parts_in_flight"), get("uploading", "bytes_in_flight")) if "uploading" in s else None),
+        ("uploaded", _fmt(s["uploaded_bytes"]) if "uploaded_bytes" in s else None),
+        ("durable files", get("durable_files")),
+    ]:
+        if value is not None:
+            rows.append((label, str(value)))
+
+    for key, value in s.items():  # what newer daemons add, shown plainly
+        if key not in _STATUS_KEYS and not isinstance(value, (dict, list)):
+            rows.append((key.replace("_", " "), _fmt(value) if key.endswith("_bytes") else str(value)))
+
+    errors = s.get("errors")
+    if isinstance(errors, list):
+        rows.append(("errors", str(len(errors)) if errors else "none"))
+    width = max((len(label) for label, _ in rows), default=0)
+    lines = [f"{label + ':':<{width + 1}} {value}" for label, value in rows]
+    for e in (errors or [])[-10:] if isinstance(errors, list) else []:
+        e = e if isinstance(e, dict) else {"message": e}
+        when = e.get("time")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else str(when or "")
+        lines.append(f"  {when} {e.get('key', '')}: {_one_line(str(e.get('message', '')))}".rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""The main job, end to end: mount ckptfs on the embedded local store, save and reload a real
+checkpoint of a small model with unmodified torch.save/torch.load, show where the bytes are."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CKPTFS = [sys.executable, "-m", "ckptfs"]
+
+
+def ckptfs(*args: str) -> None:
+    print(f"\n$ ckptfs {' '.join(args)}", flush=True)
+    subprocess.run([*CKPTFS, *args], check=True)
+
+
+def train_a_little() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(8192, 512),
+        torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True), 4),
+        torch.nn.Linear(512, 8192),
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    tokens = torch.randint(0, 8192, (4, 64))
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    loss.backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1, "loss": loss.item()}
+
+
+def main() -> int:
+    mountpoint = Path(tempfile.mkdtemp(prefix="ckptfs-demo-"))
+    ckptfs("mount", str(mountpoint))  # no STORE_URL: the embedded local store
+    try:
+        state = train_a_little()
+        path = mountpoint / "demo" / "step-1" / "model.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        torch.save(state, path)
+        stall = time.perf_counter() - start
+        size = path.stat().st_size
+        print(f"\ntorch.save -> {path}: {size / 2**20:.1f} MiB in {stall:.2f} s (returned once committed in the cache)")
+        print(f"state right after close: {os.getxattr(path, 'user.ckptfs.state').decode()}")
+        ckptfs("status", str(mountpoint))
+        ckptfs("sync", str(mountpoint))
+        print(f"state after sync: {os.getxattr(path, 'user.ckptfs.state').decode()}")
+        loaded = torch.load(path)
+        same = all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+        print(f"torch.load: {'identical' if same else 'DIFFERENT'} weights, step {loaded['step']}")
+        ckptfs("status", str(mountpoint))
+        if not same:
+            return 1
+    finally:
+        ckptfs("umount", str(mountpoint))
+        mountpoint.rmdir()
+    from ckptfs.config import default_store_dir
+    stored = default_store_dir() / "demo" / "step-1" / "model.pt"
+    print(f"\nthe checkpoint in the store: {stored} ({stored.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

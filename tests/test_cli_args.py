@@ -1,0 +1,191 @@
+"""The command line: argument parsing, one-line errors, and the detached mount handshake."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ckptfs import cli
+from ckptfs.config import MiB, MountConfig, default_cache_dir, default_store_dir
+from ckptfs.errors import UsageError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptfs", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert done.returncode == code, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptfs: "), done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def empty_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "mnt"
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([], "required: COMMAND"),
+    (["bogus"], "invalid choice"),
+    (["mount"], "required: MOUNTPOINT"),
+    (["mount", "/nonexistent/ckptfs-mnt"], "does not exist"),
+    (["mount", "{empty}", "--ram-cache", "lots"], "'lots' is not a size"),
+    (["mount", "{empty}", "--cache-size=-1G"], "is not a size"),
+    (["mount", "s3://b", "{empty}", "--part-size", "1M"], "between 5 MiB and 5 GiB"),
+    (["mount", "ftp://x", "{empty}"], "unsupported store URL 'ftp://x'"),
+    (["mount", "file:///tmp/s", "{empty}", "--endpoint-url", "http://x"], "needs an s3:// store URL"),
+    (["mount", "{empty}", "--upload-concurrency", "0"], "not a positive integer"),
+    (["mount", "{empty}", "--log-level", "loud"], "invalid choice"),
+    (["mount", "{file}"], "is not a directory"),
+    (["mount", "{full}"], "is not empty"),
+    (["sync", "{empty}", "/etc/passwd"], "is not inside the ckptfs mount"),
+    (["sync", "{empty}", "--timeout", "soon"], "not a number of seconds"),
+])
+def test_usage_errors(args, needle, tmp_path, empty_dir):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    subst = {"{empty}": str(empty_dir), "{file}": str(tmp_path / "file"), "{full}": str(tmp_path / "full")}
+    assert_one_line_error(run_cli(*[subst.get(a, a) for a in args]), 2, needle)
+
+
+def test_unreachable_endpoint(empty_dir):
+    done = run_cli("mount", "s3://b", str(empty_dir), "--endpoint-url", "http://127.0.0.1:1",
+                   env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    assert_one_line_error(done, 1, "127.0.0.1:1")
+
+
+@pytest.mark.parametrize("cmd", ["status", "sync", "umount"])
+def test_no_mount(cmd, empty_dir):
+    assert_one_line_error(run_cli(cmd, str(empty_dir)), 1, f"no ckptfs mount at {empty_dir}")
+
+
+def test_options_between_positionals():
+    args = cli.build_parser().parse_args(["mount", "s3://b/p", "--part-size", "16M", "/mnt/x", "--ram-cache", "4GiB"])
+    assert (args.store_url, args.mountpoint, args.part_size, args.ram_cache) == ("s3://b/p", "/mnt/x", 16 * MiB, 4 << 30)
+    args = cli.build_parser().parse_args(["sync", "/mnt/x", "a", "--timeout", "2.5", "b"])
+    assert (args.mountpoint, args.paths, args.timeout) == ("/mnt/x", ["a", "b"], 2.5)
+
+
+def test_mount_config_defaults_and_round_trip(empty_dir):
+    config = cli.mount_config(cli.build_parser().parse_args(["mount", str(empty_dir)]))
+    assert config.store_url == f"file://{default_store_dir()}"
+    assert config.cache_dir == str(default_cache_dir(empty_dir))
+    assert (config.ram_cache, config.part_size, config.log_level) == (MountConfig.ram_cache, MountConfig.part_size, "INFO")
+
+    config = cli.mount_config(cli.build_parser().parse_args([
+        "mount", "s3://bucket/pre", str(empty_dir), "--cache-dir", "rel/cache", "--ram-cache", "512M",
+        "--cache-size", "3GiB", "--endpoint-url", "http://h:9", "--part-size", "8MiB",
+        "--upload-concurrency", "3", "--log-level", "debug"]))
+    assert config.cache_dir == os.path.abspath("rel/cache") and config.ram_cache == 512 * MiB
+    # The detached daemon must rebuild exactly this config from its command line.
+    rebuilt = cli.mount_config(cli.build_parser().parse_args(cli.daemon_argv(config) + ["--ready-fd", "9"]))
+    assert rebuilt == config
+
+
+def test_sync_paths_are_relative(empty_dir):
+    assert cli._relative_paths(str(empty_dir), [str(empty_dir / "a" / "b"), str(empty_dir / "c")]) == ["a/b", "c"]
+    assert cli._relative_paths(str(empty_dir), [str(empty_dir / "a"), str(empty_dir)]) == []  # the whole mount
+    with pytest.raises(UsageError):
+        cli._relative_paths(str(empty_dir), [str(empty_dir) + "-sibling"])
+
+
+def test_read_ready():
+    for written, expected in [(b"ok\n", "ok"), (b"error: no fuse\n", "error: no fuse"), (b"", ""), (b"partial", "partial")]:
+        r, w = os.pipe()
+        os.write(w, written)
+        os.close(w)
+        assert cli.read_ready(r, 5) == expected
+        os.close(r)
+    r, w = os.pipe()
+    assert cli.read_ready(r, 0.2) is None  # nothing, writer still open: timeout
+    os.close(r)
+    os.close(w)
+
+
+def test_format_status_tolerates_anything():
+    full = {"mountpoint": "/mnt/c", "store": "s3://b/p", "cache_dir": "/c", "pid": 42, "uptime_s": 3725,
+            "part_size": 8 * MiB, "ram": {"used": MiB, "budget": 1 << 30}, "disk": {"used": 0, "budget": 16 << 30},
+            "clean_bytes": 5, "pending": {"files": 2, "bytes": 3 * MiB},
+            "uploading": {"parts_in_flight": 1, "bytes_in_flight": 8 * MiB}, "uploaded_bytes": 10 * MiB,
+            "durable_files": 7, "errors": [{"time": 0, "key": "a/b", "message": "503 Slow Down\nretrying"}]}
+    text = cli.format_status(full)
+    for needle in ["s3://b/p", "1 hour, 2 minutes and 5 seconds", "1 MiB of 1 GiB", "2 files, 3 MiB",
+                   "errors:", "a/b: 503 Slow Down retrying"]:
+        assert needle in text, text
+    assert cli.format_status({}) == ""
+    cli.format_status({"ram": None, "errors": ["x"], "pending": {}, "uptime_s": "?"})
+
+
+# --- the detached-daemon handshake, with a stand-in for ckptfs.daemon ----------------------
+
+FAKE_DAEMON = textwrap.dedent("""
+    import os, sys, time, types
+    mode = os.environ.get("CKPTFS_FAKE_DAEMON")
+    if mode:
+        def run(config, on_ready):
+            from ckptfs.errors import MountError
+            if mode == "ok":
+                with open(os.environ["CKPTFS_FAKE_OUT"], "w") as f:
+                    f.write(config.to_json())
+                on_ready()
+            elif mode == "fail":
+                raise MountError("fuse: device not found")
+            elif mode == "crash":
+                os._exit(3)
+            else:
+                time.sleep(60)
+        module = types.ModuleType("ckptfs.daemon")
+        module.run = run
+        sys.modules["ckptfs.daemon"] = module
+""")
+
+
+@pytest.fixture
+def fake_daemon(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAKE_DAEMON)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("CKPTFS_FAKE_OUT", str(tmp_path / "config.json"))
+
+    def mount(mode: str, mountpoint: Path) -> int:
+        monkeypatch.setenv("CKPTFS_FAKE_DAEMON", mode)
+        return cli.main(["mount", f"file://{tmp_path}/store", str(mountpoint), "--cache-dir", str(tmp_path / "cache"),
+                         "--part-size", "16M"])
+
+    return mount
+
+
+def test_detached_mount_ready(fake_daemon, empty_dir, tmp_path, capsys):
+    assert fake_daemon("ok", empty_dir) == 0
+    config = MountConfig.from_json((tmp_path / "config.json").read_text())
+    assert (config.mountpoint, config.part_size, config.foreground) == (str(empty_dir), 16 * MiB, False)
+    assert config.store_url == f"file://{tmp_path}/store"
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("mode, needle", [
+    ("fail", "ckptfs: fuse: device not found"),
+    ("crash", "ckptfs: the daemon exited during start-up; see {log}"),
+    ("hang", "ckptfs: the daemon did not finish mounting within 2 s (stopped it); see {log}"),
+])
+def test_detached_mount_failures(mode, needle, fake_daemon, empty_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "READY_TIMEOUT_S", 2.0)
+    assert fake_daemon(mode, empty_dir) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [needle.format(log=tmp_path / "cache" / "ckptfs.log")]
