@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ckptfs.daemon import ram_dir_for
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 
@@ -89,3 +92,4 @@ class Mount:
                 pass
         if is_mounted(self.path):
             subprocess.run(["umount", "-l", str(self.path)], check=False)
+        shutil.rmtree(ram_dir_for(self.cache_dir), ignore_errors=True)  # the RAM tier's tmpfs arena
