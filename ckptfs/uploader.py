@@ -38,6 +38,8 @@ from .store.base import MAX_PARTS, NotFound, ObjectStore, PartInfo, StoreError
 
 log = logging.getLogger(__name__)
 
+UNEXPECTED_RETRY_S = 30
+
 
 def part_size_for(size: int, base: int, max_parts: int = MAX_PARTS) -> int:
     """The part size for a file: ``base`` doubled until the file fits in ``max_parts`` parts."""
@@ -153,13 +155,26 @@ class Uploader:
 
     async def _prepare(self, task: Task) -> None:
         with task.scope:
-            content = task.content
-            task.xxh3 = await trio.to_thread.run_sync(self._hash, content, limiter=self.hash_threads)
-            if task.multipart:
-                await self._upload_parts(task)
+            await self._until_done(task, self._prepare_once)
             task.ready.set()
         if task.cancelled and task.upload is not None:
             await self._abort(*task.upload, f"{task.op.seq}.{task.upload_serial}")
+
+    async def _prepare_once(self, task: Task) -> None:
+        task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
+        if task.multipart:
+            await self._upload_parts(task)
+
+    async def _until_done(self, task: Task, step) -> None:
+        """Run ``step(task)``, retrying after unexpected errors: a bug or a cache read
+        failure must not stop the uploader, nor lose the data (it stays in the cache)."""
+        while True:
+            try:
+                return await step(task)
+            except Exception as exc:
+                log.exception("upload of %s failed unexpectedly; retrying in %d s", task.op.key, UNEXPECTED_RETRY_S)
+                self._record_error(task.op.key, exc)
+                await trio.sleep(UNEXPECTED_RETRY_S)
 
     async def _upload_parts(self, task: Task) -> None:
         op = task.op
@@ -203,7 +218,7 @@ class Uploader:
             if task.cancelled or self.pending.get(seq) is not task:
                 continue
             task.publishing = True
-            await self._publish(task)
+            await self._until_done(task, self._publish)
             del self.pending[seq]
             self.journal.done(seq)
             if self.journal.should_compact():
@@ -223,7 +238,15 @@ class Uploader:
                 if task.upload is not None:
                     await self._abort(*task.upload, f"{op.seq}.{task.upload_serial}")
                 await self._upload_parts(task)
-            await self._call(op.key, self.store.complete_multipart, op.key, task.upload[1], task.parts)
+            try:
+                await self._call(op.key, self.store.complete_multipart, op.key, task.upload[1], task.parts)
+            except NotFound:
+                # A retry after a completion whose answer was lost: the upload id is gone.
+                info = await self._call(op.key, self.store.head, op.key)
+                if info is None or info.metadata.get("xxh3") != task.xxh3:
+                    task.upload = None
+                    await self._publish(task)  # start over with a new upload
+                    return
             self.journal.multipart_ended(f"{op.seq}.{task.upload_serial}")
         elif op.kind == PUT:
             data = await trio.to_thread.run_sync(_read_range, task.content, 0, op.size, limiter=self.hash_threads)
