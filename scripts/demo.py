@@ -36,7 +36,9 @@ def train_a_little() -> dict:
 
 
 def main() -> int:
-    mountpoint = Path(tempfile.mkdtemp(prefix="ckptfs-demo-"))
+    # A fixed mountpoint: its default cache dir (and RAM arena) is reused by the next demo run.
+    mountpoint = Path(tempfile.gettempdir()) / "ckptfs-demo"
+    mountpoint.mkdir(exist_ok=True)
     ckptfs("mount", str(mountpoint))  # no STORE_URL: the embedded local store
     try:
         state = train_a_little()
