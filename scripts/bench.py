@@ -1,0 +1,129 @@
+"""Save stall and time to durable of ckptfs against baselines measured in the same run.
+
+    scripts/bench [--size MiB] [--runs N]
+
+Targets (each measured --runs times, median with min and max):
+  cache-disk     torch.save into a directory on the cache disk (the floor for the stall)
+  ckptfs-local   torch.save into a ckptfs mount on a local-directory store
+  ckptfs-s3      torch.save into a ckptfs mount on the S3 server (OpenStack Swift on 127.0.0.1)
+  boto3          upload_fileobj (8 MiB parts) of the same bytes already in memory (time to durable)
+Time to durable runs from the start of the save until `ckptfs sync` returns (the object is whole
+in the store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.swift import SwiftServer  # noqa: E402
+
+CKPTFS = [sys.executable, "-m", "ckptfs"]
+MiB = 1 << 20
+
+
+def ckptfs(*args: str) -> str:
+    return subprocess.run([*CKPTFS, *args], check=True, capture_output=True, text=True).stdout
+
+
+def timed_save(state, path: Path) -> float:
+    start = time.perf_counter()
+    torch.save(state, path)
+    return time.perf_counter() - start
+
+
+def bench_mount(name, store_url, endpoint, work: Path, state, runs: int, results: dict) -> None:
+    mnt, cache = work / f"{name}-mnt", work / f"{name}-cache"
+    mnt.mkdir()
+    args = [store_url, str(mnt), "--cache-dir", str(cache), "--ram-cache", "3GiB", "--cache-size", "8GiB"]
+    if endpoint:
+        args += ["--endpoint-url", endpoint]
+    ckptfs("mount", *args)
+    try:
+        pid = json.loads(ckptfs("status", str(mnt), "--json"))["pid"]
+        cpu0 = _cpu_seconds(pid)
+        for i in range(runs):
+            path = mnt / f"step-{i}" / "model.pt"
+            path.parent.mkdir()
+            start = time.perf_counter()
+            torch.save(state, path)
+            stall = time.perf_counter() - start
+            ckptfs("sync", str(mnt))
+            durable = time.perf_counter() - start
+            results.setdefault(f"{name} save stall", []).append(stall)
+            results.setdefault(f"{name} time to durable", []).append(durable)
+            print(f"  {name} run {i}: stall {stall:.2f} s, durable {durable:.2f} s", flush=True)
+        results[f"{name} daemon CPU s/GiB"] = [(_cpu_seconds(pid) - cpu0) / runs / (path.stat().st_size / (1 << 30))]
+    finally:
+        ckptfs("umount", str(mnt))
+        from ckptfs.daemon import ram_dir_for
+        shutil.rmtree(ram_dir_for(cache), ignore_errors=True)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=int, default=1024, help="checkpoint size in MiB (default 1024)")
+    parser.add_argument("--runs", type=int, default=3)
+    opts = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="ckptfs-bench-"))
+    server = SwiftServer(work / "swift")
+    try:
+        server.start()
+        os.environ.update(server.env())
+        client = server.client()
+        client.create_bucket(Bucket="bench")
+        state = make_checkpoint(opts.size)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        size = buf.tell()
+        print(f"checkpoint: {size / MiB:.0f} MiB; Swift at {server.endpoint}", flush=True)
+        results: dict[str, list[float]] = {}
+
+        floor = work / "cache-disk"
+        floor.mkdir()
+        for i in range(opts.runs):
+            results.setdefault("cache-disk save stall", []).append(timed_save(state, floor / f"model-{i}.pt"))
+            (floor / f"model-{i}.pt").unlink()
+        from boto3.s3.transfer import TransferConfig
+        config = TransferConfig(multipart_threshold=8 * MiB, multipart_chunksize=8 * MiB, max_concurrency=8)
+        for i in range(opts.runs):
+            buf.seek(0)
+            start = time.perf_counter()
+            client.upload_fileobj(buf, "bench", f"boto3/model-{i}.pt", Config=config)
+            results.setdefault("boto3 upload (time to durable)", []).append(time.perf_counter() - start)
+        bench_mount("ckptfs-local", f"file://{work / 'local-store'}", None, work, state, opts.runs, results)
+        bench_mount("ckptfs-s3", "s3://bench/ckptfs", server.endpoint, work, state, opts.runs, results)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\n{'figure':40} {'median':>8} {'min':>8} {'max':>8}")
+    for name, values in results.items():
+        print(f"{name:40} {statistics.median(values):8.2f} {min(values):8.2f} {max(values):8.2f}")
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(f"\nsave stall, ckptfs-s3 / cache disk:         {med['ckptfs-s3 save stall'] / med['cache-disk save stall']:.2f}x")
+    print(f"time to durable, ckptfs-s3 / boto3 upload:  {med['ckptfs-s3 time to durable'] / med['boto3 upload (time to durable)']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
