@@ -121,22 +121,23 @@ class Cache:
         return tier in (RAM, DISK) and 0 <= slot < self.tiers[tier].file_size // self.block_size
 
     # -- allocation -----------------------------------------------------------------
-    def try_alloc(self) -> BlockRef | None:
+    def try_alloc(self, only: int | None = None) -> BlockRef | None:
+        """A free slot: RAM first (evicting clean RAM data), then disk; ``only`` forces a tier."""
         ram, disk = self.tiers
-        if not ram.free:
+        if only is None and not ram.free:
             self._evict(prefer_tier=RAM)
-        for tier in (ram, disk):
+        for tier in (ram, disk) if only is None else (self.tiers[only],):
             if tier.free:
                 ref = (tier.index, tier.free.pop())
                 self.refcounts[ref] = 1
                 return ref
-        if self._evict(prefer_tier=None):
-            return self.try_alloc()
+        if self._evict(prefer_tier=only):
+            return self.try_alloc(only)
         return None
 
-    async def alloc(self) -> BlockRef:
-        """A fresh block; waits while both tiers are full of data not yet uploaded."""
-        while (ref := self.try_alloc()) is None:
+    async def alloc(self, only: int | None = None) -> BlockRef:
+        """A fresh block; waits while the tiers are full of data not yet uploaded."""
+        while (ref := self.try_alloc(only)) is None:
             self.waiters += 1
             try:
                 await self._space.wait()
@@ -201,6 +202,25 @@ class Cache:
     def sync(self) -> None:
         for tier in self.tiers:
             tier.sync()
+
+    async def on_disk(self, content: Content) -> Content:
+        """The same bytes with every block on the disk tier (RAM blocks copied), for fsync.
+        The caller holds ``content`` until this returns."""
+        blocks: list[BlockRef | None] = []
+        copies: list[tuple[BlockRef, BlockRef, int]] = []
+        for i, ref in enumerate(content.blocks):
+            if ref is None or ref[0] == DISK:
+                if ref is not None:
+                    self.incref(ref)
+                blocks.append(ref)
+                continue
+            new = await self.alloc(only=DISK)
+            copies.append((ref, new, content.block_length(i)))
+            blocks.append(new)
+        await trio.to_thread.run_sync(lambda: [self.copy_block(*c) for c in copies])
+        copy = Content(self, content.size, blocks)
+        copy.key = content.key
+        return copy
 
     def usage(self) -> dict:
         out = {}

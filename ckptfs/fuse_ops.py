@@ -177,7 +177,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def fsync(self, fh, datasync):
-        self.ns.fsync(fh)
+        await self.ns.fsync(fh)
 
     @_errno_boundary
     async def statfs(self, ctx):

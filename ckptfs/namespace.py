@@ -23,7 +23,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .cache import Cache, Content, StagedFile
+import trio
+
+from .cache import DISK, RAM, Cache, Content, StagedFile
 from .errors import FsError
 from .fetcher import Fetcher
 from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
@@ -59,6 +61,21 @@ class Version:
         self.seq = seq
 
 
+class Shadow:
+    """A disk-backed copy of a file's content, journaled by fsync as a put op that is not uploaded.
+
+    It is what a restart after a node reboot (RAM tier lost) restores. ``covers`` is the seq of
+    the version it stands for (None while it belongs to an open writer that has not committed);
+    it retires once that version, or a later one, is durable.
+    """
+
+    def __init__(self, op: Op, content: Content, handle: Handle | None, covers: int | None):
+        self.op = op
+        self.content = content.hold()
+        self.handle = handle
+        self.covers = covers
+
+
 class Node:
     def __init__(self, ino: int, name: str, parent: Node | None, is_dir: bool, mode: int, uid: int, gid: int):
         self.ino = ino
@@ -75,6 +92,7 @@ class Node:
         self.live: Handle | None = None  # the writer whose size getattr shows
         self.kernel_version: Version | None = None  # what the kernel page cache may hold
         self.last_seq = 0  # newest op that concerns this node (for sync PATH)
+        self.shadows: list[Shadow] = []
         self.unlinked = False
 
     def key(self) -> str:
@@ -117,6 +135,8 @@ class Namespace:
         self.root = Node(ROOT_INODE, "", None, True, stat.S_IFDIR | 0o755, uid, gid)
         self.inodes: dict[int, Node] = {ROOT_INODE: self.root}
         self.handles: dict[int, Handle] = {}
+        self.shadows: dict[int, Shadow] = {}  # by op seq; kept in the journal through compaction
+        uploader.retained_ops = lambda: [shadow.op for shadow in self.shadows.values()]
         self._next_ino = ROOT_INODE + 1
         self._next_fh = 1
 
@@ -315,7 +335,7 @@ class Namespace:
             node.live = None
         if node.unlinked:
             return  # written after unlink: nobody can see it
-        self._commit(node, handle.staged.snapshot())
+        self._commit(node, handle.staged.snapshot(), handle)
 
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)
@@ -338,10 +358,56 @@ class Namespace:
         self._maybe_clean(node)
         self._maybe_drop(node)
 
-    def fsync(self, fh: int | None) -> None:
-        """Make everything committed so far survive a node reboot (journal and disk arena)."""
-        self.cache.tiers[1].sync()
-        self.journal.sync()
+    async def fsync(self, fh: int) -> None:
+        """Local durability: what this handle wrote so far (a writer), or the committed version
+        (a reader or a clean writer), survives a node reboot. RAM blocks are copied to the disk
+        tier, the disk arena is synced, then a put op naming those blocks is journaled and synced.
+        The op is not uploaded (the commit or the version it shadows is); it only matters to a
+        restart that lost the RAM tier."""
+        handle = self._handle(fh)
+        node = handle.node
+        if handle.staged is not None and handle.dirty:
+            content, covers = handle.staged.snapshot(), None
+        elif node.version is not None and node.version.seq is not None:
+            content, covers = node.version.content, node.version.seq
+            if not any(ref is not None and ref[0] == RAM for ref in content.blocks):
+                content = None  # already on disk: the journal record is enough
+        else:
+            return  # durable in the store already, or nothing committed
+        if content is not None:
+            content.hold()
+            try:
+                disk = await self.cache.on_disk(content)
+            finally:
+                content.release()
+            disk.hold()
+            try:
+                await trio.to_thread.run_sync(self.cache.tiers[DISK].sync)
+                if not node.unlinked and fh in self.handles:
+                    self._add_shadow(node, disk, handle if covers is None else None, covers)
+            finally:
+                disk.release()
+        await trio.to_thread.run_sync(self.journal.sync)
+
+    def _add_shadow(self, node: Node, content: Content, handle: Handle | None, covers: int | None) -> None:
+        op = self.journal.append(Op(PUT, node.key(), size=content.size, blocks=list(content.blocks)))
+        for old in [s for s in node.shadows if handle is not None and s.handle is handle]:
+            self._retire_shadow(node, old)  # superseded by this later fsync of the same writer
+        shadow = Shadow(op, content, handle, covers)
+        node.shadows.append(shadow)
+        self.shadows[op.seq] = shadow
+
+    def _retire_shadow(self, node: Node, shadow: Shadow) -> None:
+        node.shadows.remove(shadow)
+        del self.shadows[shadow.op.seq]
+        self.journal.cancel(shadow.op.seq)
+        shadow.content.release()
+
+    def _retire_shadows(self, node: Node, durable_seq: int | None = None) -> None:
+        """Shadows covered by a durable version (all of them when ``durable_seq`` is None)."""
+        for shadow in list(node.shadows):
+            if durable_seq is None or (shadow.covers is not None and shadow.covers <= durable_seq):
+                self._retire_shadow(node, shadow)
 
     async def setattr(self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None) -> Attr:
         node = self.node(ino)
@@ -459,7 +525,7 @@ class Namespace:
         return {"open_handles": len(self.handles), "open_writers": writing, "inodes": len(self.inodes)}
 
     # -- internals: commits and store ops --------------------------------------------------------
-    def _commit(self, node: Node, content: Content) -> None:
+    def _commit(self, node: Node, content: Content, handle: Handle | None = None) -> None:
         try:
             op = self._log(Op(PUT, node.key(), size=content.size, blocks=list(content.blocks)))
         except BaseException:
@@ -467,6 +533,9 @@ class Namespace:
             raise
         self._drop_pending(node)
         self._set_version(node, content, op)
+        for shadow in node.shadows:
+            if shadow.covers is None and handle is not None and shadow.handle is handle:
+                shadow.covers, shadow.handle = op.seq, None
         self.uploader.submit(op, content, self._on_durable(node))
         node.mtime_ns = node.ctime_ns = time.time_ns()
 
@@ -485,6 +554,7 @@ class Namespace:
             version.seq = None
             version.content.in_store = True
             version.content.key = op.key
+            self._retire_shadows(node, op.seq)
             self._maybe_clean(node)
 
         return durable
@@ -510,6 +580,9 @@ class Namespace:
             node.last_seq = self._log(Op(MKDIR, new_key)).seq
             self._log(Op(DELETE, old_key))
             return
+        for shadow in node.shadows:
+            shadow.op.key = new_key
+            self.journal.retarget(shadow.op.seq, new_key)
         version = node.version
         if version is None:
             return  # created, never committed: its commit will use the new key
@@ -554,6 +627,7 @@ class Namespace:
         for n in list(node.walk()):
             if not n.is_dir:
                 self._drop_pending(n)
+                self._retire_shadows(n)
             self.cache.unmark_clean(n)
             if n.version is not None:
                 n.version.content.release()

@@ -89,6 +89,7 @@ class Uploader:
         self.uploaded_bytes = 0
         self.durable_files = 0
         self.nursery: trio.Nursery | None = None
+        self.retained_ops: Callable[[], list[Op]] = list  # ops the journal keeps besides pending ones
 
     # -- called by the namespace (no awaits) -----------------------------------------
     def submit(self, op: Op, content: Content | None = None, on_durable: Callable[[Op], None] | None = None) -> Task:
@@ -280,7 +281,8 @@ class Uploader:
         open_uploads = [
             (f"{t.op.seq}.{t.upload_serial}", *t.upload) for t in self.pending.values() if t.upload is not None
         ]
-        self.journal.compact([t.op for t in self.pending.values()], open_uploads)
+        ops = [t.op for t in self.pending.values()] + self.retained_ops()
+        self.journal.compact(sorted(ops, key=lambda op: op.seq), open_uploads)
 
     async def _abort(self, key: str, upload_id: str, journal_id: str | None) -> None:
         try:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.checkpoints import assert_same, make_checkpoint
+from ckptfs.daemon import ram_dir_for
 from tests.mounting import is_mounted
 
 pytestmark = pytest.mark.timeout(300)
@@ -176,4 +177,58 @@ def test_errors_users_can_hit(store, mount_factory):
     assert os.listdir(root) == []
     m.sync()
     assert store.keys() == set()
+    m.stop()
+
+
+def _reboot(m) -> None:
+    """What a node reboot does to ckptfs: the daemon dies and tmpfs (the RAM tier) is emptied."""
+    m.kill()
+    shutil.rmtree(ram_dir_for(m.cache_dir))
+
+
+def test_fsync_before_close_survives_crash_and_reboot(store, mount_factory):
+    m = mount_factory().start()
+    fsynced, later = os.urandom(20 << 20), os.urandom(5 << 20)
+    fd = os.open(m.path / "open.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, fsynced)
+    os.fsync(fd)  # local-durable: exactly these bytes
+    os.write(fd, later)  # never fsynced nor closed: not part of the promise
+    (m.path / "closed.bin").write_bytes(b"committed only")
+    closed = os.open(m.path / "closed.bin", os.O_RDONLY)
+    os.fsync(closed)  # fsync of a committed file makes its version local-durable
+    (m.path / "never-fsynced.bin").write_bytes(b"x")  # committed, RAM only
+    _reboot(m)
+    for fd_ in (fd, closed):
+        try:
+            os.close(fd_)
+        except OSError:
+            pass  # the daemon is gone
+    m.start()
+    assert (m.path / "open.bin").read_bytes() == fsynced
+    assert (m.path / "closed.bin").read_bytes() == b"committed only"
+    m.sync()
+    assert store.read("open.bin") == fsynced
+    assert store.read("closed.bin") == b"committed only"
+    m.stop()
+
+
+def test_fsync_then_crash_without_reboot_keeps_last_commit(store, mount_factory):
+    m = mount_factory().start()
+    with open(m.path / "f.bin", "wb") as f:
+        f.write(b"a" * 1000)
+        f.flush()
+        os.fsync(f.fileno())
+        f.write(b"b" * 1000)
+    # closed after the fsync: the commit (RAM tier) is newer than the fsynced copy
+    g = os.open(m.path / "g.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(g, b"g" * 100)
+    os.fsync(g)
+    m.kill()  # daemon crash, tmpfs intact, g never closed
+    with pytest.raises(OSError):
+        os.close(g)  # the daemon is gone
+    m.start()
+    assert (m.path / "f.bin").read_bytes() == b"a" * 1000 + b"b" * 1000
+    assert (m.path / "g.bin").read_bytes() == b"g" * 100
+    m.sync()
+    assert store.read("f.bin") == b"a" * 1000 + b"b" * 1000
     m.stop()
