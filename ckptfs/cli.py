@@ -11,7 +11,6 @@ import errno
 import json
 import logging
 import os
-import re
 import select
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import humanfriendly
 
 from ckptfs import control
-from ckptfs.config import GiB, MiB, MountConfig, default_cache_dir, default_store_dir
+from ckptfs.config import GiB, MiB, MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
 from ckptfs.errors import CkptfsError, MountError, UsageError
 from ckptfs.store.base import ObjectStore, StoreError
 
@@ -185,7 +184,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
 
 
 def _check_mountpoint(mountpoint: str) -> None:
-    if mountpoint in _ckptfs_mounts():
+    if mountpoint in ckptfs_mounts():
         try:
             control.call(mountpoint, "status", timeout=10)
         except control.NoDaemon:
@@ -339,7 +338,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
     try:
         pid = control.call(mountpoint, "status", timeout=30).get("pid")
     except control.NoDaemon:
-        if mountpoint not in _ckptfs_mounts():
+        if mountpoint not in ckptfs_mounts():
             raise
         _lazy_unmount(mountpoint)
         print(f"ckptfs: the daemon of {mountpoint} was gone; unmounted it lazily "
@@ -364,7 +363,7 @@ def _call(mountpoint: str, cmd: str, args: dict | None = None,
     try:
         return control.call(mountpoint, cmd, args, on_progress=on_progress, timeout=timeout)
     except control.NoDaemon:
-        if mountpoint in _ckptfs_mounts():
+        if mountpoint in ckptfs_mounts():
             raise control.NoDaemon(f"the ckptfs daemon of {mountpoint} is gone (stale mount): mount it again "
                                    f"to resume its uploads, or run 'ckptfs umount {mountpoint}'") from None
         raise
@@ -374,7 +373,7 @@ def _mountpoint(path: str) -> str:
     """The canonical mountpoint, without stat()ing the mount itself (a hung daemon would block us)."""
     path = os.path.abspath(path)
     path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    return path if path in _ckptfs_mounts() else os.path.realpath(path)
+    return path if path in ckptfs_mounts() else os.path.realpath(path)
 
 
 def _relative_paths(mountpoint: str, paths: list[str]) -> list[str]:
@@ -395,9 +394,9 @@ def _relative_paths(mountpoint: str, paths: list[str]) -> list[str]:
 
 def _wait_gone(mountpoint: str, pid: int | None, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while mountpoint in _ckptfs_mounts() or (pid is not None and _alive(pid)):
+    while mountpoint in ckptfs_mounts() or (pid is not None and _alive(pid)):
         if time.monotonic() > deadline:
-            still = f"{mountpoint} is still mounted" if mountpoint in _ckptfs_mounts() else f"the daemon (pid {pid}) is still running"
+            still = f"{mountpoint} is still mounted" if mountpoint in ckptfs_mounts() else f"the daemon (pid {pid}) is still running"
             raise CkptfsError(f"{still} after {timeout:g} s; see 'ckptfs status {mountpoint}' and the daemon log")
         time.sleep(0.1)
 
@@ -430,20 +429,6 @@ def _lazy_unmount(mountpoint: str) -> None:
             return
         why = _one_line(done.stderr) or f"{command[0]} exited with status {done.returncode}"
     raise CkptfsError(f"could not unmount {mountpoint}: {why}")
-
-
-def _ckptfs_mounts() -> set[str]:
-    """Mountpoints of ckptfs filesystems in /proc/mounts (live or with a dead daemon)."""
-    try:
-        text = Path("/proc/mounts").read_text(errors="surrogateescape")
-    except OSError:
-        return set()
-    found = set()
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and (fields[2] == "fuse.ckptfs" or (fields[2].startswith("fuse") and fields[0] == "ckptfs")):
-            found.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]))  # \040 is a space
-    return found
 
 
 # --- output ---------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,3 +60,17 @@ class MountConfig:
     @classmethod
     def from_json(cls, text: str) -> MountConfig:
         return cls(**json.loads(text))
+
+
+def ckptfs_mounts() -> set[str]:
+    """Mountpoints of ckptfs filesystems in /proc/mounts (live or with a dead daemon)."""
+    try:
+        text = Path("/proc/mounts").read_text(errors="surrogateescape")
+    except OSError:
+        return set()
+    found = set()
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and (fields[2] == "fuse.ckptfs" or (fields[2].startswith("fuse") and fields[0] == "ckptfs")):
+            found.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]))  # \040 is a space
+    return found

@@ -24,7 +24,7 @@ import trio
 
 from . import control
 from .cache import Cache
-from .config import MountConfig, control_socket_path
+from .config import MountConfig, ckptfs_mounts, control_socket_path
 from .errors import CkptfsError, FsError, MountError
 from .fetcher import Fetcher
 from .fuse_ops import Operations
@@ -102,7 +102,7 @@ class Daemon:
 
     # -- start-up helpers ---------------------------------------------------------------
     def _prepare_mountpoint(self) -> None:
-        if _is_mounted(self.mountpoint):
+        if self.mountpoint in ckptfs_mounts():
             try:
                 os.stat(self.mountpoint)
             except OSError as exc:
@@ -236,7 +236,3 @@ class Daemon:
             nursery.cancel_scope.cancel()
         await progress({"pending_files": 0, "pending_bytes": 0, "total_bytes": total})
 
-
-def _is_mounted(path: str) -> bool:
-    with open("/proc/mounts") as mounts:
-        return any(line.split()[1] == path for line in mounts if len(line.split()) > 1)
