@@ -16,6 +16,8 @@ until an upload finishes or clean data can be evicted.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import mmap
 import os
@@ -29,6 +31,8 @@ import trio
 log = logging.getLogger(__name__)
 
 RAM, DISK = 0, 1
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 TIER_NAMES = ("ram", "disk")
 BlockRef = tuple[int, int]  # (tier, slot)
 
@@ -74,6 +78,16 @@ class Tier:
             pos = slot * self.block_size
             return memoryview(self.mm)[pos : pos + length]
         return self.read(slot, 0, length)
+
+    def release(self, slot: int) -> None:
+        """A slot is free again. On disk, give its space back to the filesystem, so a full
+        cache disk recovers as soon as data is uploaded (the RAM tier keeps its pages: reuse is free)."""
+        self.free.append(slot)
+        if self.mm is None:
+            size = self.block_size
+            if _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                               ctypes.c_long(slot * size), ctypes.c_long(size)) != 0:
+                log.debug("cannot punch a hole in %s: %s", self.path, os.strerror(ctypes.get_errno()))
 
     def sync(self) -> None:
         if self.mm is not None:
@@ -156,7 +170,7 @@ class Cache:
         del self.refcounts[ref]
         tier, slot = ref
         if slot < self.tiers[tier].n_slots:  # slots past a shrunk budget are retired
-            self.tiers[tier].free.append(slot)
+            self.tiers[tier].release(slot)
         self._space.set()
         self._space = trio.Event()
 

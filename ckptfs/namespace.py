@@ -123,6 +123,7 @@ class Handle:
         self.content = content  # readers: the version they opened (held)
         self.append = append
         self.dirty = False
+        self.error = 0  # sticky: a write that failed (ENOSPC, EIO) poisons the handle's commit
 
 
 class Namespace:
@@ -316,9 +317,16 @@ class Namespace:
         handle = self._handle(fh)
         if handle.staged is None:
             raise FsError(errno.EBADF)
+        if handle.error:
+            raise FsError(handle.error)
         if handle.append:
             offset = handle.staged.size
-        written = await handle.staged.write(offset, data)
+        try:
+            written = await handle.staged.write(offset, data)
+        except OSError as exc:  # the cache disk is full or failing: never commit a torn file
+            handle.error = exc.errno or errno.EIO
+            log.error("write to %s failed: %s; the file will not be committed", handle.node.key(), exc)
+            raise FsError(handle.error) from None
         handle.dirty = True
         handle.node.live = handle
         handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
@@ -327,6 +335,8 @@ class Namespace:
     def flush(self, fh: int) -> None:
         """Commit what this handle wrote (every close calls it; a clean handle is a no-op)."""
         handle = self._handle(fh)
+        if handle.error:
+            raise FsError(handle.error, "an earlier write failed: the file was not committed")
         if handle.staged is None or not handle.dirty:
             return
         node = handle.node
@@ -342,7 +352,7 @@ class Namespace:
         if handle is None:
             return
         node = handle.node
-        if handle.dirty:  # release without flush (should not happen): still commit
+        if handle.dirty and not handle.error:  # release without flush (should not happen): still commit
             self.handles[fh] = handle
             try:
                 self.flush(fh)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
 
 import pytest
 import torch
 
 from tests.checkpoints import assert_same, make_checkpoint
 from ckptfs.daemon import ram_dir_for
-from tests.mounting import is_mounted
+from tests.mounting import Mount, is_mounted
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -232,3 +233,35 @@ def test_fsync_then_crash_without_reboot_keeps_last_commit(store, mount_factory)
     m.sync()
     assert store.read("f.bin") == b"a" * 1000 + b"b" * 1000
     m.stop()
+
+
+@pytest.fixture
+def small_cache_disk(tmp_path):
+    """A 48 MiB filesystem for the cache dir: a real ENOSPC from the OS."""
+    path = tmp_path / "small-disk"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(path)], check=True)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_cache_disk_full_fails_the_writer_not_the_mount(tmp_path, small_cache_disk):
+    store = tmp_path / "store"
+    m = Mount(f"file://{store}", tmp_path / "m", ram_cache="16MiB", cache_size="1GiB")
+    m.cache_dir = small_cache_disk / "cache"
+    try:
+        m.start()
+        with pytest.raises(OSError) as info:
+            with open(m.path / "too-big.bin", "wb") as f:
+                for _ in range(12):
+                    f.write(os.urandom(8 << 20))
+        assert info.value.errno in (errno.ENOSPC, errno.EIO)
+        (m.path / "small.bin").write_bytes(b"still works")
+        assert (m.path / "small.bin").read_bytes() == b"still works"
+        m.sync()
+        assert not (m.path / "too-big.bin").exists() or (m.path / "too-big.bin").stat().st_size == 0
+        assert (store / "small.bin").read_bytes() == b"still works"
+        assert not (store / "too-big.bin").exists()
+        m.stop()
+    finally:
+        m.cleanup()
