@@ -142,6 +142,7 @@ class Daemon:
         self.stop_requested = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(self.uploader.run, open_uploads)
+            await nursery.start(self.fetcher.run)
             self.namespace.load(listing, pending)
             server = control.ControlServer(control_socket_path(self.mountpoint), {
                 "status": self._status,

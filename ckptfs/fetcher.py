@@ -2,7 +2,8 @@
 
 A block is fetched once however many readers want it at the same time: the first
 one starts the GET, the others wait on its event. Fetched blocks become part of
-the file's cached content, so the next read is local.
+the file's cached content, so the next read is local. A reader going through a
+file sequentially gets the next blocks fetched ahead, in parallel, in the background.
 """
 
 from __future__ import annotations
@@ -25,6 +26,32 @@ class Fetcher:
         self.threads = trio.CapacityLimiter(concurrency)
         self.inflight: dict[tuple[int, int], trio.Event] = {}
         self.fetched_bytes = 0
+        self.read_ahead = concurrency  # blocks fetched ahead of a sequential reader
+        self.nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Host the background read-ahead tasks."""
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def prefetch(self, content: Content, first: int) -> None:
+        """Start fetching the blocks after ``first`` that are neither cached nor on their way."""
+        if self.nursery is None or not content.in_store:
+            return
+        last = min(len(content.blocks), first + self.read_ahead)
+        for index in range(first, last):
+            if content.blocks[index] is None and (id(content), index) not in self.inflight:
+                self.nursery.start_soon(self._prefetch_block, content.hold(), index)
+
+    async def _prefetch_block(self, content: Content, index: int) -> None:
+        try:
+            await self._fetch_block(content, index)
+        except FsError as exc:  # the reader will hit it again and see the error
+            log.debug("read-ahead of %s block %d failed: %s", content.key, index, exc)
+        finally:
+            content.release()
 
     async def fill(self, content: Content, indexes: list[int]) -> None:
         """Make sure the given blocks of ``content`` are cached."""

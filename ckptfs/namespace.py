@@ -124,6 +124,7 @@ class Handle:
         self.append = append
         self.dirty = False
         self.error = 0  # sticky: a write that failed (ENOSPC, EIO) poisons the handle's commit
+        self.read_end = 0  # where the last read stopped (sequential reads trigger read-ahead)
 
 
 class Namespace:
@@ -310,7 +311,11 @@ class Namespace:
         if handle.staged is not None:
             return handle.staged.read(offset, size)
         content = handle.content
-        await self.fetcher.fill(content, content.missing(offset, size))
+        if content.in_store:
+            if offset == handle.read_end:  # sequential: keep the next blocks coming
+                self.fetcher.prefetch(content, (offset + size) // self.cache.block_size)
+            handle.read_end = offset + size
+            await self.fetcher.fill(content, content.missing(offset, size))
         return content.read(offset, size)
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:

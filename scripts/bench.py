@@ -6,9 +6,11 @@ Targets (each measured --runs times, median with min and max):
   cache-disk     torch.save into a directory on the cache disk (the floor for the stall)
   ckptfs-local   torch.save into a ckptfs mount on a local-directory store
   ckptfs-s3      torch.save into a ckptfs mount on the S3 server (OpenStack Swift on 127.0.0.1)
-  boto3          upload_fileobj (8 MiB parts) of the same bytes already in memory (time to durable)
+  boto3          upload_fileobj (8 MiB parts) of the same bytes already in memory (time to durable),
+                 download_fileobj of the object (the baseline for a cold load)
 Time to durable runs from the start of the save until `ckptfs sync` returns (the object is whole
-in the store).
+in the store). Loads: warm = torch.load of the latest checkpoint through the mount that saved it
+vs the cache-disk file (page cache warm); cold = a fresh mount (empty cache, page cache dropped).
 """
 
 from __future__ import annotations
@@ -66,11 +68,44 @@ def bench_mount(name, store_url, endpoint, work: Path, state, runs: int, results
             results.setdefault(f"{name} save stall", []).append(stall)
             results.setdefault(f"{name} time to durable", []).append(durable)
             print(f"  {name} run {i}: stall {stall:.2f} s, durable {durable:.2f} s", flush=True)
+        start = time.perf_counter()  # a restarted job on this node loads the latest checkpoint
+        torch.load(path, weights_only=False)
+        results.setdefault(f"{name} warm load", []).append(time.perf_counter() - start)
         results[f"{name} daemon CPU s/GiB"] = [(_cpu_seconds(pid) - cpu0) / runs / (path.stat().st_size / (1 << 30))]
     finally:
         ckptfs("umount", str(mnt))
         from ckptfs.daemon import ram_dir_for
         shutil.rmtree(ram_dir_for(cache), ignore_errors=True)
+
+
+def bench_loads(store_url, endpoint, work: Path, floor_file: Path, runs: int, results: dict) -> None:
+    """Cold loads through fresh mounts (another node, or an evicted cache), and the floor's warm load."""
+    from ckptfs.daemon import ram_dir_for
+    for i in range(runs):
+        mnt, cache = work / f"cold-{i}-mnt", work / f"cold-{i}-cache"
+        mnt.mkdir()
+        ckptfs("mount", store_url, str(mnt), "--cache-dir", str(cache), "--ram-cache", "3GiB",
+               "--cache-size", "8GiB", "--endpoint-url", endpoint)
+        try:
+            _drop_page_cache()
+            start = time.perf_counter()
+            torch.load(mnt / "step-0" / "model.pt", weights_only=False)
+            results.setdefault("ckptfs-s3 cold load", []).append(time.perf_counter() - start)
+        finally:
+            ckptfs("umount", str(mnt))
+            shutil.rmtree(ram_dir_for(cache), ignore_errors=True)
+        torch.load(floor_file, weights_only=False)
+        start = time.perf_counter()
+        torch.load(floor_file, weights_only=False)
+        results.setdefault("cache-disk warm load", []).append(time.perf_counter() - start)
+
+
+def _drop_page_cache() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+    except OSError:
+        print("  (cannot drop the page cache: not root)", flush=True)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -102,7 +137,8 @@ def main() -> int:
         floor.mkdir()
         for i in range(opts.runs):
             results.setdefault("cache-disk save stall", []).append(timed_save(state, floor / f"model-{i}.pt"))
-            (floor / f"model-{i}.pt").unlink()
+            if i:
+                (floor / f"model-{i}.pt").unlink()
         from boto3.s3.transfer import TransferConfig
         config = TransferConfig(multipart_threshold=8 * MiB, multipart_chunksize=8 * MiB, max_concurrency=8)
         for i in range(opts.runs):
@@ -110,8 +146,14 @@ def main() -> int:
             start = time.perf_counter()
             client.upload_fileobj(buf, "bench", f"boto3/model-{i}.pt", Config=config)
             results.setdefault("boto3 upload (time to durable)", []).append(time.perf_counter() - start)
+        for i in range(opts.runs):
+            _drop_page_cache()
+            start = time.perf_counter()
+            client.download_fileobj("bench", f"boto3/model-{i}.pt", io.BytesIO(), Config=config)
+            results.setdefault("boto3 download (cold load baseline)", []).append(time.perf_counter() - start)
         bench_mount("ckptfs-local", f"file://{work / 'local-store'}", None, work, state, opts.runs, results)
         bench_mount("ckptfs-s3", "s3://bench/ckptfs", server.endpoint, work, state, opts.runs, results)
+        bench_loads("s3://bench/ckptfs", server.endpoint, work, floor / "model-0.pt", opts.runs, results)
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -122,6 +164,8 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"\nsave stall, ckptfs-s3 / cache disk:         {med['ckptfs-s3 save stall'] / med['cache-disk save stall']:.2f}x")
     print(f"time to durable, ckptfs-s3 / boto3 upload:  {med['ckptfs-s3 time to durable'] / med['boto3 upload (time to durable)']:.2f}x")
+    print(f"warm load, ckptfs-s3 / cache disk:          {med['ckptfs-s3 warm load'] / med['cache-disk warm load']:.2f}x")
+    print(f"cold load throughput, ckptfs-s3 / boto3:    {med['boto3 download (cold load baseline)'] / med['ckptfs-s3 cold load']:.2f}x")
     return 0
 
 
