@@ -405,18 +405,27 @@ class StagedFile:
             pos += take
         return bytes(out)
 
-    def truncate(self, size: int) -> None:
+    async def truncate(self, size: int) -> None:
         bs = self.cache.block_size
         keep = (size + bs - 1) // bs
-        for ref in self.blocks[keep:]:
+        self._drop_blocks_from(keep)
+        last = keep - 1
+        if size < self.size and 0 <= last < len(self.blocks):
+            limit = size - last * bs
+            if self.valid[last] > limit:
+                if self.cache.refcounts.get(self.blocks[last], 0) > 1:
+                    # Shared with a committed version: lowering the mark would let a later
+                    # zero-fill write into bytes that version still shows. Copy first.
+                    await self._writable_block(last)
+                self.valid[last] = limit
+        self.size = size
+
+    def _drop_blocks_from(self, index: int) -> None:
+        for ref in self.blocks[index:]:
             if ref is not None:
                 self.cache.decref(ref)
-        del self.blocks[keep:]
-        del self.valid[keep:]
-        if size < self.size and keep:
-            last = keep - 1
-            self.valid[last] = min(self.valid[last], size - last * bs)
-        self.size = size
+        del self.blocks[index:]
+        del self.valid[index:]
 
     def snapshot(self) -> Content:
         """A committed Content sharing this file's blocks (gaps zeroed so every block is whole)."""
@@ -436,4 +445,5 @@ class StagedFile:
         return Content(self.cache, self.size, blocks[:n_blocks])
 
     def discard(self) -> None:
-        self.truncate(0)
+        self._drop_blocks_from(0)
+        self.size = 0

@@ -8,7 +8,9 @@ file sequentially gets the next blocks fetched ahead, in parallel, in the backgr
 
 from __future__ import annotations
 
+import errno
 import logging
+import random
 
 import trio
 
@@ -17,6 +19,8 @@ from .errors import FsError
 from .store.base import NotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
+
+READ_ATTEMPTS = 5  # a reader waits through short glitches, not through an outage
 
 
 class Fetcher:
@@ -48,7 +52,7 @@ class Fetcher:
     async def _prefetch_block(self, content: Content, index: int) -> None:
         try:
             await self._fetch_block(content, index)
-        except FsError as exc:  # the reader will hit it again and see the error
+        except Exception as exc:  # the reader fetches it again itself and sees any error
             log.debug("read-ahead of %s block %d failed: %s", content.key, index, exc)
         finally:
             content.release()
@@ -82,15 +86,21 @@ class Fetcher:
         start = index * self.cache.block_size
         length = content.block_length(index)
         key = content.key
-        try:
-            data = await trio.to_thread.run_sync(self.store.get_range, key, start, length, limiter=self.threads)
-        except NotFound as exc:
-            raise FsError(5, f"{key} is gone from the store") from exc
-        except StoreError as exc:
-            log.error("read of %s failed: %s", key, exc)
-            raise FsError(exc.errno, str(exc)) from exc
-        if len(data) != length:
-            raise FsError(5, f"{key}: short read from the store ({len(data)} of {length} bytes)")
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                data = await trio.to_thread.run_sync(self.store.get_range, key, start, length, limiter=self.threads)
+            except NotFound as exc:
+                raise FsError(errno.EIO, f"{key} is gone from the store") from exc
+            except StoreError as exc:
+                if not exc.transient or attempt == READ_ATTEMPTS:
+                    log.error("read of %s failed: %s", key, exc)
+                    raise FsError(exc.errno, str(exc)) from exc
+                await trio.sleep(min(0.2 * 2 ** attempt, 5) * random.random())  # jittered backoff
+                continue
+            if len(data) == length:
+                break
+            if attempt == READ_ATTEMPTS:
+                raise FsError(errno.EIO, f"{key}: short read from the store ({len(data)} of {length} bytes)")
         ref = await self.cache.alloc()
         self.cache.write(ref, 0, data)
         self.fetched_bytes += length

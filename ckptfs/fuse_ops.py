@@ -65,7 +65,9 @@ class Operations(pyfuse3.Operations):
         entry.st_ino = attr.ino
         entry.generation = 0
         entry.entry_timeout = ENTRY_TIMEOUT
-        entry.attr_timeout = ENTRY_TIMEOUT
+        # Files: no attribute caching. A writer's direct writes move the kernel's size, but
+        # readers see the committed version; a read past a stale size makes the kernel ask again.
+        entry.attr_timeout = ENTRY_TIMEOUT if attr.is_dir else 0
         entry.st_mode = attr.mode
         entry.st_nlink = 2 if attr.is_dir else 1
         entry.st_uid = attr.uid
@@ -155,9 +157,8 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def open(self, inode, flags, ctx):
-        handle, keep_cache = await self.ns.open(inode, flags)
-        writing = handle.staged is not None
-        return pyfuse3.FileInfo(fh=handle.fh, direct_io=writing, keep_cache=keep_cache)
+        handle, keep_cache, direct_io = await self.ns.open(inode, flags)
+        return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_io, keep_cache=keep_cache)
 
     @_errno_boundary
     async def read(self, fh, off, size):

@@ -89,7 +89,7 @@ class Node:
         self.version: Version | None = None
         self.nlookup = 0
         self.handles = 0
-        self.live: Handle | None = None  # the writer whose size getattr shows
+        self.writers = 0  # open handles with a staged copy
         self.kernel_version: Version | None = None  # what the kernel page cache may hold
         self.last_seq = 0  # newest op that concerns this node (for sync PATH)
         self.shadows: list[Shadow] = []
@@ -105,8 +105,8 @@ class Node:
         return key + "/" if self.is_dir and key else key
 
     def size(self) -> int:
-        if self.live is not None:
-            return self.live.staged.size
+        """The committed size. A writer's staged copy is private until it commits, so its
+        growing size is not shown (readers of the committed version must not be cut short)."""
         return self.version.content.size if self.version is not None else 0
 
     def walk(self) -> Iterable[Node]:
@@ -186,9 +186,12 @@ class Namespace:
         elif op.kind == MOVE and parts is not None:
             src = self._find(_split_key(op.src) or [])
             parent = self._ensure_dir(parts[:-1])
-            if src is not None and parent is not None and node is None:
-                self._move(src, parent, parts[-1])
-                node = src
+            if src is not None and parent is not None and src is not node:
+                if node is not None and not node.is_dir:
+                    self._detach(node)  # a rename over an existing file
+                if parts[-1] not in parent.children:
+                    self._move(src, parent, parts[-1])
+                    node = src
         self.uploader.submit(op, None, self._on_moved(node) if op.kind == MOVE else None)
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -279,17 +282,21 @@ class Namespace:
         self._touch(parent)
         return handle, self.attr(node)
 
-    async def open(self, ino: int, flags: int) -> tuple[Handle, bool]:
-        """A handle, and whether the kernel may keep its cached pages of this file."""
+    async def open(self, ino: int, flags: int) -> tuple[Handle, bool, bool]:
+        """A handle; whether the kernel may keep its cached pages of this file; whether reads
+        must bypass the kernel cache (direct I/O)."""
         node = self.node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
         writing = (flags & os.O_ACCMODE) != os.O_RDONLY
         if not writing:
             content = node.version.content if node.version is not None else Content(self.cache, 0, [])
-            keep_cache = node.version is not None and node.kernel_version is node.version
-            node.kernel_version = node.version
-            return self._open_handle(node, None, content.hold(), False), keep_cache
+            # While another handle writes this file, the kernel's idea of its size follows that
+            # writer's private copy; a page-cache read would stop at it. Direct reads ask us.
+            direct = node.writers > 0
+            keep_cache = not direct and node.version is not None and node.kernel_version is node.version
+            node.kernel_version = None if direct else node.version
+            return self._open_handle(node, None, content.hold(), False), keep_cache, direct
         if flags & os.O_TRUNC or node.version is None:
             staged = StagedFile(self.cache)
         else:
@@ -302,9 +309,7 @@ class Namespace:
                 base.release()
         handle = self._open_handle(node, staged, None, bool(flags & os.O_APPEND))
         handle.dirty = bool(flags & os.O_TRUNC)
-        if handle.dirty:
-            node.live = handle
-        return handle, False
+        return handle, False, True
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handle(fh)
@@ -333,7 +338,6 @@ class Namespace:
             log.error("write to %s failed: %s; the file will not be committed", handle.node.key(), exc)
             raise FsError(handle.error) from None
         handle.dirty = True
-        handle.node.live = handle
         handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
         return written
 
@@ -346,8 +350,6 @@ class Namespace:
             return
         node = handle.node
         handle.dirty = False
-        if node.live is handle:
-            node.live = None
         if node.unlinked:
             return  # written after unlink: nobody can see it
         self._commit(node, handle.staged.snapshot(), handle)
@@ -367,9 +369,9 @@ class Namespace:
             handle.staged.discard()
         if handle.content is not None:
             handle.content.release()
-        if node.live is handle:
-            node.live = None
         node.handles -= 1
+        if handle.staged is not None:
+            node.writers -= 1
         self._maybe_clean(node)
         self._maybe_drop(node)
 
@@ -445,12 +447,9 @@ class Namespace:
 
     async def _truncate(self, node: Node, fh: int | None, size: int) -> None:
         handle = self.handles.get(fh) if fh is not None else None
-        if handle is None or handle.staged is None:
-            handle = node.live
-        if handle is not None:  # an open writer: truncate its staged copy
-            handle.staged.truncate(size)
+        if handle is not None and handle.staged is not None:  # ftruncate: the writer's staged copy
+            await handle.staged.truncate(size)
             handle.dirty = True
-            node.live = handle
             return
         # No writer: truncate(path) is open + truncate + close.
         base = node.version.content.hold() if node.version is not None else None
@@ -463,7 +462,7 @@ class Namespace:
         finally:
             if base is not None:
                 base.release()
-        staged.truncate(size)
+        await staged.truncate(size)
         if not node.unlinked:
             self._commit(node, staged.snapshot())
         staged.discard()
@@ -514,6 +513,11 @@ class Namespace:
         self._move(node, new_parent, new_name)
         for n in node.walk():
             self._relocate(n, old_keys[n])
+        # Old directory markers go last, deepest first: a local store removes a directory
+        # only once the files moved out of it.
+        for n in reversed(list(node.walk())):
+            if n.is_dir:
+                self._log(Op(DELETE, old_keys[n]))
         self._touch(old_parent)
         self._touch(new_parent)
 
@@ -593,7 +597,6 @@ class Namespace:
         new_key = node.key()
         if node.is_dir:
             node.last_seq = self._log(Op(MKDIR, new_key)).seq
-            self._log(Op(DELETE, old_key))
             return
         for shadow in node.shadows:
             shadow.op.key = new_key
@@ -667,6 +670,8 @@ class Namespace:
         self._next_fh += 1
         self.handles[handle.fh] = handle
         node.handles += 1
+        if staged is not None:
+            node.writers += 1
         self.cache.unmark_clean(node)
         return handle
 

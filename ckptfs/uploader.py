@@ -110,6 +110,8 @@ class Uploader:
             return False
         del self.pending[seq]
         task.cancelled = True
+        if task.ready.is_set() and task.upload is not None:  # prepared: nobody else will abort it
+            self.nursery.start_soon(self._abort, *task.upload, f"{seq}.{task.upload_serial}")
         task.scope.cancel()
         task.ready.set()
         self.journal.cancel(seq)
@@ -158,7 +160,7 @@ class Uploader:
         with task.scope:
             await self._until_done(task, self._prepare_once)
             task.ready.set()
-        if task.cancelled and task.upload is not None:
+        if task.cancelled and task.upload is not None:  # cancelled while preparing
             await self._abort(*task.upload, f"{task.op.seq}.{task.upload_serial}")
 
     async def _prepare_once(self, task: Task) -> None:
@@ -179,11 +181,12 @@ class Uploader:
 
     async def _upload_parts(self, task: Task) -> None:
         op = task.op
+        key = op.key  # a rename may retarget the op while we wait: the upload stays under this key
         metadata = {"xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size)}
-        upload_id = await self._call(op.key, self.store.create_multipart, op.key, metadata)
+        upload_id = await self._call(key, self.store.create_multipart, key, metadata)
         task.upload_serial += 1
-        task.upload = (op.key, upload_id)
-        self.journal.multipart_started(f"{op.seq}.{task.upload_serial}", op.key, upload_id)
+        task.upload = (key, upload_id)
+        self.journal.multipart_started(f"{op.seq}.{task.upload_serial}", key, upload_id)
         n_parts = math.ceil(op.size / task.part_size)
         task.parts = [None] * n_parts
         task.bytes_sent = 0

@@ -187,8 +187,13 @@ class S3Store(ObjectStore):
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
                                            Range=f"bytes={start}-{start + length - 1}")
-            with resp["Body"] as body:
+            body = resp["Body"]
+            try:
+                # StreamingBody.read (not the raw stream its context manager hands out) turns
+                # a reset or a short body into a botocore error, which we map below.
                 return body.read()
+            finally:
+                body.close()
         except bex.ClientError as e:
             # 416: the object exists but starts before `start` (or is empty): nothing to read.
             if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:

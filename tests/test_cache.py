@@ -1,0 +1,427 @@
+"""The write-back cache: arenas, reference counts, budgets, backpressure, eviction, staged files.
+
+A StagedFile is checked against a plain bytearray model under random writes, truncates and
+reads; snapshots (committed Contents) must never change afterwards (copy on write).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from ckptfs.cache import DISK, RAM, Cache, Content, StagedFile
+
+BS = 64 << 10  # block size: small, so files of a few blocks exercise every boundary
+
+
+def make_cache(tmp_path, ram_blocks=4, disk_blocks=8) -> Cache:
+    return Cache(tmp_path / "cache", tmp_path / "ram", BS, ram_blocks * BS, disk_blocks * BS)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    c = make_cache(tmp_path, ram_blocks=16, disk_blocks=256)
+    yield c
+    c.close()
+
+
+def assert_all_free(cache: Cache) -> None:
+    assert cache.refcounts == {}
+    for tier in cache.tiers:
+        assert sorted(tier.free) == list(range(tier.n_slots))
+
+
+class Model:
+    """A StagedFile and the bytes it must hold."""
+
+    def __init__(self, cache: Cache, base: tuple[Content, bytes] | None = None):
+        self.staged = StagedFile(cache, base[0] if base else None)
+        self.data = bytearray(base[1] if base else b"")
+
+    async def write(self, offset: int, data: bytes) -> None:
+        assert await self.staged.write(offset, data) == len(data)
+        if offset > len(self.data):
+            self.data.extend(bytes(offset - len(self.data)))
+        self.data[offset : offset + len(data)] = data
+
+    async def truncate(self, size: int) -> None:
+        await self.staged.truncate(size)
+        if size < len(self.data):
+            del self.data[size:]
+        else:
+            self.data.extend(bytes(size - len(self.data)))
+
+    def check(self, rng: random.Random | None = None) -> None:
+        assert self.staged.size == len(self.data)
+        assert self.staged.read(0, len(self.data) + BS) == bytes(self.data)
+        if rng is not None:  # a random window, possibly past the end
+            offset = rng.randrange(0, len(self.data) + BS)
+            length = rng.randrange(0, 3 * BS)
+            assert self.staged.read(offset, length) == bytes(self.data[offset : offset + length])
+
+
+async def random_session(cache: Cache, seed: int, steps: int, safe_truncates: bool) -> None:
+    """Random writes (gaps past the end, spanning blocks), truncates, reads and snapshots.
+
+    Every snapshot is held and re-checked at the end: later writes and truncates of the
+    staged file must not have changed it. ``safe_truncates`` limits shrinks to block
+    boundaries inside the allocated blocks, with no shrink once a snapshot shares the blocks.
+    """
+    rng = random.Random(seed)
+    m = Model(cache)
+    snapshots: list[tuple[Content, bytes]] = []
+    for _ in range(steps):
+        r = rng.random()
+        if r < 0.55:
+            offset = rng.randrange(0, len(m.data) + 2 * BS)
+            await m.write(offset, rng.randbytes(rng.randrange(1, BS + BS // 2)))
+        elif r < 0.75:
+            size = rng.randrange(0, len(m.data) + 2 * BS)
+            if safe_truncates and size < len(m.data):
+                if snapshots:
+                    continue
+                size = min(size // BS, len(m.staged.blocks)) * BS
+            await m.truncate(size)
+        elif r < 0.85 and len(snapshots) < 8:
+            snap = m.staged.snapshot().hold()
+            assert snap.size == len(m.data)
+            assert snap.read(0, snap.size) == bytes(m.data)
+            snapshots.append((snap, bytes(m.data)))
+        else:
+            m.check(rng)
+    m.check()
+    for snap, expected in snapshots:
+        assert snap.size == len(expected)
+        assert snap.read(0, snap.size + 1) == expected
+        snap.release()
+    m.staged.discard()
+    assert_all_free(cache)
+
+
+# -- StagedFile against the model -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_staged_file_matches_model(cache, seed):
+    trio.run(random_session, cache, seed, 250, True)
+
+
+@pytest.mark.parametrize("seed", range(12))  # 0 and 6 once found truncate bugs
+def test_staged_file_matches_model_any_truncate(cache, seed):
+    trio.run(random_session, cache, seed, 250, False)
+
+
+def test_writes_spanning_blocks_and_gaps(cache):
+    async def main():
+        m = Model(cache)
+        await m.write(10, b"a" * (2 * BS))  # starts mid block 0, ends in block 2
+        m.check()
+        await m.write(5 * BS + 7, b"b" * 3)  # a gap past the end: blocks 3 and 4 are holes
+        m.check()
+        assert m.staged.blocks[3] is None and m.staged.blocks[4] is None
+        await m.write(3 * BS + 100, b"c" * 10)  # into a hole, leaving a gap inside the block
+        m.check()
+        await m.write(BS - 1, b"xyz")  # across a block boundary
+        m.check()
+        snap = m.staged.snapshot().hold()
+        assert snap.read(0, snap.size) == bytes(m.data)
+        assert snap.blocks[4] is None  # holes stay holes in the content
+        snap.release()
+        m.staged.discard()
+        assert_all_free(cache)
+
+    trio.run(main)
+
+
+def test_truncate_shrink_and_extend(cache):
+    async def main():
+        m = Model(cache)
+        await m.write(0, bytes(range(256)) * (3 * BS // 256))
+        await m.truncate(BS + 10)  # mid block 1: block 2 is freed
+        m.check()
+        assert len(m.staged.blocks) == 2
+        await m.truncate(3 * BS)  # extend: the old bytes past BS + 10 must read as zeros
+        m.check()
+        await m.write(2 * BS, b"tail")
+        m.check()
+        await m.truncate(0)
+        m.check()
+        assert_all_free(cache)
+
+    trio.run(main)
+
+
+# -- copy on write -----------------------------------------------------------------------------------
+
+
+def test_snapshot_is_immutable_copy_on_write(cache):
+    async def main():
+        m = Model(cache)
+        await m.write(0, b"A" * (2 * BS + 100))
+        snap = m.staged.snapshot().hold()
+        v1 = bytes(m.data)
+        shared = list(snap.blocks)
+        assert m.staged.blocks == shared  # shared, not copied, at commit
+        assert all(cache.refcounts[ref] == 2 for ref in shared)
+
+        await m.write(BS + 5, b"B" * 10)  # block 1 is copied before the write
+        await m.write(2 * BS + 50, b"C" * 200)  # partial last block: copied, then extended
+        await m.truncate(2 * BS + 300)
+        m.check()
+        assert snap.read(0, snap.size) == v1
+        assert m.staged.blocks[0] == shared[0]  # untouched block still shared
+        assert m.staged.blocks[1] != shared[1] and m.staged.blocks[2] != shared[2]
+
+        # A staged file opened on the content (reopen for writing) shares it the same way.
+        m2 = Model(cache, (snap, v1))
+        await m2.write(0, b"D")
+        m2.check()
+        assert snap.read(0, snap.size) == v1
+        m2.staged.discard()
+        m.staged.discard()
+        assert snap.read(0, snap.size) == v1
+        snap.release()
+        assert_all_free(cache)
+
+    trio.run(main)
+
+
+def test_shrink_then_grow_does_not_change_committed_content(cache):
+    async def main():
+        m = Model(cache)
+        await m.write(0, b"A" * 100)
+        committed = m.staged.snapshot().hold()
+        m.staged.discard()
+        m = Model(cache, (committed, b"A" * 100))  # reopen for writing
+        await m.truncate(10)
+        await m.truncate(100)  # or any write past the block: the file grows again
+        m.check()  # the staged file itself reads right
+        m.staged.snapshot().hold()  # commit (or fsync) of the staged file
+        assert committed.read(0, 100) == b"A" * 100  # actual: A*10 + zeros
+
+    trio.run(main)
+
+
+def test_truncate_extend_then_shrink_inside_the_hole(cache):
+    async def main():
+        staged = StagedFile(cache)
+        await staged.truncate(10 * BS)
+        await staged.truncate(5 * BS)
+        assert staged.size == 5 * BS
+        assert staged.read(0, 10 * BS) == bytes(5 * BS)
+
+    trio.run(main)
+
+
+# -- reference counts, tiers, budgets ------------------------------------------------------------------
+
+
+def test_content_release_frees_blocks(cache):
+    async def main():
+        s = StagedFile(cache)
+        await s.write(0, b"x" * (3 * BS))
+        content = s.snapshot()
+        s.discard()
+        assert [cache.refcounts[r] for r in content.refs()] == [1, 1, 1]
+        content.hold()
+        content.hold()
+        content.release()
+        assert len(cache.refcounts) == 3  # one holder left
+        content.release()
+        assert content.blocks == [None, None, None]
+        assert_all_free(cache)
+
+    trio.run(main)
+
+
+def test_ram_tier_fills_then_spills_to_disk(tmp_path):
+    cache = make_cache(tmp_path, ram_blocks=3, disk_blocks=4)
+    try:
+        refs = [cache.try_alloc() for _ in range(7)]
+        assert [t for t, _ in refs] == [RAM] * 3 + [DISK] * 4
+        assert len(set(refs)) == 7
+        assert cache.try_alloc() is None  # full, nothing clean to evict
+        usage = cache.usage()
+        assert usage["ram"] == {"used": 3 * BS, "budget": 3 * BS}
+        assert usage["disk"] == {"used": 4 * BS, "budget": 4 * BS}
+        cache.decref(refs[1])
+        assert cache.try_alloc() == refs[1]  # a freed RAM slot is reused first
+        # Data lands where the slot is, on either tier.
+        for i, ref in enumerate(refs):
+            cache.write(ref, 0, bytes([i]) * 100)
+        assert [cache.read(ref, 0, 100) for ref in refs] == [bytes([i]) * 100 for i in range(7)]
+        for ref in refs:
+            cache.decref(ref)
+        assert_all_free(cache)
+    finally:
+        cache.close()
+
+
+def test_only_forces_a_tier(tmp_path):
+    cache = make_cache(tmp_path, ram_blocks=2, disk_blocks=2)
+    try:
+        assert cache.try_alloc(only=DISK)[0] == DISK
+        assert cache.try_alloc(only=RAM)[0] == RAM
+        assert cache.try_alloc(only=DISK)[0] == DISK
+        assert cache.try_alloc(only=DISK) is None  # RAM has room, but DISK was asked for
+    finally:
+        cache.close()
+
+
+def test_backpressure_waits_for_a_decref(tmp_path):
+    cache = make_cache(tmp_path, ram_blocks=2, disk_blocks=2)
+
+    async def main():
+        held = [await cache.alloc() for _ in range(4)]
+        got = []
+
+        async def writer():
+            got.append(await cache.alloc())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == [] and cache.waiters == 1
+            assert cache.usage()["writers_waiting"] == 1
+            cache.incref(held[2])
+            cache.decref(held[2])  # still referenced: no space yet
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []
+            cache.decref(held[3])  # the last reference: the slot is free
+        assert got == [held[3]] and cache.waiters == 0
+        for ref in held[:3] + got:
+            cache.decref(ref)
+        assert_all_free(cache)
+
+    try:
+        trio.run(main)
+    finally:
+        cache.close()
+
+
+def test_clean_content_is_evicted_to_make_room(tmp_path):
+    cache = make_cache(tmp_path, ram_blocks=2, disk_blocks=2)
+
+    async def main():
+        s = StagedFile(cache)
+        await s.write(0, b"c" * (2 * BS))  # fills RAM
+        clean = s.snapshot().hold()
+        s.discard()
+        held = [await cache.alloc(), await cache.alloc()]  # fills disk
+        assert [t for t, _ in held] == [DISK, DISK]
+        evicted = []
+        cache.mark_clean("clean-file", clean, lambda: evicted.append("clean-file"))
+        assert cache.usage()["clean_bytes"] == 2 * BS
+
+        ref = await cache.alloc()  # evicts the clean content rather than waiting
+        assert evicted == ["clean-file"]
+        assert clean.blocks == [None, None]
+        assert ref[0] == RAM
+        assert cache.usage()["clean_bytes"] == 0
+        # Its other block went back to the free list.
+        assert cache.try_alloc()[0] == RAM
+        assert cache.try_alloc() is None
+
+    try:
+        trio.run(main)
+    finally:
+        cache.close()
+
+
+def test_mark_clean_wakes_a_waiting_writer(tmp_path):
+    cache = make_cache(tmp_path, ram_blocks=1, disk_blocks=1)
+
+    async def main():
+        s = StagedFile(cache)
+        await s.write(0, b"c" * 10)
+        content = s.snapshot().hold()
+        s.discard()
+        other = await cache.alloc()
+        evicted = []
+        got = []
+
+        async def writer():
+            got.append(await cache.alloc())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []
+            cache.mark_clean("f", content, lambda: evicted.append("f"))  # uploaded: may go
+        assert evicted == ["f"] and len(got) == 1
+        cache.unmark_clean("f")  # unknown owner now: no error
+        cache.decref(other)
+        cache.decref(got[0])
+        assert_all_free(cache)
+
+    try:
+        trio.run(main)
+    finally:
+        cache.close()
+
+
+def test_unmarked_content_is_not_evicted(tmp_path):
+    cache = make_cache(tmp_path, ram_blocks=1, disk_blocks=0)
+    try:
+        ref = cache.try_alloc()
+        content = Content(cache, 10, [ref]).hold()
+        cache.mark_clean("f", content, lambda: pytest.fail("evicted after unmark_clean"))
+        cache.unmark_clean("f")  # reopened: it must stay
+        assert cache.try_alloc() is None
+        assert content.blocks == [ref]
+    finally:
+        cache.close()
+
+
+# -- arenas outlive the Cache object -------------------------------------------------------------------
+
+
+def test_arenas_survive_a_new_cache_object(tmp_path):
+    data = random.Random(7).randbytes(5 * BS + 123)
+
+    async def write():
+        cache = make_cache(tmp_path, ram_blocks=2, disk_blocks=8)
+        s = StagedFile(cache)
+        await s.write(0, data)
+        content = s.snapshot()
+        refs = list(content.blocks)
+        arena_id = cache.ram_arena_id
+        cache.close()  # a crash: nothing released, nothing synced explicitly
+        return refs, arena_id
+
+    refs, arena_id = trio.run(write)
+    assert {t for t, _ in refs} == {RAM, DISK}  # both tiers hold part of the file
+
+    cache = make_cache(tmp_path, ram_blocks=2, disk_blocks=8)
+    try:
+        assert cache.ram_arena_id == arena_id  # same tmpfs arena: the RAM blocks are valid
+        assert all(cache.valid_ref(r) for r in refs)
+        cache.adopt(refs)
+        content = Content(cache, len(data), refs).hold()
+        assert content.read(0, len(data)) == data
+        # Adopted slots are not handed out again; the others are.
+        fresh = [cache.try_alloc() for _ in range(4)]
+        assert None not in fresh and not set(fresh) & set(refs)
+        assert cache.try_alloc() is None
+        for ref in fresh:
+            cache.decref(ref)
+        content.release()
+        assert_all_free(cache)
+    finally:
+        cache.close()
+
+
+def test_new_ram_arena_gets_a_new_id(tmp_path):
+    cache = make_cache(tmp_path)
+    first = cache.ram_arena_id
+    cache.close()
+    for p in (tmp_path / "ram").iterdir():  # a reboot empties tmpfs
+        p.unlink()
+    cache = make_cache(tmp_path)
+    try:
+        assert cache.ram_arena_id != first
+    finally:
+        cache.close()

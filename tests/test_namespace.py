@@ -1,0 +1,643 @@
+"""The namespace, driven by calling its methods directly (no FUSE), wired like ckptfs/daemon.py:
+Cache, Journal, Uploader and Fetcher over a LocalStore on tmp_path, inside trio with the
+uploader and fetcher running in a nursery.
+
+Covers commit on flush (old readers keep their version), rename (over a file, of a pending
+file, of directories), unlink of a pending file, the errors users can hit, load() from a store
+listing (unsafe keys hidden) and the replay of pending ops after a restart.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import xxhash
+
+from ckptfs.cache import Cache
+from ckptfs.errors import FsError
+from ckptfs.fetcher import Fetcher
+from ckptfs.journal import Journal
+from ckptfs.namespace import RENAME_NOREPLACE, ROOT_INODE, Namespace
+from ckptfs.store.base import ObjectInfo
+from ckptfs.store.local import LocalStore
+from ckptfs.uploader import Uploader
+from tests.faults import FaultyStore
+
+BS = 64 << 10
+UID, GID = os.getuid(), os.getgid()
+WRITE = os.O_WRONLY
+RDWR = os.O_RDWR
+
+
+def blob(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+class Mount:
+    """The daemon's parts around one namespace (what ``Daemon.run`` + ``_serve`` build)."""
+
+    def __init__(self, tmp_path, store):
+        self.store = store
+        self.cache = Cache(tmp_path / "cache", tmp_path / "ram", BS, 16 * BS, 64 * BS)
+        self.journal = Journal(tmp_path / "cache" / "journal", self.cache.ram_arena_id)
+        pending, self.open_uploads = self.journal.replay()
+        self.pending = [op for op in pending if all(r is None or self.cache.valid_ref(r) for r in op.blocks)]
+        self.cache.adopt(ref for op in self.pending for ref in op.blocks if ref is not None)
+        self.journal.open(self.pending, self.open_uploads)
+        self.uploader = Uploader(store, self.cache, self.journal, BS, concurrency=4)
+        self.fetcher = Fetcher(store, self.cache, 4)
+        self.ns = Namespace(self.cache, self.journal, self.uploader, self.fetcher, UID, GID)
+
+    def close(self):
+        self.journal.close()
+        self.cache.close()
+
+
+@asynccontextmanager
+async def mounted(tmp_path, store, listing=None):
+    """A namespace serving ``store`` (built from ``listing``, or the store's own listing)."""
+    m = Mount(tmp_path, store)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(m.uploader.run, m.open_uploads)
+            await nursery.start(m.fetcher.run)
+            m.ns.load(list(store.list("")) if listing is None else listing, m.pending)
+            try:
+                yield m
+            finally:
+                if isinstance(store, FaultyStore):
+                    store.open_all()
+            nursery.cancel_scope.cancel()
+    finally:
+        m.close()
+
+
+@pytest.fixture
+def local(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    store.check()
+    return store
+
+
+# -- helpers: what the kernel would send ---------------------------------------------------------------
+
+
+def ino(ns: Namespace, path: str) -> int:
+    node = ROOT_INODE
+    for part in [p for p in path.split("/") if p]:
+        node = ns.lookup(node, part).ino
+    return node
+
+
+async def create(ns: Namespace, path: str, data: bytes) -> int:
+    """create + write + close: the file is committed."""
+    parent, _, name = path.rpartition("/")
+    handle, attr = ns.create(ino(ns, parent), name, 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
+    if data:
+        assert await ns.write(handle.fh, 0, data) == len(data)
+    ns.flush(handle.fh)
+    ns.release(handle.fh)
+    return attr.ino
+
+
+async def read_all(ns: Namespace, path_or_ino) -> bytes:
+    i = ino(ns, path_or_ino) if isinstance(path_or_ino, str) else path_or_ino
+    handle, *_ = await ns.open(i, os.O_RDONLY)
+    try:
+        return await ns.read(handle.fh, 0, 1 << 30)  # clamped to the version's size
+    finally:
+        ns.release(handle.fh)
+
+
+def mkdirs(ns: Namespace, path: str) -> int:
+    node = ROOT_INODE
+    for part in [p for p in path.split("/") if p]:
+        try:
+            node = ns.lookup(node, part).ino
+        except FsError:
+            node = ns.mkdir(node, part, 0o755, UID, GID).ino
+    return node
+
+
+def names(ns: Namespace, path: str = "") -> list[str]:
+    return [name for name, _ in ns.readdir(ino(ns, path))]
+
+
+def err(fn, *args) -> int:
+    with pytest.raises(FsError) as info:
+        fn(*args)
+    return info.value.errno
+
+
+async def aerr(fn, *args) -> int:
+    with pytest.raises(FsError) as info:
+        await fn(*args)
+    return info.value.errno
+
+
+async def sync(m: Mount) -> None:
+    await m.uploader.wait_durable(m.uploader.last_seq())
+
+
+def store_files(store) -> dict[str, bytes]:
+    inner = store.inner if isinstance(store, FaultyStore) else store
+    return {o.key: inner.get_range(o.key, 0, o.size) for o in inner.list("") if not o.key.endswith("/")}
+
+
+def store_keys(store) -> set[str]:
+    inner = store.inner if isinstance(store, FaultyStore) else store
+    return {o.key for o in inner.list("")}
+
+
+def assert_xxh3(store, key: str, data: bytes) -> None:
+    inner = store.inner if isinstance(store, FaultyStore) else store
+    assert inner.head(key).metadata["xxh3"] == xxhash.xxh3_64(data).hexdigest()
+
+
+# -- commit on flush --------------------------------------------------------------------------------------
+
+
+def test_commit_on_flush_old_reader_keeps_its_version(tmp_path, local):
+    v1, v2 = blob(3 * BS + 5, 1), blob(2 * BS + 9, 2)
+
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            f = await create(ns, "/f.bin", v1)
+            assert ns.state(f) == "pending"
+            old_reader, *_ = await ns.open(f, os.O_RDONLY)
+
+            writer, *_ = await ns.open(f, os.O_WRONLY | os.O_TRUNC)
+            await ns.write(writer.fh, 0, v2[:BS])
+            assert await read_all(ns, f) == v1  # not committed: new readers see v1
+            await ns.write(writer.fh, BS, v2[BS:])
+            ns.flush(writer.fh)  # commit
+            assert await read_all(ns, f) == v2
+            ns.release(writer.fh)
+
+            assert await ns.read(old_reader.fh, 0, len(v1) + 1) == v1
+            ns.release(old_reader.fh)
+            await sync(m)
+            assert ns.state(f) == "durable"
+            assert await read_all(ns, f) == v2
+            assert store_files(local) == {"f.bin": v2}
+            assert_xxh3(local, "f.bin", v2)
+
+    trio.run(main)
+
+
+def test_random_writes_into_an_existing_file(tmp_path, local):
+    v1 = blob(3 * BS, 3)
+
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            f = await create(ns, "/f.bin", v1)
+            await sync(m)
+            h, *_ = await ns.open(f, RDWR)  # no O_TRUNC: the staged copy starts as v1
+            await ns.write(h.fh, BS + 10, b"patch")
+            await ns.write(h.fh, 4 * BS, b"past the end")
+            expected = bytearray(v1)
+            expected[BS + 10 : BS + 15] = b"patch"
+            expected += bytes(BS) + b"past the end"
+            assert await ns.read(h.fh, 0, len(expected) + 1) == expected  # the writer reads its copy
+            assert await read_all(ns, f) == v1
+            ns.flush(h.fh)
+            ns.release(h.fh)
+            assert await read_all(ns, f) == expected
+            await sync(m)
+            assert store_files(local) == {"f.bin": bytes(expected)}
+
+    trio.run(main)
+
+
+def test_empty_file_is_committed_and_uploaded(tmp_path, local):
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            f = await create(m.ns, "/empty", b"")
+            assert m.ns.getattr(f).size == 0
+            await sync(m)
+        assert store_files(local) == {"empty": b""}
+
+    trio.run(main)
+
+
+def test_truncate_by_path_and_by_handle(tmp_path, local):
+    v1 = blob(3 * BS, 4)
+
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            f = await create(ns, "/f.bin", v1)
+            await sync(m)
+            await ns.setattr(f, None, size=BS + 3)  # truncate(path): a commit of its own
+            assert await read_all(ns, f) == v1[: BS + 3]
+            await ns.setattr(f, None, size=2 * BS)  # extend with zeros
+            assert await read_all(ns, f) == v1[: BS + 3] + bytes(BS - 3)
+
+            h, *_ = await ns.open(f, RDWR)
+            await ns.setattr(f, h.fh, size=10)  # ftruncate: the writer's staged copy
+            assert await read_all(ns, f) == v1[: BS + 3] + bytes(BS - 3)  # not committed yet
+            ns.flush(h.fh)
+            ns.release(h.fh)
+            assert await read_all(ns, f) == v1[:10]
+            await sync(m)
+            assert store_files(local) == {"f.bin": v1[:10]}
+            assert await aerr(ns.setattr, ino(ns, ""), None, 0) == errno.EISDIR
+
+    trio.run(main)
+
+
+def test_writer_truncate_and_regrow_keeps_old_version_intact(tmp_path, local):
+    v1 = b"A" * 1000
+
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            f = await create(ns, "/f.bin", v1)
+            await sync(m)
+            reader, *_ = await ns.open(f, os.O_RDONLY)
+            h, *_ = await ns.open(f, RDWR)
+            await ns.setattr(f, h.fh, size=10)  # ftruncate(fd, 10)
+            await ns.write(h.fh, BS, b"next block")  # the file grows again
+            ns.flush(h.fh)
+            ns.release(h.fh)
+            assert await read_all(ns, f) == b"A" * 10 + bytes(BS - 10) + b"next block"
+            assert await ns.read(reader.fh, 0, 2000) == v1  # actual: A*10 + zeros
+            ns.release(reader.fh)
+
+    trio.run(main)
+
+
+def test_writer_truncate_extend_then_shrink(tmp_path, local):
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            handle, attr = ns.create(ROOT_INODE, "pre", 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
+            await ns.setattr(attr.ino, handle.fh, size=10 * BS)  # preallocate
+            await ns.setattr(attr.ino, handle.fh, size=5 * BS)
+            ns.flush(handle.fh)
+            ns.release(handle.fh)
+            assert await read_all(ns, "pre") == bytes(5 * BS)
+
+    trio.run(main)
+
+
+# -- rename ----------------------------------------------------------------------------------------------
+
+
+def test_rename_over_an_existing_file(tmp_path, local):
+    a, b, c = blob(100, 1), blob(2 * BS, 2), blob(BS + 1, 3)
+
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            await create(ns, "/a", a)
+            b_ino = await create(ns, "/b", b)
+            await sync(m)
+            reader, *_ = await ns.open(b_ino, os.O_RDONLY)
+            ns.rename(ROOT_INODE, "a", ROOT_INODE, "b", 0)  # durable over durable: copy + delete
+            assert err(ns.lookup, ROOT_INODE, "a") == errno.ENOENT
+            assert await read_all(ns, "b") == a
+            assert await ns.read(reader.fh, 0, 3 * BS) == b  # an open reader keeps the old file
+            ns.release(reader.fh)
+
+            await create(ns, "/tmp.c", c)  # pending over durable: retargeted
+            ns.rename(ROOT_INODE, "tmp.c", ROOT_INODE, "b", 0)
+            assert names(ns) == ["b"]
+            assert await read_all(ns, "b") == c
+
+            await create(ns, "/x", b"x")
+            assert err(ns.rename, ROOT_INODE, "x", ROOT_INODE, "b", RENAME_NOREPLACE) == errno.EEXIST
+            await sync(m)
+        assert store_files(local) == {"b": c, "x": b"x"}
+        assert_xxh3(local, "b", c)
+
+    trio.run(main)
+
+
+def test_rename_of_a_pending_file_retargets_its_upload(tmp_path, local):
+    store = FaultyStore(local)
+    small, big = blob(300, 1), blob(3 * BS + 7, 2)
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            ns = m.ns
+            await create(ns, "/small.tmp", small)
+            ns.rename(ROOT_INODE, "small.tmp", ROOT_INODE, "small.bin", 0)  # before any upload
+
+            gate = store.hold("put", "blocker")  # hold the publisher on an earlier file
+            await create(ns, "/blocker", b"b")
+            big_ino = await create(ns, "/big.tmp", big)
+            await gate.entered()
+            await m.uploader.pending[ns.node(big_ino).version.seq].ready.wait()  # parts sent
+            ns.rename(ROOT_INODE, "big.tmp", ROOT_INODE, "big.bin", 0)
+            assert ns.state(big_ino) == "pending"
+            gate.open()
+            await sync(m)
+            assert ns.state(big_ino) == "durable"
+            assert await read_all(ns, "big.bin") == big
+
+    trio.run(main)
+    assert store_files(local) == {"small.bin": small, "blocker": b"b", "big.bin": big}
+    assert store.count("put", "small.tmp") == 0  # retargeted, not uploaded then moved
+    assert store.count("copy") == 0
+    assert local.list_multipart() == []
+    assert_xxh3(local, "big.bin", big)
+
+
+def test_directory_rename_with_durable_and_pending_files(tmp_path, local):
+    a, b = blob(100, 1), blob(2 * BS + 1, 2)
+
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            mkdirs(ns, "/tmp-ckpt/sub")
+            await create(ns, "/tmp-ckpt/a.bin", a)
+            await sync(m)  # a.bin durable: its rename is a server-side copy
+            await create(ns, "/tmp-ckpt/sub/b.bin", b)  # pending: retargeted
+            ns.rename(ROOT_INODE, "tmp-ckpt", ROOT_INODE, "ckpt-1", 0)
+            assert err(ns.lookup, ROOT_INODE, "tmp-ckpt") == errno.ENOENT
+            assert names(ns) == ["ckpt-1"]
+            assert names(ns, "ckpt-1") == ["a.bin", "sub"]
+            assert await read_all(ns, "ckpt-1/a.bin") == a
+            assert await read_all(ns, "ckpt-1/sub/b.bin") == b
+            await sync(m)
+
+    trio.run(main)
+    assert store_files(local) == {"ckpt-1/a.bin": a, "ckpt-1/sub/b.bin": b}
+
+
+def test_directory_rename_leaves_no_old_directory_in_the_store(tmp_path, local):
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            mkdirs(m.ns, "/tmp-ckpt/sub")
+            await create(m.ns, "/tmp-ckpt/sub/a.bin", b"a")
+            await sync(m)
+            m.ns.rename(ROOT_INODE, "tmp-ckpt", ROOT_INODE, "ckpt-1", 0)
+            await sync(m)
+        assert store_keys(local) == {"ckpt-1/", "ckpt-1/sub/", "ckpt-1/sub/a.bin"}
+
+    trio.run(main)
+
+
+def test_rename_a_directory_into_itself_and_over_files(tmp_path, local):
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            d = mkdirs(ns, "/d/inner")
+            full = mkdirs(ns, "/full")
+            await create(ns, "/full/x", b"x")
+            await create(ns, "/file", b"f")
+            mkdirs(ns, "/empty")
+            assert err(ns.rename, ROOT_INODE, "d", d, "loop", 0) == errno.EINVAL
+            assert err(ns.rename, ROOT_INODE, "d", ROOT_INODE, "full", 0) == errno.ENOTEMPTY
+            assert err(ns.rename, ROOT_INODE, "d", ROOT_INODE, "file", 0) == errno.ENOTDIR
+            assert err(ns.rename, ROOT_INODE, "file", ROOT_INODE, "empty", 0) == errno.EISDIR
+            assert err(ns.rename, ROOT_INODE, "nope", ROOT_INODE, "x", 0) == errno.ENOENT
+            assert err(ns.rename, ROOT_INODE, "file", ROOT_INODE, "x", 2) == errno.EINVAL  # EXCHANGE
+            ns.rename(ROOT_INODE, "d", ROOT_INODE, "empty", 0)  # over an empty directory
+            assert names(ns) == ["empty", "file", "full"]
+            assert names(ns, "empty") == ["inner"]
+            assert ns.lookup(full, "x").size == 1
+            await sync(m)
+        assert store_files(local) == {"full/x": b"x", "file": b"f"}
+        assert "empty/inner/" in store_keys(local)
+
+    trio.run(main)
+
+
+# -- unlink ------------------------------------------------------------------------------------------------
+
+
+def test_unlink_of_a_pending_file_cancels_its_upload(tmp_path, local):
+    store = FaultyStore(local)
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            ns = m.ns
+            await create(ns, "/doomed", blob(1000))
+            ns.unlink(ROOT_INODE, "doomed")  # before the uploader ran: cancelled
+            assert err(ns.lookup, ROOT_INODE, "doomed") == errno.ENOENT
+            await create(ns, "/kept", b"kept")
+            await create(ns, "/durable", b"d")
+            await sync(m)
+            ns.unlink(ROOT_INODE, "durable")  # in the store already: deleted
+            await sync(m)
+            assert m.cache.refcounts.keys() == set(ns.node(ino(ns, "kept")).version.content.refs())
+
+    trio.run(main)
+    assert store.count("put", "doomed") == 0
+    assert store_files(local) == {"kept": b"kept"}
+
+
+def test_unlinked_file_stays_readable_by_open_handles(tmp_path, local):
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            f = await create(ns, "/f", b"data")
+            reader, *_ = await ns.open(f, os.O_RDONLY)
+            writer, *_ = await ns.open(f, WRITE)
+            ns.unlink(ROOT_INODE, "f")
+            assert await ns.read(reader.fh, 0, 100) == b"data"
+            await ns.write(writer.fh, 0, b"DATA")
+            ns.flush(writer.fh)  # written after unlink: nobody can see it, nothing uploads
+            ns.release(writer.fh)
+            ns.release(reader.fh)
+            await sync(m)
+            assert names(ns) == []
+            assert m.cache.refcounts == {}
+        assert store_files(local) == {}
+
+    trio.run(main)
+
+
+# -- errors ----------------------------------------------------------------------------------------------
+
+
+def test_errors_users_can_hit(tmp_path, local):
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            d = mkdirs(ns, "/d")
+            f = await create(ns, "/d/f", b"f")
+            assert err(ns.lookup, ROOT_INODE, "missing") == errno.ENOENT
+            assert err(ns.getattr, 10**6) == errno.ENOENT
+            assert err(ns.mkdir, ROOT_INODE, "d", 0o755, UID, GID) == errno.EEXIST
+            assert err(ns.create, d, "f", 0o644, os.O_CREAT | os.O_EXCL, UID, GID) == errno.EEXIST
+            assert err(ns.rmdir, ROOT_INODE, "d") == errno.ENOTEMPTY
+            assert err(ns.rmdir, d, "f") == errno.ENOTDIR
+            assert err(ns.rmdir, ROOT_INODE, "missing") == errno.ENOENT
+            assert err(ns.lookup, f, "x") == errno.ENOTDIR
+            assert err(ns.readdir, f) == errno.ENOTDIR
+            assert err(ns.create, f, "x", 0o644, 0, UID, GID) == errno.ENOTDIR
+            assert await aerr(ns.open, d, os.O_RDONLY) == errno.EISDIR
+            assert err(ns.unlink, ROOT_INODE, "d") == errno.EISDIR
+            assert err(ns.unlink, d, "missing") == errno.ENOENT
+            long = "n" * 256
+            assert err(ns.create, d, long, 0o644, 0, UID, GID) == errno.ENAMETOOLONG
+            assert err(ns.mkdir, d, long, 0o755, UID, GID) == errno.ENAMETOOLONG
+            assert err(ns.rename, d, "f", d, long, 0) == errno.ENAMETOOLONG
+            ok = "é" * 127  # 254 bytes: fits
+            await create(ns, f"/d/{ok}", b"")
+            deep = ROOT_INODE
+            for i in range(4):  # 4 * 251 bytes of directories: near the 1024-byte key limit
+                deep = ns.mkdir(deep, f"{i}" * 250, 0o755, UID, GID).ino
+            assert err(ns.create, deep, "x" * 30, 0o644, 0, UID, GID) == errno.ENAMETOOLONG
+            bad = "bad\udcff"  # a non-UTF-8 name as the kernel hands it over (surrogateescape)
+            assert err(ns.create, d, bad, 0o644, 0, UID, GID) == errno.EINVAL
+            assert err(ns.mkdir, d, bad, 0o755, UID, GID) == errno.EINVAL
+            assert err(ns.rename, d, "f", d, bad, 0) == errno.EINVAL
+            assert err(ns.mkdir, ROOT_INODE, ".ckptfs-tmp", 0o755, UID, GID) == errno.EINVAL
+            assert ns.mkdir(d, ".ckptfs-tmp", 0o755, UID, GID)  # reserved only at the top
+            reader, *_ = await ns.open(f, os.O_RDONLY)
+            assert await aerr(ns.write, reader.fh, 0, b"x") == errno.EBADF
+            ns.release(reader.fh)
+            assert await aerr(ns.read, 999, 0, 1) == errno.EBADF
+            assert names(ns, "d") == sorted([".ckptfs-tmp", "f", ok])
+            await sync(m)
+        assert store_files(local) == {"d/f": b"f", f"d/{ok}": b""}
+
+    trio.run(main)
+
+
+# -- load(): the tree from a store listing -------------------------------------------------------------------
+
+
+def test_load_builds_the_tree_and_hides_unsafe_keys(tmp_path, local):
+    files = {"a/b/c.bin": blob(BS + 5, 1), "top.bin": b"top", "a/x": b"x"}
+    for key, data in files.items():
+        local.put(key, data)
+    local.put("empty/nested/", b"")  # directory markers
+    unsafe = ["../x", "/abs", "a//b", "a/./b", "p/" + "z" * 300, ".ckptfs-tmp/junk", "ok/../../etc",
+              "q" * 1025]
+    listing = list(local.list(""))
+    listing += [ObjectInfo(k, 1, 0.0) for k in unsafe]
+    listing += [ObjectInfo("top.bin/inside", 5, 0.0)]  # clashes with the file top.bin
+
+    async def main():
+        async with mounted(tmp_path, local, listing=listing) as m:
+            ns = m.ns
+            assert names(ns) == ["a", "empty", "top.bin"]
+            assert names(ns, "a") == ["b", "x"]
+            assert names(ns, "a/b") == ["c.bin"]
+            assert names(ns, "empty") == ["nested"]
+            assert names(ns, "empty/nested") == []
+            assert ns.getattr(ino(ns, "a/b/c.bin")).size == len(files["a/b/c.bin"])
+            assert ns.getattr(ino(ns, "top.bin")).mtime_ns > 0
+            assert ns.state(ino(ns, "a/b/c.bin")) == "durable"
+            for key, data in files.items():
+                assert await read_all(ns, key) == data  # fetched from the store
+            assert m.fetcher.fetched_bytes == sum(len(d) for d in files.values())
+            assert await read_all(ns, "a/b/c.bin") == files["a/b/c.bin"]  # now cached
+            assert m.fetcher.fetched_bytes == sum(len(d) for d in files.values())
+            paths = {n.key() for n in ns.root.walk()}
+            assert not any(".." in p or "//" in p or p.startswith("/") or ".ckptfs" in p for p in paths)
+            assert m.uploader.pending_count() == 0  # loading changes nothing in the store
+
+    trio.run(main)
+
+
+def test_remount_shows_what_the_last_mount_left(tmp_path, local):
+    data = blob(2 * BS + 3, 7)
+
+    async def first():
+        async with mounted(tmp_path, local) as m:
+            mkdirs(m.ns, "/ckpt/empty")
+            await create(m.ns, "/ckpt/model.pt", data)
+            await sync(m)
+
+    async def second():
+        async with mounted(tmp_path / "other", local) as m:  # another cache: every byte from the store
+            assert names(m.ns, "ckpt") == ["empty", "model.pt"]
+            assert await read_all(m.ns, "ckpt/model.pt") == data
+
+    trio.run(first)
+    (tmp_path / "other").mkdir()
+    trio.run(second)
+
+
+# -- replay of pending ops after a restart ---------------------------------------------------------------------
+
+
+def test_replay_of_pending_ops_over_the_listing(tmp_path, local):
+    """A mount whose store refuses every change dies with ops pending; the next mount lays
+    them over the store listing at once and applies them."""
+    old, gone, new, inner = blob(500, 1), blob(10, 2), blob(3 * BS + 1, 3), blob(77, 4)
+    local.put("old.bin", old)
+    local.put("gone.bin", gone)
+    local.put("keep/k.bin", b"k")
+    failing = FaultyStore(local)
+    for verb in ("put", "delete", "copy", "create_multipart"):
+        failing.fail(verb, 10**9)
+
+    async def first_life():
+        async with mounted(tmp_path, failing) as m:
+            ns = m.ns
+            await create(ns, "/new.bin", new)  # put (multipart)
+            ns.unlink(ROOT_INODE, "gone.bin")  # delete
+            ns.rename(ROOT_INODE, "old.bin", ROOT_INODE, "moved.bin", 0)  # move (durable file)
+            mkdirs(ns, "/nd/empty")  # mkdir
+            await create(ns, "/nd/inner.bin", inner)
+            await create(ns, "/tmp.bin", b"final")
+            ns.rename(ROOT_INODE, "tmp.bin", ROOT_INODE, "final.bin", 0)  # retarget
+            await failing.called("create_multipart")
+            assert m.uploader.pending_count() > 0
+        # the daemon dies: nothing reached the store
+
+    trio.run(first_life)
+    assert store_files(local) == {"old.bin": old, "gone.bin": gone, "keep/k.bin": b"k"}
+
+    store = FaultyStore(local)
+    gate = store.hold("put")  # keep the store unchanged while we look at the tree
+
+    async def second_life():
+        async with mounted(tmp_path, store) as m:
+            ns = m.ns
+            assert names(ns) == ["final.bin", "keep", "moved.bin", "nd", "new.bin"]
+            assert names(ns, "nd") == ["empty", "inner.bin"]
+            assert ns.state(ino(ns, "new.bin")) == "pending"
+            assert await read_all(ns, "new.bin") == new  # from the adopted cache blocks
+            assert await read_all(ns, "nd/inner.bin") == inner
+            assert await read_all(ns, "final.bin") == b"final"
+            assert await read_all(ns, "moved.bin") == old  # still under old.bin in the store
+            gate.open()
+            await sync(m)
+            assert ns.state(ROOT_INODE) == "durable"
+            assert await read_all(ns, "moved.bin") == old
+
+    trio.run(second_life)
+    assert store_files(local) == {"new.bin": new, "moved.bin": old, "nd/inner.bin": inner,
+                                  "final.bin": b"final", "keep/k.bin": b"k"}
+    assert "nd/empty/" in store_keys(local)
+    assert_xxh3(local, "new.bin", new)
+    assert local.list_multipart() == []
+
+
+def test_replay_of_a_rename_over_an_existing_file(tmp_path, local):
+    a, b = blob(300, 1), blob(50, 2)
+    local.put("a.bin", a)
+    local.put("b.bin", b)
+    failing = FaultyStore(local)
+    failing.fail("copy", 10**9)
+
+    async def first_life():
+        async with mounted(tmp_path, failing) as m:
+            m.ns.rename(ROOT_INODE, "a.bin", ROOT_INODE, "b.bin", 0)  # os.replace of durable files
+            await failing.called("copy")
+
+    async def second_life():
+        async with mounted(tmp_path, local) as m:
+            assert names(m.ns) == ["b.bin"]
+            assert m.ns.getattr(ino(m.ns, "b.bin")).size == len(a)
+            await sync(m)
+            assert await read_all(m.ns, "b.bin") == a
+
+    trio.run(first_life)
+    trio.run(second_life)
+    assert store_files(local) == {"b.bin": a}
