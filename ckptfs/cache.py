@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import mmap
 import os
@@ -119,6 +120,9 @@ class Cache:
         self.clean: OrderedDict[object, tuple[Content, Callable[[], None]]] = OrderedDict()
         self._space = trio.Event()
         self.waiters = 0
+        # Whether some holder of blocks will let go of them by itself (an upload in progress).
+        # When none will, a writer waiting for space would wait forever: it gets ENOSPC instead.
+        self.releases_pending: Callable[[], bool] = lambda: True
         for tier in self.tiers:
             tier.reset_free(set())
 
@@ -152,6 +156,9 @@ class Cache:
     async def alloc(self, only: int | None = None) -> BlockRef:
         """A fresh block; waits while the tiers are full of data not yet uploaded."""
         while (ref := self.try_alloc(only)) is None:
+            if not self.releases_pending():
+                raise OSError(errno.ENOSPC, "the cache is full of files still open for writing: "
+                                            "raise --ram-cache/--cache-size or write fewer files at once")
             self.waiters += 1
             try:
                 await self._space.wait()

@@ -81,6 +81,7 @@ class Daemon:
             log.info("journal: %d operations still pending from the last run; resuming", len(pending))
         self.uploader = Uploader(self.store, self.cache, self.journal, self.config.part_size,
                                  self.config.upload_concurrency)
+        self.cache.releases_pending = self.uploader.holds_cache
         self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
         self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid())
         self.ops = Operations(self.namespace, self.config.part_size)

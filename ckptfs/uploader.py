@@ -136,6 +136,10 @@ class Uploader:
             if t.op.kind == PUT and (up_to is None or s <= up_to)
         )
 
+    def holds_cache(self) -> bool:
+        """Whether a pending upload still holds cache blocks (its end will free some)."""
+        return any(t.content is not None for t in self.pending.values())
+
     def pending_count(self, up_to: int | None = None) -> int:
         return sum(1 for s in self.pending if up_to is None or s <= up_to)
 

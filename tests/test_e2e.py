@@ -265,3 +265,37 @@ def test_cache_disk_full_fails_the_writer_not_the_mount(tmp_path, small_cache_di
         m.stop()
     finally:
         m.cleanup()
+
+
+def test_writers_larger_than_the_cache_slow_down_then_get_enospc_not_a_hang(store, mount_factory):
+    """Files closed one after another flow through a small cache at the upload rate; files held
+    open together beyond the whole cache cannot be absorbed: a writer gets ENOSPC, no hang."""
+    m = mount_factory(ram_cache="16MiB", cache_size="48MiB").start()
+    expected = {}
+    for i in range(4):  # 4 x 40 MiB through a 64 MiB cache: writes wait for uploads
+        data = os.urandom(40 << 20)
+        (m.path / f"seq-{i}.bin").write_bytes(data)
+        expected[f"seq-{i}.bin"] = data
+    files = [open(m.path / f"open-{i}.bin", "wb") for i in range(2)]
+    errors = []
+    try:
+        for _ in range(6):  # 2 x 48 MiB open at once > 64 MiB of cache
+            for f in files:
+                try:
+                    f.write(os.urandom(8 << 20))
+                    f.flush()
+                except OSError as exc:
+                    errors.append(exc.errno)
+    finally:
+        for f in files:
+            try:
+                f.close()
+            except OSError as exc:
+                errors.append(exc.errno)
+    assert errors and set(errors) <= {errno.ENOSPC}
+    (m.path / "after.bin").write_bytes(b"the mount still works")
+    m.sync()
+    for key, data in expected.items():
+        assert store.read(key) == data
+    assert store.read("after.bin") == b"the mount still works"
+    m.stop()
