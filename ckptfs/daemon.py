@@ -8,7 +8,6 @@ listing and hand them back to the uploader.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import logging
@@ -104,15 +103,17 @@ class Daemon:
     # -- start-up helpers ---------------------------------------------------------------
     def _prepare_mountpoint(self) -> None:
         if self.mountpoint in ckptfs_mounts():
+            # Ask the daemon, not stat(): the kernel answers stat from its attribute cache
+            # for a while after the daemon died.
             try:
-                os.stat(self.mountpoint)
-            except OSError as exc:
-                if exc.errno != errno.ENOTCONN:
-                    raise MountError(f"{self.mountpoint}: {exc.strerror}") from exc
+                control.call(self.mountpoint, "status", timeout=5)
+            except control.NoDaemon:
                 # A daemon died and left its mount behind: clear it so we can mount again.
                 log.warning("%s: clearing a stale mount left by a dead daemon", self.mountpoint)
                 subprocess.run(["umount", "-l", self.mountpoint] if os.geteuid() == 0
                                else ["fusermount3", "-u", "-z", self.mountpoint], check=False)
+            except CkptfsError:
+                raise MountError(f"{self.mountpoint} is already a mount point (its daemon does not answer)") from None
             else:
                 raise MountError(f"{self.mountpoint} is already a mount point")
         if not os.path.isdir(self.mountpoint):
