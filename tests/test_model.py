@@ -41,6 +41,7 @@ Default: 40 examples of up to 30 steps (about a minute); CKPTFS_LONG=1: 300 of u
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import json
 import os
@@ -54,7 +55,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, reject, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
@@ -73,7 +74,11 @@ KiB = 1024
 TOLERATE = {
     "fsync snapshot overrides a later commit": True,  # test_restart_keeps_the_last_commit_over_an_older_fsync
     "a file replaced by a never-committed one comes back": True,  # test_file_replaced_by_an_uncommitted_one_stays_gone
+    "EIO from a read racing the move of a rename": True,  # tests/test_crash_torture.py::test_read_racing_the_move_of_a_renamed_file
+    # The daemon crashes: the example is discarded (hypothesis.reject), counted.
+    "daemon crash on a cancelled multipart upload": True,  # test_overwrite_while_the_previous_version_uploads
 }
+KNOWN_CRASH = "AttributeError: 'NoneType' object has no attribute 'read'"  # in the daemon's log
 SEEN: Counter = Counter()
 DONE: Counter = Counter()  # operations run (for the summary line)
 
@@ -164,6 +169,8 @@ class SpawnedMount(Mount):
         while self.pid is not None and is_mounted(self.path) is False and \
                 _proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self.pid is not None and _proc_state(self.pid) is None:
+            self.pid = None  # gone (and reaped): its pid may be someone else's by now
         super().cleanup()
 
 
@@ -201,6 +208,23 @@ def blob(size: int, seed: int) -> bytes:
 
 sizes = st.one_of(st.integers(0, 64), st.integers(0, 40 * KiB), st.integers(0, 300 * KiB))
 blobs = st.builds(blob, sizes, st.integers(0, 2**32 - 1))
+
+
+def guarded(rule_fn):
+    """A failure after the daemon died says so, with its log; a known crash discards the example."""
+    @functools.wraps(rule_fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return rule_fn(self, *args, **kwargs)
+        except (AssertionError, OSError) as exc:
+            why = self.m.died() if self.m is not None else None
+            if why is None:
+                raise
+            if KNOWN_CRASH in why and TOLERATE["daemon crash on a cancelled multipart upload"]:
+                SEEN["daemon crash on a cancelled multipart upload"] += 1
+                reject()
+            raise AssertionError(f"the ckptfs daemon died; its log ends with:\n{why}") from exc
+    return wrapper
 
 
 class ModelMachine(RuleBasedStateMachine):
@@ -301,6 +325,7 @@ class ModelMachine(RuleBasedStateMachine):
 
     # -- rules: files ----------------------------------------------------------------------------------
     @rule(data=st.data(), content=blobs, keep_open=st.booleans())
+    @guarded
     def create(self, data, content, keep_open):
         """open(O_CREAT|O_TRUNC), write, then close or keep the handle."""
         self.step()
@@ -323,6 +348,7 @@ class ModelMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: len(self.handles) < MAX_HANDLES and self.files())
     @rule(data=st.data(), mode=st.sampled_from(["w", "rw", "append", "trunc"]))
+    @guarded
     def open_for_write(self, data, mode):
         files = self.files()
         if not files:
@@ -339,6 +365,7 @@ class ModelMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.handles)
     @rule(data=st.data(), op=st.sampled_from(["write", "close", "fsync", "write", "ftruncate", "read_handle", "write"]))
+    @guarded
     def handle_op(self, data, op):
         """One operation on an open handle (one rule, so handles get as much use as names)."""
         if op == "read_handle" and not any(h.readable for h in self.handles.values()):
@@ -380,6 +407,7 @@ class ModelMachine(RuleBasedStateMachine):
         h.dirty = True
 
     @rule(data=st.data())
+    @guarded
     def truncate_path(self, data):
         """truncate(path) = open + truncate + close: a commit; open writers keep their copies."""
         files = self.files()
@@ -415,6 +443,7 @@ class ModelMachine(RuleBasedStateMachine):
 
     # -- rules: names -------------------------------------------------------------------------------
     @rule(data=st.data(), op=st.sampled_from(["mkdir", "rmdir", "rename", "rename", "unlink"]))
+    @guarded
     def name_op(self, data, op):
         getattr(self, op)(data)
 
@@ -492,6 +521,7 @@ class ModelMachine(RuleBasedStateMachine):
     # -- rules: the daemon goes away -----------------------------------------------------------------
     @precondition(lambda self: self.steps_since_restart >= 4)
     @rule(kill=st.booleans())
+    @guarded
     def restart(self, kill):
         """A clean umount + mount, or kill -9 + mount: open handles are lost."""
         self.steps_since_restart = 0
@@ -521,7 +551,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.m.start()
         for path, node in self.files():
             newest, stale = allowed[node.id]
-            got = self.real(path).read_bytes()
+            got = self.read_file(path)[1]
             if got != newest and got in stale and TOLERATE["fsync snapshot overrides a later commit"]:
                 SEEN["fsync snapshot overrides a later commit"] += 1
             else:
@@ -541,7 +571,7 @@ class ModelMachine(RuleBasedStateMachine):
                 path, key = rel + (f,), "/".join(rel + (f,))
                 if self.lookup(path) is not None or not TOLERATE["a file replaced by a never-committed one comes back"]:
                     continue
-                got = self.real(path).read_bytes()
+                got = self.read_file(path)[1]
                 assert got in self.ghosts.get(key, ()), \
                     f"after a {'kill' if kill else 'clean remount'}, {key} appeared ({len(got)} bytes)"
                 SEEN["a file replaced by a never-committed one comes back"] += 1
@@ -575,14 +605,27 @@ class ModelMachine(RuleBasedStateMachine):
 
     # -- the invariant --------------------------------------------------------------------------------
     @invariant()
+    @guarded
     def mount_matches_model(self):
-        try:
-            self._mount_matches_model()
-        except (AssertionError, OSError) as exc:
-            why = self.m.died()
-            if why is not None:
-                raise AssertionError(f"the ckptfs daemon died; its log ends with:\n{why}") from exc
-            raise
+        self._mount_matches_model()
+
+    def read_file(self, path: Path_) -> tuple[int, bytes]:
+        """st_size and bytes, through a fresh open."""
+        for attempt in (1, 2):
+            fd = os.open(self.real(path), os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                chunks = []
+                while chunk := os.read(fd, 1 << 20):
+                    chunks.append(chunk)
+                return size, b"".join(chunks)
+            except OSError as exc:
+                if exc.errno != errno.EIO or attempt == 2 or not TOLERATE["EIO from a read racing the move of a rename"]:
+                    raise
+                SEEN["EIO from a read racing the move of a rename"] += 1
+                time.sleep(0.5)
+            finally:
+                os.close(fd)
 
     def _mount_matches_model(self):
         seen_dirs, seen_files = set(), set()
@@ -597,15 +640,7 @@ class ModelMachine(RuleBasedStateMachine):
         for path, node in self.files():
             want = node.visible()
             writers = [len(h.staged) for h in self.handles.values() if h.node is node and h.dirty]
-            fd = os.open(self.real(path), os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                chunks = []
-                while chunk := os.read(fd, 1 << 20):
-                    chunks.append(chunk)
-            finally:
-                os.close(fd)
-            got = b"".join(chunks)
+            size, got = self.read_file(path)
             assert got == want, (f"{'/'.join(path)}: a fresh reader gets {len(got)} bytes, the committed "
                                  f"version has {len(want)}" + (" (they differ)" if len(got) == len(want) else "")
                                  + f"; open writers' sizes {writers}")
@@ -738,3 +773,28 @@ def test_file_replaced_by_an_uncommitted_one_stays_gone(local_mount):
         pass  # the daemon is gone
     m.start()
     assert os.listdir(m.path) == []  # actual: ['latest'], reading b"old"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: a commit that cancels the previous version's multipart upload while one of its part "
+    "threads is starting crashes the daemon: Uploader.cancel -> _finish sets task.content to "
+    "None, the thread's `send` reads task.content (AttributeError), and the resulting "
+    "ExceptionGroup (with trio's Cancelled in it) is a BaseExceptionGroup that "
+    "Uploader._until_done's `except Exception` does not catch: the uploader nursery, then "
+    "the daemon, dies and the mount is gone (ENOTCONN)"))
+@pytest.mark.timeout(120)
+def test_overwrite_while_the_previous_version_uploads(tmp_path):
+    # Small parts: many part threads start every millisecond, so an overwrite soon lands on one.
+    # The same race exists with 8 MiB parts, only rarer (the model test met it at 16 KiB).
+    m = Mount(f"file://{tmp_path / 'store'}", tmp_path / "m", extra=("--part-size", "16KiB"))
+    try:
+        m.start()
+        data = os.urandom(2 << 20)
+        for i in range(300):  # save `latest` again and again while the last one still uploads
+            (m.path / "latest.pt").write_bytes(data[i:] + data[:i])  # actual: ENOTCONN within a few
+        assert (m.path / "latest.pt").read_bytes() == data[299:] + data[:299]
+        m.sync()
+        assert m.status()["errors"] == []
+        m.stop()
+    finally:
+        m.cleanup()
