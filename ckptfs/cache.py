@@ -123,6 +123,9 @@ class Cache:
         # Whether some holder of blocks will let go of them by itself (an upload in progress).
         # When none will, a writer waiting for space would wait forever: it gets ENOSPC instead.
         self.releases_pending: Callable[[], bool] = lambda: True
+        # Frees one block of a file still being written whose part is already uploaded
+        # (the namespace knows them); False when there is none.
+        self.reclaim: Callable[[], bool] = lambda: False
         for tier in self.tiers:
             tier.reset_free(set())
 
@@ -149,7 +152,7 @@ class Cache:
                 ref = (tier.index, tier.free.pop())
                 self.refcounts[ref] = 1
                 return ref
-        if self._evict(prefer_tier=only):
+        if self._evict(prefer_tier=only) or (only is None and self.reclaim()):
             return self.try_alloc(only)
         return None
 
@@ -168,6 +171,12 @@ class Cache:
 
     def incref(self, ref: BlockRef) -> None:
         self.refcounts[ref] += 1
+
+    def notify_space(self) -> None:
+        """Wake writers waiting for a slot: something may be reclaimable now."""
+        if self.waiters:
+            self._space.set()
+            self._space = trio.Event()
 
     def decref(self, ref: BlockRef) -> None:
         n = self.refcounts[ref] - 1
@@ -241,6 +250,7 @@ class Cache:
         await trio.to_thread.run_sync(lambda: [self.copy_block(*c) for c in copies])
         copy = Content(self, content.size, blocks)
         copy.key = content.key
+        copy.remote, copy.upload = dict(content.remote), content.upload
         return copy
 
     def usage(self) -> dict:
@@ -286,6 +296,11 @@ class Content:
         self.in_store = in_store
         self.key: str | None = None  # where the bytes are in the store, once they are
         self.holders = 0
+        # Blocks evicted under cache pressure after their part was uploaded: until the upload
+        # completes, their bytes exist only in the store's multipart upload ``upload``.
+        self.remote: dict[int, object] = {}  # block index -> PartInfo
+        self.upload: object | None = None
+        self.orphaned = False  # that upload was given up (a newer version replaced this one)
 
     def hold(self) -> Content:
         self.holders += 1
@@ -332,6 +347,8 @@ class Content:
 
     def _read_block(self, index: int, start: int, length: int) -> bytes:
         ref = self.blocks[index]
+        if ref is None and index in self.remote:
+            raise OSError(errno.EIO, "this part of the file was evicted to the store and is not readable yet")
         return bytes(length) if ref is None else self.cache.read(ref, start, length)
 
     def refs(self) -> list[BlockRef]:
@@ -344,6 +361,10 @@ class StagedFile:
     ``valid[i]`` is how many leading bytes of block i hold written data; bytes past
     it are stale slot contents and read as zeros. Sequential writes only move the
     mark, so a fresh slot is never zeroed in full.
+
+    For streaming upload, ``stamps[i]`` changes (never to an earlier value) whenever
+    block i changes, and ``changed`` holds the blocks changed since the namespace
+    last handed them to the uploader.
     """
 
     def __init__(self, cache: Cache, base: Content | None = None):
@@ -351,6 +372,12 @@ class StagedFile:
         self.size = 0
         self.blocks: list[BlockRef | None] = []
         self.valid: list[int] = []
+        self.stamps: list[int] = []
+        self.changed: set[int] = set()
+        self._clock = 0
+        # Blocks evicted under cache pressure once their part was uploaded (streaming): they
+        # can no longer be read or changed until the file is committed and durable.
+        self.remote: dict[int, object] = {}  # block index -> PartInfo
         if base is not None:  # share the committed blocks; writes copy them first
             self.size = base.size
             for i, ref in enumerate(base.blocks):
@@ -358,10 +385,29 @@ class StagedFile:
                     cache.incref(ref)
                 self.blocks.append(ref)
                 self.valid.append(base.block_length(i) if ref is not None else 0)
+                self.stamps.append(0)
+
+    def _stamp(self, index: int) -> None:
+        self._clock += 1
+        self.stamps[index] = self._clock
+        self.changed.add(index)
+
+    def evict(self, index: int, part: object) -> None:
+        """Drop block ``index``, whose bytes are in the store as ``part`` of the stream's upload."""
+        self.cache.decref(self.blocks[index])
+        self.blocks[index] = None
+        self.remote[index] = part
+
+    def _check_local(self, first: int, last: int) -> None:
+        if self.remote and any(first <= i <= last for i in self.remote):
+            raise OSError(errno.EIO, "that part of the file was uploaded and evicted from the cache "
+                                     "(cache full); it cannot change before the file is closed")
 
     async def write(self, offset: int, data: bytes) -> int:
         bs = self.cache.block_size
         end = offset + len(data)
+        if data:
+            self._check_local(offset // bs, (end - 1) // bs)
         view = memoryview(data)
         pos = offset
         while pos < end:
@@ -372,6 +418,7 @@ class StagedFile:
                 self.cache.zero(ref, self.valid[index], start - self.valid[index])
             self.cache.write(ref, start, view[pos - offset : pos - offset + take])
             self.valid[index] = max(self.valid[index], start + take)
+            self._stamp(index)
             pos += take
         self.size = max(self.size, end)
         return len(data)
@@ -381,6 +428,7 @@ class StagedFile:
             while len(self.blocks) <= index:
                 self.blocks.append(None)
                 self.valid.append(0)
+                self.stamps.append(0)
             ref = self.blocks[index]
             if ref is not None and self.cache.refcounts[ref] == 1:
                 return ref
@@ -399,6 +447,8 @@ class StagedFile:
     def read(self, offset: int, length: int) -> bytes:
         end = min(offset + length, self.size)
         bs = self.cache.block_size
+        if end > offset:
+            self._check_local(offset // bs, (end - 1) // bs)
         out = bytearray()
         pos = offset
         while pos < end:
@@ -415,6 +465,8 @@ class StagedFile:
     async def truncate(self, size: int) -> None:
         bs = self.cache.block_size
         keep = (size + bs - 1) // bs
+        if size < self.size and size % bs:
+            self._check_local(size // bs, size // bs)
         self._drop_blocks_from(keep)
         last = keep - 1
         if size < self.size and 0 <= last < len(self.blocks):
@@ -425,6 +477,7 @@ class StagedFile:
                     # zero-fill write into bytes that version still shows. Copy first.
                     await self._writable_block(last)
                 self.valid[last] = limit
+                self._stamp(last)
         self.size = size
 
     def _drop_blocks_from(self, index: int) -> None:
@@ -433,6 +486,9 @@ class StagedFile:
                 self.cache.decref(ref)
         del self.blocks[index:]
         del self.valid[index:]
+        del self.stamps[index:]
+        self.changed = {i for i in self.changed if i < index}
+        self.remote = {i: p for i, p in self.remote.items() if i < index}
 
     def snapshot(self) -> Content:
         """A committed Content sharing this file's blocks (gaps zeroed so every block is whole)."""
@@ -445,11 +501,14 @@ class StagedFile:
                     # Shared blocks are never partially valid (copy on write makes them private).
                     self.cache.zero(ref, self.valid[i], want - self.valid[i])
                     self.valid[i] = want
+                    self._stamp(i)
                 self.cache.incref(ref)
             blocks.append(ref)
         n_blocks = (self.size + self.cache.block_size - 1) // self.cache.block_size
         blocks += [None] * (n_blocks - len(blocks))
-        return Content(self.cache, self.size, blocks[:n_blocks])
+        content = Content(self.cache, self.size, blocks[:n_blocks])
+        content.remote = {i: p for i, p in self.remote.items() if i < n_blocks}
+        return content
 
     def discard(self) -> None:
         self._drop_blocks_from(0)

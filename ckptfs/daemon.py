@@ -83,7 +83,7 @@ class Daemon:
         self.cache.releases_pending = self.uploader.holds_cache
         self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
         self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid())
-        self.ops = Operations(self.namespace, self.config.part_size)
+        self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
         options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
         if os.geteuid() == 0:
             options.add("allow_other")
@@ -106,7 +106,7 @@ class Daemon:
             # Ask the daemon, not stat(): the kernel answers stat from its attribute cache
             # for a while after the daemon died.
             try:
-                control.call(self.mountpoint, "status", timeout=5)
+                self._ask_daemon()
             except control.NoDaemon:
                 # A daemon died and left its mount behind: clear it so we can mount again.
                 log.warning("%s: clearing a stale mount left by a dead daemon", self.mountpoint)
@@ -118,6 +118,20 @@ class Daemon:
                 raise MountError(f"{self.mountpoint} is already a mount point")
         if not os.path.isdir(self.mountpoint):
             raise MountError(f"mount point {self.mountpoint} is not a directory")
+
+    def _ask_daemon(self) -> None:
+        """status, asked a few times: a daemon being killed can still hold its socket (its last
+        threads are exiting) and leave a connection unanswered for a moment."""
+        for attempt in range(3):
+            try:
+                control.call(self.mountpoint, "status", timeout=5)
+                return
+            except control.NoDaemon:
+                raise
+            except CkptfsError:
+                if attempt == 2:
+                    raise
+                time.sleep(1)
 
     def _lock_cache_dir(self):
         lock = open(self.cache_dir / "lock", "w")

@@ -21,6 +21,7 @@ from .store.base import NotFound, ObjectStore, StoreError
 log = logging.getLogger(__name__)
 
 READ_ATTEMPTS = 5  # a reader waits through short glitches, not through an outage
+MOVE_WAIT = 30.0  # how long a reader that got NotFound waits for content.key to follow a move
 
 
 class Fetcher:
@@ -85,12 +86,10 @@ class Fetcher:
     async def _download(self, content: Content, index: int) -> None:
         start = index * self.cache.block_size
         length = content.block_length(index)
-        key = content.key
         for attempt in range(1, READ_ATTEMPTS + 1):
+            key = content.key
             try:
-                data = await trio.to_thread.run_sync(self.store.get_range, key, start, length, limiter=self.threads)
-            except NotFound as exc:
-                raise FsError(errno.EIO, f"{key} is gone from the store") from exc
+                data = await self._get_range(content, start, length)
             except StoreError as exc:
                 if not exc.transient or attempt == READ_ATTEMPTS:
                     log.error("read of %s failed: %s", key, exc)
@@ -108,3 +107,26 @@ class Fetcher:
             content.blocks[index] = ref
         else:  # raced, or the content was dropped meanwhile
             self.cache.decref(ref)
+
+    async def _get_range(self, content: Content, start: int, length: int) -> bytes:
+        """A ranged GET of ``content``, following its key when a rename moves the object.
+
+        The server-side move of a rename (copy, then delete) may run under the GET, which then
+        answers NotFound. The namespace points content.key at the new key once the move is
+        durable (after the delete), so on NotFound: read at the new key, waiting a while for
+        the key to change if the move is still in flight.
+        """
+        key = content.key
+        deadline = None
+        while True:
+            try:
+                return await trio.to_thread.run_sync(self.store.get_range, key, start, length, limiter=self.threads)
+            except NotFound as exc:
+                if deadline is None:
+                    deadline = trio.current_time() + MOVE_WAIT
+                while content.key == key and trio.current_time() < deadline:
+                    await trio.sleep(0.05)
+                if content.key == key:
+                    raise FsError(errno.EIO, f"{key} is gone from the store") from exc
+                log.info("%s moved to %s during a read: reading there", key, content.key)
+                key = content.key

@@ -17,6 +17,7 @@ import pyfuse3
 
 from .errors import FsError
 from .namespace import Attr, Namespace
+from .openers import Openers
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,13 @@ def _name(raw: bytes) -> str:
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = False  # measured slower here (shared/notes/fuse.md)
 
-    def __init__(self, namespace: Namespace, block_size: int):
+    def __init__(self, namespace: Namespace, block_size: int, mountpoint: str | None = None):
         super().__init__()
         self.ns = namespace
         self.block_size = block_size
+        # Who opened each writer, so a forked child's close does not commit it (openers.py).
+        # Without the mountpoint every flush commits.
+        self.openers = Openers(mountpoint)
         self._dir_listings: dict[int, list] = {}
         self._next_dir_fh = 1 << 40
 
@@ -151,6 +155,7 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def create(self, parent_inode, name, mode, flags, ctx):
         handle, attr = self.ns.create(parent_inode, _name(name), mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
+        self.openers.opened(handle.fh, attr.ino, ctx.pid, flags)
         # direct_io: the kernel hands large writes straight to us (1 MiB requests)
         # instead of splitting them through its page cache (shared/notes/fuse.md).
         return pyfuse3.FileInfo(fh=handle.fh, direct_io=True), self._entry(attr)
@@ -158,6 +163,7 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def open(self, inode, flags, ctx):
         handle, keep_cache, direct_io = await self.ns.open(inode, flags)
+        self.openers.opened(handle.fh, inode, ctx.pid, flags)
         return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_io, keep_cache=keep_cache)
 
     @_errno_boundary
@@ -170,11 +176,14 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def flush(self, fh):
-        self.ns.flush(fh)
+        # Every close of a descriptor sends FLUSH, a forked child's too: commit only at the
+        # close after which the opening process holds the file no more (openers.py).
+        self.ns.flush(fh, commit=await self.openers.opener_closed(fh))
 
     @_errno_boundary
     async def release(self, fh):
-        self.ns.release(fh)
+        self.openers.released(fh)
+        self.ns.release(fh)  # commits a handle still dirty (its opener's close was not seen)
 
     @_errno_boundary
     async def fsync(self, fh, datasync):

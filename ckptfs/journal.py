@@ -36,6 +36,10 @@ class Op:
     size: int = 0  # PUT
     blocks: list[BlockRef | None] = field(default_factory=list)  # PUT
     seq: int = 0
+    # PUT of a file whose parts were evicted from the cache once uploaded: the multipart
+    # upload holding them ([key, upload_id, journal_id]) and their tokens by block index.
+    upload: list[str] | None = None
+    parts: dict[int, str] = field(default_factory=dict)
 
     def to_record(self) -> dict:
         rec = {"t": "op", "seq": self.seq, "kind": self.kind, "key": self.key}
@@ -44,12 +48,17 @@ class Op:
         if self.kind == PUT:
             rec["size"] = self.size
             rec["blocks"] = [list(b) if b is not None else None for b in self.blocks]
+            if self.upload:
+                rec["upload"] = list(self.upload)
+                rec["parts"] = {str(i): token for i, token in self.parts.items()}
         return rec
 
     @classmethod
     def from_record(cls, rec: dict) -> Op:
         blocks = [tuple(b) if b is not None else None for b in rec.get("blocks", [])]
-        return cls(rec["kind"], rec["key"], rec.get("src", ""), rec.get("size", 0), blocks, rec["seq"])
+        parts = {int(i): token for i, token in rec.get("parts", {}).items()}
+        return cls(rec["kind"], rec["key"], rec.get("src", ""), rec.get("size", 0), blocks, rec["seq"],
+                   rec.get("upload"), parts)
 
 
 class Journal:
@@ -96,6 +105,9 @@ class Journal:
             for op in lost:
                 log.error("journal: %s was committed in RAM only and the RAM tier was lost (node reboot): dropped", op.key)
             pending = [op for op in pending if op not in lost]
+        for op in pending:  # an upload holding evicted parts of a pending file is still needed
+            if op.upload:
+                uploads.pop(op.upload[2], None)
         return pending, [(i, k, u) for i, (k, u) in uploads.items()]
 
     def open(self, pending: list[Op], open_uploads: list[tuple[str, str, str]]) -> None:

@@ -29,8 +29,8 @@ from .cache import DISK, RAM, Cache, Content, StagedFile
 from .errors import FsError
 from .fetcher import Fetcher
 from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
-from .store.base import MAX_KEY_BYTES, ObjectInfo
-from .uploader import Uploader
+from .store.base import MAX_KEY_BYTES, MAX_PARTS, ObjectInfo, PartInfo
+from .uploader import Stream, Upload, Uploader
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,9 @@ class Handle:
         self.dirty = False
         self.error = 0  # sticky: a write that failed (ENOSPC, EIO) poisons the handle's commit
         self.read_end = 0  # where the last read stopped (sequential reads trigger read-ahead)
+        self.stream: Stream | None = None  # writers: parts sent before the commit
+        # Committed with parts evicted to the store: no more writes (they belong to that upload).
+        self.frozen = False
 
 
 class Namespace:
@@ -139,6 +142,7 @@ class Namespace:
         self.handles: dict[int, Handle] = {}
         self.shadows: dict[int, Shadow] = {}  # by op seq; kept in the journal through compaction
         uploader.retained_ops = lambda: [shadow.op for shadow in self.shadows.values()]
+        cache.reclaim = self._evict_sent_block
         self._next_ino = ROOT_INODE + 1
         self._next_fh = 1
 
@@ -171,6 +175,9 @@ class Namespace:
         if op.kind == PUT and parts is not None:
             parent = self._ensure_dir(parts[:-1])
             content = Content(self.cache, op.size, list(op.blocks))
+            if op.upload:  # parts evicted before the crash: readable once the upload completes
+                content.remote = {index: PartInfo(index + 1, token) for index, token in op.parts.items()}
+                content.upload = Upload(*op.upload)
             if parent is not None and (node is None or not node.is_dir):
                 node = node or self._add(parent, parts[-1], is_dir=False)
                 self._set_version(node, content, op)
@@ -314,8 +321,16 @@ class Namespace:
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handle(fh)
         if handle.staged is not None:
-            return handle.staged.read(offset, size)
+            try:
+                return handle.staged.read(offset, size)
+            except OSError as exc:
+                raise FsError(exc.errno, str(exc)) from None
         content = handle.content
+        while content.remote and not content.in_store:
+            # Parts evicted under cache pressure come back once the file is in the store.
+            if content.orphaned:
+                raise FsError(errno.EIO, "this version was replaced before it reached the store")
+            await self.uploader.progress.wait()
         if content.in_store:
             if offset == handle.read_end:  # sequential: keep the next blocks coming
                 self.fetcher.prefetch(content, (offset + size) // self.cache.block_size)
@@ -329,8 +344,13 @@ class Namespace:
             raise FsError(errno.EBADF)
         if handle.error:
             raise FsError(handle.error)
+        if handle.frozen:
+            raise FsError(errno.EIO, "this file was committed with parts evicted to the store: reopen it to write")
         if handle.append:
             offset = handle.staged.size
+        if handle.staged.remote and offset + len(data) > MAX_PARTS * self.cache.block_size:
+            raise FsError(errno.EFBIG, "a file streamed through a full cache cannot outgrow 10,000 parts")
+        self._send_full_blocks(handle, offset)
         try:
             written = await handle.staged.write(offset, data)
         except OSError as exc:  # the cache disk is full or failing: never commit a torn file
@@ -341,18 +361,57 @@ class Namespace:
         handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
         return written
 
-    def flush(self, fh: int) -> None:
-        """Commit what this handle wrote (every close calls it; a clean handle is a no-op)."""
+    def _send_full_blocks(self, handle: Handle, offset: int) -> None:
+        """Streaming upload: blocks the writer filled and has moved past (it now writes at
+        ``offset``) are sent at once; the commit re-sends any that change again."""
+        staged = handle.staged
+        bs = self.cache.block_size
+        sealed = [i for i in staged.changed
+                  if i < offset // bs and staged.valid[i] == bs and staged.blocks[i] is not None]
+        if not sealed or handle.node.unlinked:
+            return
+        if handle.stream is None:
+            handle.stream = self.uploader.open_stream(handle.node.key())
+        for index in sealed:
+            staged.changed.discard(index)
+            self.uploader.stream_part(handle.stream, index, staged.blocks[index], staged.stamps[index])
+
+    def _evict_sent_block(self) -> bool:
+        """The cache is full: drop one block of a file being written whose part is already in
+        the store (its upload keeps it). Blocks shared with a committed version stay."""
+        for handle in self.handles.values():
+            stream, staged = handle.stream, handle.staged
+            if stream is None or stream.upload is None or stream.key != handle.node.key():
+                continue  # (renamed since streaming began: its parts may not stay under that key)
+            for index, (stamp, part) in stream.sent.items():
+                ref = staged.blocks[index] if index < len(staged.blocks) else None
+                if ref is not None and staged.stamps[index] == stamp and self.cache.refcounts.get(ref) == 1:
+                    staged.evict(index, part)
+                    return True
+        return False
+
+    def flush(self, fh: int, commit: bool = True) -> None:
+        """Commit what this handle wrote (every close calls it; a clean handle is a no-op).
+        ``commit=False``: a close that is not the last (a forked child's copy): only report a
+        failed write; the handle stays dirty for the next flush or release."""
         handle = self._handle(fh)
         if handle.error:
             raise FsError(handle.error, "an earlier write failed: the file was not committed")
-        if handle.staged is None or not handle.dirty:
+        if not commit or handle.staged is None or not handle.dirty:
             return
         node = handle.node
         handle.dirty = False
         if node.unlinked:
             return  # written after unlink: nobody can see it
-        self._commit(node, handle.staged.snapshot(), handle)
+        self._commit(node, self._snapshot(handle), handle)
+        if handle.staged.remote:
+            handle.frozen = True
+
+    def _snapshot(self, handle: Handle) -> Content:
+        content = handle.staged.snapshot()
+        if content.remote:
+            content.upload = handle.stream.upload
+        return content
 
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)
@@ -365,6 +424,8 @@ class Namespace:
                 self.flush(fh)
             finally:
                 del self.handles[fh]
+        if handle.stream is not None:  # closed without a commit that took its parts
+            self.uploader.abandon(handle.stream)
         if handle.staged is not None:
             handle.staged.discard()
         if handle.content is not None:
@@ -384,7 +445,7 @@ class Namespace:
         handle = self._handle(fh)
         node = handle.node
         if handle.staged is not None and handle.dirty:
-            content, covers = handle.staged.snapshot(), None
+            content, covers = self._snapshot(handle), None
         elif node.version is not None and node.version.seq is not None:
             content, covers = node.version.content, node.version.seq
             if not any(ref is not None and ref[0] == RAM for ref in content.blocks):
@@ -407,7 +468,7 @@ class Namespace:
         await trio.to_thread.run_sync(self.journal.sync)
 
     def _add_shadow(self, node: Node, content: Content, handle: Handle | None, covers: int | None) -> None:
-        op = self.journal.append(Op(PUT, node.key(), size=content.size, blocks=list(content.blocks)))
+        op = self.journal.append(_put_op(node.key(), content))
         for old in [s for s in node.shadows if handle is not None and s.handle is handle]:
             self._retire_shadow(node, old)  # superseded by this later fsync of the same writer
         shadow = Shadow(op, content, handle, covers)
@@ -485,6 +546,11 @@ class Namespace:
         target = new_parent.children.get(new_name)
         if target is node:
             return
+        moved = set(node.walk())
+        if any(h.node in moved and h.staged is not None and h.staged.remote for h in self.handles.values()):
+            # Its evicted parts sit in an upload fixed to the current key until the file is closed.
+            raise FsError(errno.EBUSY, "a file being written here has parts evicted to the store: "
+                                       "rename it after close")
         if target is not None and flags & RENAME_NOREPLACE:
             raise FsError(errno.EEXIST)
         self._check_new_name(new_parent, new_name)
@@ -505,9 +571,10 @@ class Namespace:
         elif target is not None and target.is_dir:
             raise FsError(errno.EISDIR)
         if target is not None:
-            if target.is_dir:
+            if target.is_dir or (not node.is_dir and node.version is None):
                 self._log(Op(DELETE, target.key()))
-            # A file target needs no delete: the moved file's put or copy overwrites its key.
+            # Otherwise a file target needs no delete: the moved file's put or copy overwrites
+            # its key. A file never committed (still being written) has neither yet.
             self._detach(target)
         old_keys = {n: n.key() for n in node.walk()}
         self._move(node, new_parent, new_name)
@@ -546,16 +613,21 @@ class Namespace:
     # -- internals: commits and store ops --------------------------------------------------------
     def _commit(self, node: Node, content: Content, handle: Handle | None = None) -> None:
         try:
-            op = self._log(Op(PUT, node.key(), size=content.size, blocks=list(content.blocks)))
+            op = self._log(_put_op(node.key(), content))
         except BaseException:
             content.drop_blocks()
             raise
         self._drop_pending(node)
         self._set_version(node, content, op)
         for shadow in node.shadows:
-            if shadow.covers is None and handle is not None and shadow.handle is handle:
+            # This commit supersedes what any writer fsynced before it (the last close wins):
+            # those shadows retire once it is durable (until then they guard a node reboot).
+            if shadow.covers is None:
                 shadow.covers, shadow.handle = op.seq, None
-        self.uploader.submit(op, content, self._on_durable(node))
+        stream, stamps = None, None
+        if handle is not None and handle.stream is not None:
+            stream, stamps, handle.stream = handle.stream, list(handle.staged.stamps), None
+        self.uploader.submit(op, content, self._on_durable(node), stream, stamps)
         node.mtime_ns = node.ctime_ns = time.time_ns()
 
     def _set_version(self, node: Node, content: Content, op: Op) -> None:
@@ -573,6 +645,7 @@ class Namespace:
             version.seq = None
             version.content.in_store = True
             version.content.key = op.key
+            version.content.remote = {}  # evicted parts are now plain store reads
             self._retire_shadows(node, op.seq)
             self._maybe_clean(node)
 
@@ -731,6 +804,15 @@ class Namespace:
 
     def _n_blocks(self, size: int) -> int:
         return (size + self.cache.block_size - 1) // self.cache.block_size
+
+
+def _put_op(key: str, content: Content) -> Op:
+    op = Op(PUT, key, size=content.size, blocks=list(content.blocks))
+    if content.remote:  # the upload holding the evicted parts (a restart completes it)
+        upload = content.upload
+        op.upload = [upload.key, upload.upload_id, upload.journal_id]
+        op.parts = {index: part.token for index, part in content.remote.items()}
+    return op
 
 
 def _split_key(key: str) -> list[str] | None:

@@ -1,23 +1,31 @@
 """Background upload: applies journal ops to the store, data in parallel, publication in order.
 
-Each ``put`` gets a preparation task as soon as it is submitted: it hashes the file
-(xxh3 of the whole content) and, for files larger than one part, creates the
-multipart upload and sends the parts, several in flight across all files (a
-semaphore of ``concurrency`` parts bounds memory and connections). One publisher
-task then walks the pending ops in sequence order and makes each visible:
-completes the multipart upload, PUTs a small file, deletes, moves, makes a
-directory marker. So a file becomes durable only after everything committed
-before it (ordered publish), while the bytes of many files travel at once.
+Each ``put`` gets a preparation task as soon as it is submitted: for files larger
+than one part it creates the multipart upload and sends the parts, several in
+flight across all files (a semaphore of ``concurrency`` parts bounds memory and
+connections). One publisher task then walks the pending ops in sequence order and
+makes each visible: completes the multipart upload, PUTs a small file, deletes,
+moves, makes a directory marker. So a file becomes durable only after everything
+committed before it (ordered publish), while the bytes of many files travel at once.
+
+Streaming: while a file is still open for writing, the namespace hands every full
+block the writer has moved past to the file's ``Stream``, whose parts go out at
+once. The commit passes the stream to its put, which keeps each part whose block
+is unchanged since it was sent (a change stamp says so) and sends the others.
 
 Every store call runs in a thread and is retried with jittered exponential
 backoff; permanent errors are retried too (slowly), because the data must never
 leave the cache before it is in the store. Errors are kept for ``status``.
 
-Concurrency protocol (see docs/architecture.md): ``submit``, ``cancel`` and
-``retarget`` run on the trio loop without awaiting, so the namespace changes a
-file and its pending op in one step. Once the publisher has started to publish
-an op it can no longer be cancelled or retargeted: the namespace then follows
-with a compensating op (delete or move) instead.
+Multipart uploads are journaled before they are created (an intent without an id),
+so no crash or lost answer leaks one: an intent whose id never arrived makes the
+uploader sweep that key's unknown uploads away.
+
+Concurrency protocol (see docs/architecture.md): ``submit``, ``cancel``,
+``retarget``, ``stream_part`` and ``abandon`` run on the trio loop without
+awaiting, so the namespace changes a file and its pending op in one step. Once
+the publisher has started to publish an op it can no longer be cancelled or
+retargeted: the namespace then follows with a compensating op (delete or move).
 """
 
 from __future__ import annotations
@@ -25,14 +33,16 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import tenacity
 import trio
 import xxhash
 
-from .cache import Cache, Content
+from .cache import BlockRef, Cache, Content
 from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
 from .store.base import MAX_PARTS, NotFound, ObjectStore, PartInfo, StoreError
 
@@ -49,6 +59,37 @@ def part_size_for(size: int, base: int, max_parts: int = MAX_PARTS) -> int:
     return part
 
 
+@dataclass(frozen=True)
+class Upload:
+    """A multipart upload in the store; ``journal_id`` names it in the journal (and in the
+    object's metadata, so a completion whose answer was lost can be recognised)."""
+
+    key: str
+    upload_id: str
+    journal_id: str
+
+
+class Stream:
+    """The parts of a file still open for writing, sent before its close."""
+
+    def __init__(self, key: str):
+        self.key = key  # the upload goes under the key the file had when streaming began
+        self.upload: Upload | None = None
+        self.sent: dict[int, tuple[int, PartInfo]] = {}  # block index -> (change stamp, part)
+        self.sending: set[int] = set()
+        self.idle = trio.Event()
+        self.idle.set()
+        self.creating = trio.Lock()
+        self.scopes: set[trio.CancelScope] = set()  # one per part on its way
+        self.closed = False  # adopted by a commit or abandoned: no new parts
+        self.abandoned = False
+
+    def cancel(self) -> None:
+        self.abandoned = True
+        for scope in self.scopes:
+            scope.cancel()
+
+
 class Task:
     """A pending op and its progress."""
 
@@ -58,18 +99,24 @@ class Task:
         self.on_durable = on_durable
         self.ready = trio.Event()  # data prepared: the publisher may go
         self.scope = trio.CancelScope()
+        self.preparing = False  # the preparation task still runs (it owns content and upload)
         self.publishing = False
         self.cancelled = False
         self.xxh3 = ""
         self.part_size = 0
-        self.upload: tuple[str, str] | None = None  # (key, upload_id) of the multipart upload
-        self.upload_serial = 0
-        self.parts: list[PartInfo] = []
+        self.upload: Upload | None = None
+        self.parts: list[PartInfo | None] = []
         self.bytes_sent = 0
+        self.stream: Stream | None = None
+        self.stamps: list[int] = []  # the staged file's block change stamps at commit
+        self.completed = False  # found already complete (a restart after the completion)
 
     @property
     def multipart(self) -> bool:
         return self.op.kind == PUT and self.op.size > self.part_size
+
+    def n_parts(self) -> int:
+        return math.ceil(self.op.size / self.part_size)
 
 
 class Uploader:
@@ -79,6 +126,9 @@ class Uploader:
         self.journal = journal
         self.part_size = part_size
         self.pending: dict[int, Task] = {}  # by seq; insertion order is sequence order
+        self.streams: set[Stream] = set()
+        self.uploads: dict[str, Upload] = {}  # live multipart uploads by journal id
+        self.creating: dict[str, str] = {}  # journal id -> key, while CreateMultipartUpload runs
         self.part_slots = trio.Semaphore(concurrency)
         self.store_threads = trio.CapacityLimiter(concurrency + 2)
         self.hash_threads = trio.CapacityLimiter(2)
@@ -87,16 +137,23 @@ class Uploader:
         self.errors: deque[dict] = deque(maxlen=20)
         self._logged_errors: set[tuple[str, str]] = set()
         self.uploaded_bytes = 0
+        self.streamed_bytes = 0
         self.durable_files = 0
         self.nursery: trio.Nursery | None = None
         self.retained_ops: Callable[[], list[Op]] = list  # ops the journal keeps besides pending ones
 
     # -- called by the namespace (no awaits) -----------------------------------------
-    def submit(self, op: Op, content: Content | None = None, on_durable: Callable[[Op], None] | None = None) -> Task:
+    def submit(self, op: Op, content: Content | None = None, on_durable: Callable[[Op], None] | None = None,
+               stream: Stream | None = None, stamps: list[int] | None = None) -> Task:
         task = Task(op, content.hold() if content is not None else None, on_durable)
         task.part_size = part_size_for(op.size, self.part_size)
+        task.stream, task.stamps = stream, stamps or []
+        if op.upload:  # parts evicted from the cache live in this upload: it must be the one
+            task.part_size = self.part_size
+            self.uploads[op.upload[2]] = Upload(*op.upload)
         self.pending[op.seq] = task
         if op.kind == PUT:
+            task.preparing = True
             self.nursery.start_soon(self._prepare, task)
         else:
             task.ready.set()
@@ -110,23 +167,50 @@ class Uploader:
             return False
         del self.pending[seq]
         task.cancelled = True
-        if task.ready.is_set() and task.upload is not None:  # prepared: nobody else will abort it
-            self.nursery.start_soon(self._abort, *task.upload, f"{seq}.{task.upload_serial}")
         task.scope.cancel()
         task.ready.set()
         self.journal.cancel(seq)
-        self._finish(task)
+        if task.content is not None and task.content.remote:
+            task.content.orphaned = True  # its evicted parts go with the upload
+        if not task.preparing:  # otherwise the preparation task cleans up once its threads are done
+            if task.upload is not None:
+                self.nursery.start_soon(self._abort, task.upload)
+                task.upload = None
+            self._finish(task)
         self._signal_progress()
         return True
 
     def retarget(self, seq: int, key: str) -> bool:
         """Point a pending put at a new key (a rename of a file not yet durable)."""
         task = self.pending.get(seq)
-        if task is None or task.publishing:
-            return False
+        if task is None or task.publishing or task.op.upload:
+            return False  # (evicted parts cannot move to another key's upload: a move follows)
         task.op.key = key
         self.journal.retarget(seq, key)
         return True
+
+    def open_stream(self, key: str) -> Stream:
+        stream = Stream(key)
+        self.streams.add(stream)
+        return stream
+
+    def stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
+        """Send a full block of a file still being written as part ``index + 1``."""
+        if stream.closed or index in stream.sending or index >= MAX_PARTS:
+            return  # (a block already on its way: the commit re-sends it if it changed since)
+        self.cache.incref(ref)  # the bytes stay put while they travel; a write copies the block
+        stream.sending.add(index)
+        if stream.idle.is_set():
+            stream.idle = trio.Event()
+        self.nursery.start_soon(self._stream_part, stream, index, ref, stamp)
+
+    def abandon(self, stream: Stream) -> None:
+        """The file was closed without a commit (or unlinked): abort its upload."""
+        if stream.abandoned:
+            return
+        stream.closed = True
+        stream.cancel()
+        self.nursery.start_soon(self._close_stream, stream)
 
     # -- queries ------------------------------------------------------------------------
     def pending_bytes(self, up_to: int | None = None) -> int:
@@ -138,7 +222,7 @@ class Uploader:
 
     def holds_cache(self) -> bool:
         """Whether a pending upload still holds cache blocks (its end will free some)."""
-        return any(t.content is not None for t in self.pending.values())
+        return any(t.content is not None for t in self.pending.values()) or any(s.sending for s in self.streams)
 
     def pending_count(self, up_to: int | None = None) -> int:
         return sum(1 for s in self.pending if up_to is None or s <= up_to)
@@ -152,25 +236,67 @@ class Uploader:
             await self.progress.wait()
 
     # -- the workers --------------------------------------------------------------------
-    async def run(self, abort_uploads: list[tuple[str, str, str]] = (), *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, open_uploads: list[tuple[str, str, str | None]] = (), *,
+                  task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
-            for journal_id, key, upload_id in abort_uploads:  # left open by a dead daemon: start over
-                nursery.start_soon(self._abort, key, upload_id, journal_id)
+            for journal_id, key, upload_id in open_uploads:  # left open by a dead daemon: start over
+                if upload_id is None:  # it died while creating one: find it by its key
+                    nursery.start_soon(self._sweep, key, journal_id)
+                else:
+                    nursery.start_soon(self._abort, Upload(key, upload_id, journal_id))
             nursery.start_soon(self._publisher)
             task_status.started()
 
     async def _prepare(self, task: Task) -> None:
-        with task.scope:
-            await self._until_done(task, self._prepare_once)
+        try:
+            with task.scope:
+                await self._until_done(task, self._prepare_once)
+        finally:
+            task.preparing = False
             task.ready.set()
-        if task.cancelled and task.upload is not None:  # cancelled while preparing
-            await self._abort(*task.upload, f"{task.op.seq}.{task.upload_serial}")
+            if task.cancelled:
+                if task.upload is not None:
+                    self.nursery.start_soon(self._abort, task.upload)
+                    task.upload = None
+                self._finish(task)
 
     async def _prepare_once(self, task: Task) -> None:
-        task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
+        if task.op.upload and task.upload is None:  # parts evicted from the cache are only there
+            task.upload = Upload(*task.op.upload)
+            task.parts = [None] * task.n_parts()
+            for index, token in task.op.parts.items():
+                task.parts[index] = PartInfo(index + 1, token)
+                task.bytes_sent += task.part_size
+        if task.stream is not None:
+            await self._adopt_stream(task)
+        if task.upload is None:  # not streamed: the whole file's hash goes in the metadata
+            task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
         if task.multipart:
             await self._upload_parts(task)
+
+    async def _adopt_stream(self, task: Task) -> None:
+        """Take over the parts a stream sent that still match the committed content."""
+        stream = task.stream
+        stream.closed = True
+        await stream.idle.wait()  # (cancelled here, the stream is still the task's to abandon)
+        task.stream = None
+        self.streams.discard(stream)
+        if stream.upload is None:
+            return
+        usable = task.multipart and task.part_size == self.cache.block_size and stream.upload.key == task.op.key
+        if stream.upload != task.upload and (task.upload is not None or not usable):
+            self.nursery.start_soon(self._abort, stream.upload)
+            return
+        if task.upload is None:
+            task.upload = stream.upload
+            task.parts = [None] * task.n_parts()
+        for index, (stamp, part) in stream.sent.items():
+            full = task.content.block_length(index) == task.part_size
+            if index < len(task.parts) and task.parts[index] is None and index < len(task.stamps) \
+                    and task.stamps[index] == stamp and full:
+                task.parts[index] = part
+                task.bytes_sent += task.part_size
 
     async def _until_done(self, task: Task, step) -> None:
         """Run ``step(task)``, retrying after unexpected errors: a bug or a cache read
@@ -184,36 +310,84 @@ class Uploader:
                 await trio.sleep(UNEXPECTED_RETRY_S)
 
     async def _upload_parts(self, task: Task) -> None:
-        op = task.op
-        key = op.key  # a rename may retarget the op while we wait: the upload stays under this key
-        metadata = {"xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size)}
-        upload_id = await self._call(key, self.store.create_multipart, key, metadata)
-        task.upload_serial += 1
-        task.upload = (key, upload_id)
-        self.journal.multipart_started(f"{op.seq}.{task.upload_serial}", key, upload_id)
-        n_parts = math.ceil(op.size / task.part_size)
-        task.parts = [None] * n_parts
-        task.bytes_sent = 0
+        if task.upload is None:
+            # A rename may retarget the op while we work: the upload stays under this key.
+            task.upload = await self._create_upload(task.op.key, {
+                "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size)})
+            task.parts = [None] * task.n_parts()
+            task.bytes_sent = 0
+        upload = task.upload
+        gone: list[int] = []
         async with trio.open_nursery() as parts:
-            for number in range(1, n_parts + 1):
-                await self.part_slots.acquire()
-                parts.start_soon(self._send_part, task, upload_id, number)
+            for number in range(1, len(task.parts) + 1):
+                if task.parts[number - 1] is None:
+                    await self.part_slots.acquire()
+                    parts.start_soon(self._send_part, task, upload, number, gone)
+        if gone and await self._is_complete(upload):  # completed just before a crash
+            task.completed = True
+            return
+        if gone:  # the store lost the upload (expired, aborted by hand): start over
+            log.warning("multipart upload of %s vanished; uploading it again", upload.key)
+            self._forget(upload)
+            task.upload = None
+            await self._upload_parts(task)
 
-    async def _send_part(self, task: Task, upload_id: str, number: int) -> None:
+    async def _send_part(self, task: Task, upload: Upload, number: int, gone: list[int]) -> None:
         try:
-            key = task.upload[0]
             start = (number - 1) * task.part_size
             length = min(task.part_size, task.op.size - start)
+            content = task.content
 
             def send() -> PartInfo:
-                data = _read_range(task.content, start, length)
-                return self.store.upload_part(key, upload_id, number, data)
+                return self.store.upload_part(upload.key, upload.upload_id, number, content.read(start, length))
 
-            task.parts[number - 1] = await self._call(key, send)
+            try:
+                task.parts[number - 1] = await self._call(upload.key, send)
+            except NotFound:
+                gone.append(number)
+                return
             task.bytes_sent += length
             self.uploaded_bytes += length
         finally:
             self.part_slots.release()
+
+    async def _stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                stream.scopes.add(scope)
+                if stream.abandoned:
+                    scope.cancel()
+                async with self.part_slots:
+                    async with stream.creating:
+                        if stream.upload is None:
+                            stream.upload = await self._create_upload(stream.key, {
+                                "ckptfs-part-size": str(self.part_size)})
+                    upload, size = stream.upload, self.cache.block_size
+
+                    def send() -> PartInfo:
+                        return self.store.upload_part(upload.key, upload.upload_id, index + 1,
+                                                      self.cache.read(ref, 0, size))
+
+                    try:
+                        part = await self._call(upload.key, send)
+                    except NotFound:
+                        return  # the upload vanished: the commit sends this part again
+                    stream.sent[index] = (stamp, part)
+                    self.uploaded_bytes += size
+                    self.streamed_bytes += size
+        finally:
+            stream.scopes.discard(scope)
+            self.cache.decref(ref)
+            stream.sending.discard(index)
+            if not stream.sending:
+                stream.idle.set()
+            self.cache.notify_space()  # the block may be reclaimable now (or a waiter must give up)
+
+    async def _close_stream(self, stream: Stream) -> None:
+        await stream.idle.wait()
+        self.streams.discard(stream)
+        if stream.upload is not None:
+            await self._abort(stream.upload)
 
     async def _publisher(self) -> None:
         while True:
@@ -242,22 +416,28 @@ class Uploader:
     async def _publish(self, task: Task) -> None:
         op = task.op
         if op.kind == PUT and task.multipart:
-            if task.upload is None or task.upload[0] != op.key:  # retargeted after the upload began
+            if task.upload is None or task.upload.key != op.key:  # retargeted after the upload began
                 if task.upload is not None:
-                    await self._abort(*task.upload, f"{op.seq}.{task.upload_serial}")
+                    await self._abort(task.upload)
+                    task.upload = None
+                if not task.xxh3:
+                    task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
                 await self._upload_parts(task)
+            upload = task.upload
             try:
-                await self._call(op.key, self.store.complete_multipart, op.key, task.upload[1], task.parts)
+                if not task.completed:
+                    await self._call(op.key, self.store.complete_multipart, op.key, upload.upload_id, task.parts)
             except NotFound:
                 # A retry after a completion whose answer was lost: the upload id is gone.
-                info = await self._call(op.key, self.store.head, op.key)
-                if info is None or info.metadata.get("xxh3") != task.xxh3:
+                if not await self._is_complete(upload):
+                    self._forget(upload)
                     task.upload = None
                     await self._publish(task)  # start over with a new upload
                     return
-            self.journal.multipart_ended(f"{op.seq}.{task.upload_serial}")
+            self._forget(upload)
+            task.upload = None
         elif op.kind == PUT:
-            data = await trio.to_thread.run_sync(_read_range, task.content, 0, op.size, limiter=self.hash_threads)
+            data = await trio.to_thread.run_sync(task.content.read, 0, op.size, limiter=self.hash_threads)
             await self._call(op.key, self.store.put, op.key, data, {"xxh3": task.xxh3})
             task.bytes_sent = op.size
             self.uploaded_bytes += op.size
@@ -274,31 +454,87 @@ class Uploader:
                     log.warning("move %s -> %s: the source is not in the store", op.src, op.key)
             await self._call(op.src, self.store.delete, op.src)
 
+    # -- multipart bookkeeping ---------------------------------------------------------------
+    async def _create_upload(self, key: str, metadata: dict[str, str]) -> Upload:
+        """CreateMultipartUpload, journaled first: it is not idempotent, so a crash or a lost
+        answer could otherwise leave an upload nobody knows about."""
+        journal_id = uuid.uuid4().hex[:16]
+        self.journal.multipart_started(journal_id, key, None)
+        self.creating[journal_id] = key
+        attempts = 0
+
+        def create() -> str:
+            nonlocal attempts
+            attempts += 1
+            return self.store.create_multipart(key, {**metadata, "ckptfs-upload": journal_id})
+
+        try:
+            upload_id = await self._call(key, create)
+        except BaseException:
+            del self.creating[journal_id]
+            # Cancelled or failed mid-call: the store may have created it anyway.
+            self.nursery.start_soon(self._sweep, key, journal_id)
+            raise
+        del self.creating[journal_id]
+        upload = Upload(key, upload_id, journal_id)
+        self.uploads[journal_id] = upload
+        self.journal.multipart_started(journal_id, key, upload_id)
+        if attempts > 1:  # an earlier attempt may have created one whose answer was lost
+            await self._sweep(key)
+        return upload
+
+    async def _is_complete(self, upload: Upload) -> bool:
+        info = await self._call(upload.key, self.store.head, upload.key)
+        return info is not None and info.metadata.get("ckptfs-upload") == upload.journal_id
+
+    async def _sweep(self, key: str, journal_id: str | None = None) -> None:
+        """Abort the uploads under ``key`` that nobody here knows (created, answer never heard)."""
+        while key in self.creating.values():  # let creates in flight record their ids first
+            await trio.sleep(0.05)
+        try:
+            found = await self._call(key, self.store.list_multipart, key, attempts=5)
+        except StoreError as exc:
+            log.warning("could not list multipart uploads of %s: %s", key, exc)
+            return
+        known = {u.upload_id for u in self.uploads.values()}
+        for found_key, upload_id in found:
+            if found_key == key and upload_id not in known:
+                await self._abort(Upload(key, upload_id, ""))
+        if journal_id:
+            self.journal.multipart_ended(journal_id)
+
+    async def _abort(self, upload: Upload) -> None:
+        try:
+            await self._call(upload.key, self.store.abort_multipart, upload.key, upload.upload_id, attempts=5)
+        except StoreError as exc:
+            log.warning("could not abort multipart upload of %s: %s", upload.key, exc)
+            return
+        self._forget(upload)
+
+    def _forget(self, upload: Upload) -> None:
+        """The upload is finished (completed, aborted or gone)."""
+        self.uploads.pop(upload.journal_id, None)
+        if upload.journal_id:
+            self.journal.multipart_ended(upload.journal_id)
+
     # -- helpers ---------------------------------------------------------------------------
     def _finish(self, task: Task) -> None:
         if task.content is not None:
             task.content.release()
             task.content = None
+        if task.stream is not None:  # never adopted (cancelled first)
+            self.abandon(task.stream)
+            task.stream = None
 
     def _signal_progress(self) -> None:
         self.progress.set()
         self.progress = trio.Event()
 
     def _compact(self) -> None:
-        open_uploads = [
-            (f"{t.op.seq}.{t.upload_serial}", *t.upload) for t in self.pending.values() if t.upload is not None
-        ]
+        open_uploads = [(u.journal_id, u.key, u.upload_id) for u in self.uploads.values()]
+        open_uploads += [(i, key, None) for i, key in self.creating.items()]
         ops = [t.op for t in self.pending.values()] + self.retained_ops()
         self.journal.compact(sorted(ops, key=lambda op: op.seq), open_uploads)
-
-    async def _abort(self, key: str, upload_id: str, journal_id: str | None) -> None:
-        try:
-            await self._call(key, self.store.abort_multipart, key, upload_id, attempts=5)
-        except StoreError as exc:
-            log.warning("could not abort multipart upload of %s: %s", key, exc)
-            return
-        if journal_id is not None:
-            self.journal.multipart_ended(journal_id)
 
     async def _call(self, key: str, fn, *args, attempts: int | None = None):
         """Run a blocking store call in a thread, retrying failures with backoff (NotFound is final)."""
@@ -328,8 +564,3 @@ class Uploader:
             ref = content.blocks[index]
             hasher.update(self.cache.view(ref, length) if ref is not None else bytes(length))
         return hasher.hexdigest()
-
-
-def _read_range(content: Content, start: int, length: int) -> bytes:
-    """A part's bytes, copied out of the cache (runs in a worker thread)."""
-    return content.read(start, length)

@@ -155,8 +155,12 @@ def store_keys(store) -> set[str]:
 
 
 def assert_xxh3(store, key: str, data: bytes) -> None:
+    """The object holds ``data``; its xxh3 metadata, when it has one, agrees (a file streamed
+    while it was written has none: the upload began before its last byte was known)."""
     inner = store.inner if isinstance(store, FaultyStore) else store
-    assert inner.head(key).metadata["xxh3"] == xxhash.xxh3_64(data).hexdigest()
+    info = inner.head(key)
+    assert xxhash.xxh3_64(inner.get_range(key, 0, info.size + 1)).hexdigest() == xxhash.xxh3_64(data).hexdigest()
+    assert info.metadata.get("xxh3", xxhash.xxh3_64(data).hexdigest()) == xxhash.xxh3_64(data).hexdigest()
 
 
 # -- commit on flush --------------------------------------------------------------------------------------
@@ -641,3 +645,178 @@ def test_replay_of_a_rename_over_an_existing_file(tmp_path, local):
     trio.run(first_life)
     trio.run(second_life)
     assert store_files(local) == {"b.bin": a}
+
+
+# -- streaming upload --------------------------------------------------------------------------------
+
+
+async def write_blocks(ns: Namespace, fh: int, data: bytes, chunk: int = BS // 4) -> None:
+    """Sequential writes in pieces, as torch.save sends them."""
+    for offset in range(0, len(data), chunk):
+        await ns.write(fh, offset, data[offset : offset + chunk])
+
+
+def test_full_blocks_upload_before_close(tmp_path, local):
+    store = FaultyStore(local)
+    data = blob(4 * BS + 100, 1)  # four full blocks and a tail
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            handle, _ = m.ns.create(ROOT_INODE, "ckpt.pt", 0o644, WRITE, UID, GID)
+            await write_blocks(m.ns, handle.fh, data)
+            # The writer is past blocks 0..3: they are sent while the file is still open.
+            await store.called("upload_part", 4)
+            assert store_files(store) == {}  # nothing visible before the commit
+            m.ns.flush(handle.fh)
+            m.ns.release(handle.fh)
+            await sync(m)
+            assert store_files(store) == {"ckpt.pt": data}
+            assert store.count("upload_part") == 5  # the streamed parts were kept: only the tail sent at close
+            assert store.count("create_multipart") == 1
+            assert local.list_multipart() == []
+
+    trio.run(main)
+
+
+def test_a_block_rewritten_after_it_was_sent_is_sent_again(tmp_path, local):
+    store = FaultyStore(local)
+    data = bytearray(blob(4 * BS, 2))
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            handle, _ = m.ns.create(ROOT_INODE, "f.bin", 0o644, RDWR, UID, GID)
+            await write_blocks(m.ns, handle.fh, bytes(data))
+            await store.called("upload_part", 3)  # blocks 0..2 sent
+            await m.ns.write(handle.fh, BS + 10, b"changed")  # back into block 1
+            data[BS + 10 : BS + 17] = b"changed"
+            m.ns.flush(handle.fh)
+            m.ns.release(handle.fh)
+            await sync(m)
+            assert store_files(store) == {"f.bin": bytes(data)}
+            assert store.count("upload_part") == 5  # 4 parts + block 1 again
+
+    trio.run(main)
+
+
+def test_a_file_unlinked_while_written_aborts_its_streamed_upload(tmp_path, local):
+    store = FaultyStore(local)
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            handle, _ = m.ns.create(ROOT_INODE, "gone.bin", 0o644, WRITE, UID, GID)
+            await write_blocks(m.ns, handle.fh, blob(3 * BS + 1, 3))
+            await store.called("upload_part", 3)
+            assert len(local.list_multipart()) == 1
+            m.ns.unlink(ROOT_INODE, "gone.bin")
+            m.ns.flush(handle.fh)
+            m.ns.release(handle.fh)
+            await store.called("abort_multipart")
+            assert local.list_multipart() == []
+            await sync(m)
+            assert store_files(store) == {}
+
+    trio.run(main)
+
+
+def test_a_file_renamed_while_written_is_uploaded_under_its_new_name(tmp_path, local):
+    store = FaultyStore(local)
+    data = blob(3 * BS + 5, 4)
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            handle, _ = m.ns.create(ROOT_INODE, "ckpt.tmp", 0o644, WRITE, UID, GID)
+            await write_blocks(m.ns, handle.fh, data)
+            await store.called("upload_part", 3)  # streamed under ckpt.tmp
+            m.ns.rename(ROOT_INODE, "ckpt.tmp", ROOT_INODE, "ckpt", 0)
+            m.ns.flush(handle.fh)
+            m.ns.release(handle.fh)
+            await sync(m)
+            assert store_files(store) == {"ckpt": data}
+            await store.called("abort_multipart")
+            assert local.list_multipart() == []
+
+    trio.run(main)
+
+
+def test_overwrites_while_uploads_stream_leave_the_last_version(tmp_path, local):
+    """Each commit cancels the previous version's upload while its parts are in flight."""
+    store = FaultyStore(local)
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            for i in range(20):
+                data = blob(3 * BS + i, i)
+                handle, *_ = await m.ns.open(ino(m.ns, "latest.pt"), WRITE | os.O_TRUNC) if i else \
+                    (m.ns.create(ROOT_INODE, "latest.pt", 0o644, WRITE, UID, GID)[0],)
+                await write_blocks(m.ns, handle.fh, data)
+                m.ns.flush(handle.fh)
+                m.ns.release(handle.fh)
+            await sync(m)
+            assert store_files(store) == {"latest.pt": data}
+            for _ in range(100):  # aborts run in the background
+                if not local.list_multipart():
+                    break
+                await trio.sleep(0.05)
+            assert local.list_multipart() == []
+
+    trio.run(main)
+
+
+def test_writers_larger_than_the_cache_flow_at_the_upload_rate(tmp_path, local):
+    """Two files written at once, together 1.5x the whole cache (16 + 64 blocks): blocks whose
+    part is uploaded are evicted from the open files, the writers wait for uploads instead of
+    failing, and the files read back whole once they are in the store."""
+    store = FaultyStore(local)
+    files = {f"w{i}.bin": blob(60 * BS + 7, 10 + i) for i in range(2)}
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            handles = {name: m.ns.create(ROOT_INODE, name, 0o644, WRITE, UID, GID)[0] for name in files}
+            for offset in range(0, 60 * BS + 7, BS // 2):  # interleaved, as two ranks would
+                for name, data in files.items():
+                    await m.ns.write(handles[name].fh, offset, data[offset : offset + BS // 2])
+            assert any(h.staged.remote for h in handles.values())  # evicted while open
+            for handle in handles.values():
+                m.ns.flush(handle.fh)
+                m.ns.release(handle.fh)
+            for name, data in files.items():  # readers wait for the evicted parts to be in the store
+                assert await read_all(m.ns, name) == data
+            await sync(m)
+            assert store_files(store) == files
+            assert local.list_multipart() == []
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("crash", ["before_completion", "after_completion"])
+def test_a_restart_completes_an_upload_whose_parts_were_evicted(tmp_path, local, crash):
+    """The parts evicted while the file was written exist only in its multipart upload: the
+    journal names them, so a restart completes that upload (or finds it complete)."""
+    store = FaultyStore(local)
+    data = blob(100 * BS + 3, 20)  # more than the whole cache
+
+    async def first_run():
+        async with mounted(tmp_path, store) as m:
+            if crash == "before_completion":
+                store.fail("complete_multipart", 10**6)
+            else:
+                gate = store.hold("complete_multipart")  # completes, but the journal never hears it
+            handle, _ = m.ns.create(ROOT_INODE, "big.bin", 0o644, WRITE, UID, GID)
+            await write_blocks(m.ns, handle.fh, data, chunk=BS)
+            assert handle.staged.remote
+            m.ns.flush(handle.fh)
+            m.ns.release(handle.fh)
+            await store.called("upload_part", 101)  # every part is in
+            if crash == "after_completion":
+                await gate.entered()
+
+    async def second_run():
+        async with mounted(tmp_path, store) as m:
+            await sync(m)
+            assert store_files(store) == {"big.bin": data}
+            assert local.list_multipart() == []
+
+    trio.run(first_run)
+    store.fail("complete_multipart", 0)
+    store._gates.clear()
+    trio.run(second_run)

@@ -89,6 +89,10 @@ class S3Store(ObjectStore):
             self._client = self._session.client("s3", endpoint_url=endpoint_url, config=self._config)
         except ValueError as e:  # botocore: "Invalid endpoint: ..."
             raise StoreError(f"bad S3 endpoint URL {endpoint_url!r}: {_one_line(e)}", errno_=errno.EINVAL) from None
+        # CreateMultipartUpload is not idempotent: a retry after a lost answer makes a second
+        # upload. It goes through a client that never retries, so the caller sees every attempt.
+        self._client_once = self._session.client("s3", endpoint_url=endpoint_url, config=self._config.merge(
+            Config(retries={"mode": "standard", "total_max_attempts": 1})))
         self.endpoint = self._client.meta.endpoint_url
 
     # -- helpers ---------------------------------------------------------------
@@ -137,9 +141,9 @@ class S3Store(ObjectStore):
         # assume a retry may help; the retry layer above gives up eventually.
         raise StoreError(f"{op} {where}: {type(e).__name__}: {_one_line(e)}", transient=True) from None
 
-    def _call(self, op: str, key: str, method: str, **kwargs: Any) -> dict[str, Any]:
+    def _call(self, op: str, key: str, method: str, client=None, **kwargs: Any) -> dict[str, Any]:
         try:
-            return getattr(self._client, method)(Bucket=self.bucket, **kwargs)
+            return getattr(client or self._client, method)(Bucket=self.bucket, **kwargs)
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
             self._fail(op, key, e)
 
@@ -264,8 +268,8 @@ class S3Store(ObjectStore):
     # -- multipart ---------------------------------------------------------------
 
     def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
-        r = self._call("create_multipart", key, "create_multipart_upload", Key=self._key(key),
-                       Metadata=metadata or {})
+        r = self._call("create_multipart", key, "create_multipart_upload", client=self._client_once,
+                       Key=self._key(key), Metadata=metadata or {})
         return r["UploadId"]
 
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
@@ -298,3 +302,4 @@ class S3Store(ObjectStore):
 
     def close(self) -> None:
         self._client.close()
+        self._client_once.close()
