@@ -111,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 1)")
     p.set_defaults(func=cmd_sync)
 
+    p = sub.add_parser("warmup", help="prefetch files or directories (recursively) into the cache",
+                       description="Fetch whatever is not cached yet of each PATH (a file or a directory, "
+                                   "recursively) on a ckptfs mount, in parallel, so a later restore reads "
+                                   "from the cache.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="a file or directory on a ckptfs mount")
+    p.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 1)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.set_defaults(func=cmd_warmup)
+
     p = sub.add_parser("status", help="cache use, pending uploads, errors")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     p.add_argument("--json", action="store_true", help="print the daemon's status as JSON")
@@ -333,6 +342,41 @@ def cmd_sync(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    by_mount: dict[str, list[str]] = {}
+    for path in args.paths:
+        mountpoint, candidate = _mount_of(path)
+        by_mount.setdefault(mountpoint, []).append(candidate)
+    total = {"files": 0, "total_bytes": 0, "fetched_bytes": 0, "seconds": 0.0}
+    for mountpoint, candidates in by_mount.items():
+        bar = ProgressBar("warmup")
+        try:
+            result = _call(mountpoint, "warmup", {"paths": _relative_paths(mountpoint, candidates), "timeout": args.timeout},
+                           on_progress=bar, timeout=None if args.timeout is None else args.timeout + 30)
+        finally:
+            bar.close()
+        for key in total:
+            total[key] += result.get(key) or 0
+    if args.json:
+        print(json.dumps(total, sort_keys=True))
+        return 0
+    files, seconds, fetched = total["files"], total["seconds"], total["fetched_bytes"]
+    rate = f"{_fmt(fetched / seconds)}/s" if fetched and seconds > 0 else "nothing to fetch"
+    print(f"ckptfs: warmed {files} file{'' if files == 1 else 's'}, {_fmt(total['total_bytes'])} "
+          f"({_fmt(fetched)} fetched) in {seconds:.1f} s, {rate}", file=sys.stderr)
+    return 0
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    """The ckptfs mount holding ``path`` (the innermost one), and the path as seen from there."""
+    mounts = ckptfs_mounts()
+    for candidate in (os.path.abspath(path), os.path.realpath(path)):
+        owners = [m for m in mounts if os.path.commonpath([m, candidate]) == m]
+        if owners:
+            return max(owners, key=len), candidate
+    raise UsageError(f"{path} is not on a ckptfs mount")
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = _mountpoint(args.mountpoint)
     try:
@@ -443,8 +487,9 @@ def _fmt(n: object) -> str:
 
 
 class ProgressBar:
-    """Upload progress from the daemon's {"pending_files", "pending_bytes", "total_bytes"}:
-    a tqdm bar in bytes on a terminal, nothing otherwise (the caller prints ``summary``)."""
+    """Progress from the daemon: uploads ({"pending_files", "pending_bytes", "total_bytes"}) or
+    warmup ({"done_bytes", "total_bytes", "files", "files_done"}): a tqdm bar in bytes on a
+    terminal, nothing otherwise (the caller prints ``summary``)."""
 
     def __init__(self, desc: str):
         self.desc = desc
@@ -457,14 +502,19 @@ class ProgressBar:
 
         self.last = progress
         total = int(progress.get("total_bytes") or 0)
-        done = max(total - int(progress.get("pending_bytes") or 0), 0)
+        if "done_bytes" in progress:
+            done = int(progress["done_bytes"] or 0)
+            postfix = f"{progress.get('files_done', '?')} of {progress.get('files', '?')} files"
+        else:
+            done = max(total - int(progress.get("pending_bytes") or 0), 0)
+            files = progress.get("pending_files", "?")
+            postfix = f"{files} file{'' if files == 1 else 's'} left"
         if self.bar is None:
             self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc=self.desc,
                             file=sys.stderr, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
         self.bar.total = total  # grows when more is committed while we wait
         self.bar.n = done
-        files = progress.get("pending_files", "?")
-        self.bar.set_postfix_str(f"{files} file{'' if files == 1 else 's'} left", refresh=False)
+        self.bar.set_postfix_str(postfix, refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:

@@ -80,7 +80,6 @@ class Daemon:
             log.info("journal: %d operations still pending from the last run; resuming", len(pending))
         self.uploader = Uploader(self.store, self.cache, self.journal, self.config.part_size,
                                  self.config.upload_concurrency)
-        self.cache.releases_pending = self.uploader.holds_cache
         self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
         self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid())
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
@@ -163,6 +162,7 @@ class Daemon:
             server = control.ControlServer(control_socket_path(self.mountpoint), {
                 "status": self._status,
                 "sync": self._sync,
+                "warmup": self._warmup,
                 "umount": self._umount,
             })
             await nursery.start(server.serve)
@@ -230,6 +230,35 @@ class Daemon:
             raise CkptfsError(f"timed out after {timeout:g} s: {up.pending_count(target)} operations "
                               f"({up.pending_bytes(target)} bytes) not yet in the store")
         return {"durable_up_to": target}
+
+    async def _warmup(self, request: dict, progress) -> dict:
+        """Fetch the files at or under ``paths`` into the cache, reporting progress."""
+        started = time.monotonic()
+        try:
+            targets = self.namespace.contents_under(request.get("paths") or [])
+        except FsError as exc:
+            raise CkptfsError(str(exc)) from None
+        unreleased = dict(enumerate(done for _, done in targets))  # each ends once: when warm, or below
+        last: dict = {}
+
+        async def report(update: dict) -> None:
+            last.update(update)
+            await progress(update)
+
+        timeout = request.get("timeout")
+        try:
+            with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
+                result = await self.fetcher.warm([content for content, _ in targets], report,
+                                                 lambda i: unreleased.pop(i)(), PROGRESS_INTERVAL_S)
+        except FsError as exc:
+            raise CkptfsError(str(exc)) from None
+        finally:
+            for done in unreleased.values():
+                done()
+        if scope.cancelled_caught:
+            raise CkptfsError(f"timed out after {timeout:g} s: {last.get('done_bytes', 0)} of "
+                              f"{last.get('total_bytes', '?')} bytes cached")
+        return {**result, "seconds": round(time.monotonic() - started, 3)}
 
     async def _umount(self, request: dict, progress) -> dict:
         if request.get("wait", True):

@@ -4,6 +4,7 @@ A block is fetched once however many readers want it at the same time: the first
 one starts the GET, the others wait on its event. Fetched blocks become part of
 the file's cached content, so the next read is local. A reader going through a
 file sequentially gets the next blocks fetched ahead, in parallel, in the background.
+``warm`` (``ckptfs warmup``) fetches every missing block of a set of files the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import errno
 import logging
 import random
+from collections.abc import Awaitable, Callable
 
+import humanfriendly
 import trio
 
 from .cache import Cache, Content
@@ -68,6 +71,81 @@ class Fetcher:
         async with trio.open_nursery() as nursery:
             for index in indexes:
                 nursery.start_soon(self._fetch_block, content, index)
+
+    async def warm(self, contents: list[Content], progress: Callable[[dict], Awaitable[None]],
+                   on_warmed: Callable[[int], None] = lambda i: None, interval: float = 0.5) -> dict:
+        """Fetch every block of ``contents`` that is not cached (``ckptfs warmup``).
+
+        Blocks go in file order, a bounded number at a time (the GETs themselves share the
+        readers' thread limiter), through ``_fetch_block``: a block a reader is already fetching
+        is waited for, not fetched again. Contents not in the store (local only) are fully
+        cached already. ``on_warmed(i)`` runs as soon as ``contents[i]`` is whole in the cache;
+        ``progress`` gets {"done_bytes", "total_bytes", "files", "files_done"} every ``interval``
+        seconds. The caller holds the contents (and keeps them from eviction) meanwhile.
+        Raises FsError: ENOSPC when the cache cannot hold them, or the store's error.
+        """
+        bs = self.cache.block_size
+        total = sum(c.size for c in contents)
+        capacity = sum(tier.n_slots for tier in self.cache.tiers)
+        if sum(len(c.blocks) for c in contents) > capacity:
+            raise FsError(errno.ENOSPC, f"{_fmt(total)} asked but the cache holds at most {_fmt(capacity * bs)} "
+                                        "(--ram-cache + --cache-size): warm fewer files or mount with a larger cache")
+        todo = [c.missing(0, c.size) for c in contents]
+        left = [len(indexes) for indexes in todo]
+        missing = sum(c.block_length(i) for c, indexes in zip(contents, todo) for i in indexes)
+        state = {"done_bytes": total - missing, "total_bytes": total, "files": len(contents), "files_done": 0}
+
+        def finished(i: int) -> None:
+            state["files_done"] += 1
+            on_warmed(i)
+
+        for i, n in enumerate(left):
+            if not n:
+                finished(i)
+        failure: BaseException | None = None
+        window = trio.Semaphore(2 * self.threads.total_tokens)  # blocks on their way at once
+
+        async def one(blocks: trio.Nursery, i: int, index: int) -> None:
+            nonlocal failure
+            try:
+                await self._fetch_block(contents[i], index)
+            except (OSError, FsError) as exc:
+                failure = failure or exc
+                blocks.cancel_scope.cancel()
+                return
+            finally:
+                window.release()
+            state["done_bytes"] += contents[i].block_length(index)
+            left[i] -= 1
+            if not left[i]:
+                finished(i)
+
+        async def report() -> None:
+            while True:
+                await progress(dict(state))
+                await trio.sleep(interval)
+
+        async with trio.open_nursery() as outer:
+            outer.start_soon(report)
+            async with trio.open_nursery() as blocks:
+                for i, indexes in enumerate(todo):
+                    for index in indexes:
+                        await window.acquire()
+                        blocks.start_soon(one, blocks, i, index)
+            outer.cancel_scope.cancel()
+        if failure is not None:
+            if isinstance(failure, OSError) and failure.errno == errno.ENOSPC:
+                raise FsError(errno.ENOSPC, f"the cache is full of data not yet in the store or open for writing "
+                                            f"(warmed {_fmt(state['done_bytes'])} of {_fmt(total)}): "
+                                            "raise --ram-cache/--cache-size or warm fewer files") from None
+            raise FsError(getattr(failure, "errno", None) or errno.EIO, str(failure)) from None
+        # A file warmed early may have been evicted again to make room for a later one.
+        lost = sum(c.block_length(i) for c in contents if c.holders > 0 for i in c.missing(0, c.size))
+        if lost:
+            raise FsError(errno.ENOSPC, f"{_fmt(lost)} of the {_fmt(total)} warmed was evicted again for data "
+                                        "not yet in the store: raise --ram-cache/--cache-size or warm fewer files")
+        await progress(dict(state))
+        return {"files": len(contents), "total_bytes": total, "fetched_bytes": missing}
 
     async def _fetch_block(self, content: Content, index: int) -> None:
         while content.blocks[index] is None:
@@ -130,3 +208,7 @@ class Fetcher:
                     raise FsError(errno.EIO, f"{key} is gone from the store") from exc
                 log.info("%s moved to %s during a read: reading there", key, content.key)
                 key = content.key
+
+
+def _fmt(n: int) -> str:
+    return humanfriendly.format_size(n, binary=True)

@@ -20,7 +20,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import trio
@@ -143,6 +143,7 @@ class Namespace:
         self.shadows: dict[int, Shadow] = {}  # by op seq; kept in the journal through compaction
         uploader.retained_ops = lambda: [shadow.op for shadow in self.shadows.values()]
         cache.reclaim = self._evict_sent_block
+        cache.releases_pending = uploader.holds_cache
         self._next_ino = ROOT_INODE + 1
         self._next_fh = 1
 
@@ -605,6 +606,29 @@ class Namespace:
                 pending = n.version.seq if n.version is not None and n.version.seq is not None else 0
                 target = max(target, n.last_seq, pending)
         return target
+
+    def contents_under(self, paths: list[str]) -> list[tuple[Content, Callable[[], None]]]:
+        """For warmup: the committed contents of the files at or under ``paths`` (all if none),
+        each held and kept out of the clean-eviction list, with the call that ends that (once):
+        it releases the content and lets the file's cached blocks be evicted again, now as the
+        most recently used."""
+        nodes: dict[int, Node] = {}
+        for path in paths or [""]:
+            node = self._find([p for p in path.split("/") if p and p != "."])
+            if node is None:
+                raise FsError(errno.ENOENT, f"no such file or directory on the mount: {path}")
+            nodes.update((n.ino, n) for n in node.walk() if not n.is_dir and n.version is not None)
+        out = []
+        for node in nodes.values():
+            content = node.version.content.hold()
+            self.cache.unmark_clean(node)
+
+            def done(node: Node = node, content: Content = content) -> None:
+                content.release()
+                self._maybe_clean(node)
+
+            out.append((content, done))
+        return out
 
     def status(self) -> dict:
         writing = sum(1 for h in self.handles.values() if h.staged is not None)

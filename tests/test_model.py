@@ -28,9 +28,9 @@ Directory renames, unlinks and mkdirs follow POSIX, errno included.
 Invariants after every step: the directory tree and the bytes of every file read with a fresh
 open equal the model; at each clean umount the store holds exactly the committed files.
 
-Known bugs this machine hits are reproduced by the strict-xfail tests at the bottom; where the
-machine cannot avoid them it tolerates exactly their symptom and counts it (printed at the end),
-so it stays green while they are open and keeps checking everything else. The harness runs the
+Bugs this machine found are reproduced by the regular tests at the bottom, all fixed. While a
+bug was open the machine tolerated exactly its symptom and counted it (TOLERATE); every switch
+is off now, so any symptom fails. The harness runs the
 ckptfs CLI from a helper process started before any file is opened on the mount, so no fork
 copies the model's open writers (a forked child's close no longer commits them,
 test_fork_does_not_commit_an_open_writer, but the model does not depend on it).
@@ -69,7 +69,7 @@ MAX_DEPTH = 2  # directories at most this deep
 MAX_HANDLES = 4
 KiB = 1024
 
-# Symptoms of known bugs the machine tolerates (and counts); set one to False to see it fail.
+# Symptoms of bugs (fixed) the machine could tolerate and count while they were open; all off.
 TOLERATE = {
     "fsync snapshot overrides a later commit": False,  # test_restart_keeps_the_last_commit_over_an_older_fsync
     "a file replaced by a never-committed one comes back": False,  # test_file_replaced_by_an_uncommitted_one_stays_gone
@@ -829,7 +829,7 @@ def test_restart_keeps_the_last_commit_over_an_older_fsync(local_mount):
     except OSError:
         pass  # the daemon is gone
     m.start()
-    assert path.read_bytes() == b"closed later by K"  # actual: b"fsynced by H"
+    assert path.read_bytes() == b"closed later by K"
 
 
 def test_file_replaced_by_an_uncommitted_one_stays_gone(local_mount):
@@ -843,7 +843,7 @@ def test_file_replaced_by_an_uncommitted_one_stays_gone(local_mount):
     except OSError:
         pass  # the daemon is gone
     m.start()
-    assert os.listdir(m.path) == []  # actual: ['latest'], reading b"old"
+    assert os.listdir(m.path) == []
 
 
 @pytest.mark.timeout(120)
@@ -855,7 +855,7 @@ def test_overwrite_while_the_previous_version_uploads(tmp_path):
         m.start()
         data = os.urandom(2 << 20)
         for i in range(300):  # save `latest` again and again while the last one still uploads
-            (m.path / "latest.pt").write_bytes(data[i:] + data[:i])  # actual: ENOTCONN within a few
+            (m.path / "latest.pt").write_bytes(data[i:] + data[:i])
         assert (m.path / "latest.pt").read_bytes() == data[299:] + data[:299]
         m.sync()
         assert m.status()["errors"] == []

@@ -272,7 +272,7 @@ def test_writer_truncate_and_regrow_keeps_old_version_intact(tmp_path, local):
             ns.flush(h.fh)
             ns.release(h.fh)
             assert await read_all(ns, f) == b"A" * 10 + bytes(BS - 10) + b"next block"
-            assert await ns.read(reader.fh, 0, 2000) == v1  # actual: A*10 + zeros
+            assert await ns.read(reader.fh, 0, 2000) == v1
             ns.release(reader.fh)
 
     trio.run(main)
@@ -775,7 +775,14 @@ def test_writers_larger_than_the_cache_flow_at_the_upload_rate(tmp_path, local):
             for offset in range(0, 60 * BS + 7, BS // 2):  # interleaved, as two ranks would
                 for name, data in files.items():
                     await m.ns.write(handles[name].fh, offset, data[offset : offset + BS // 2])
-            assert any(h.staged.remote for h in handles.values())  # evicted while open
+            evicted = next(h for h in handles.values() if h.staged.remote)
+            index = min(evicted.staged.remote)
+            # Evicted bytes exist only in the multipart upload until the file is committed:
+            # the writing handle can neither read nor change them, nor can the file move.
+            assert await aerr(m.ns.read, evicted.fh, index * BS, 10) == errno.EIO
+            assert await aerr(m.ns.write, evicted.fh, index * BS, b"x") == errno.EIO
+            evicted.error = 0  # (a failed write poisons the handle; this one was only a probe)
+            assert err(m.ns.rename, ROOT_INODE, evicted.node.name, ROOT_INODE, "moved.bin", 0) == errno.EBUSY
             for handle in handles.values():
                 m.ns.flush(handle.fh)
                 m.ns.release(handle.fh)
@@ -820,3 +827,27 @@ def test_a_restart_completes_an_upload_whose_parts_were_evicted(tmp_path, local,
     store.fail("complete_multipart", 0)
     store._gates.clear()
     trio.run(second_run)
+
+
+def test_a_cache_full_of_open_files_that_cannot_stream_gives_enospc_not_a_hang(tmp_path, local):
+    """Blocks written all but their last byte are never full, so none can be sent and evicted:
+    the write that finds the whole cache (16 + 64 blocks) taken fails instead of waiting forever."""
+    store = FaultyStore(local)
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            handle, _ = m.ns.create(ROOT_INODE, "gappy.bin", 0o644, WRITE, UID, GID)
+            with trio.fail_after(30):
+                for index in range(80):  # 80 blocks: exactly the cache
+                    await m.ns.write(handle.fh, index * BS, blob(BS - 1, index))
+                assert await aerr(m.ns.write, handle.fh, 80 * BS, b"one more block") == errno.ENOSPC
+            assert err(m.ns.flush, handle.fh) == errno.ENOSPC  # never committed
+            m.ns.release(handle.fh)
+            (other, _) = m.ns.create(ROOT_INODE, "small.bin", 0o644, WRITE, UID, GID)
+            await m.ns.write(other.fh, 0, b"the mount still works")
+            m.ns.flush(other.fh)
+            m.ns.release(other.fh)
+            await sync(m)
+            assert store_files(store) == {"small.bin": b"the mount still works"}
+
+    trio.run(main)
