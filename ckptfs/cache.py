@@ -126,6 +126,8 @@ class Cache:
         # Frees one block of a file still being written whose part is already uploaded
         # (the namespace knows them); False when there is none.
         self.reclaim: Callable[[], bool] = lambda: False
+        # Clean data of the latest checkpoint goes last (the namespace knows which it is).
+        self.pinned: Callable[[object], bool] = lambda owner: False
         for tier in self.tiers:
             tier.reset_free(set())
 
@@ -191,8 +193,11 @@ class Cache:
         self._space = trio.Event()
 
     # -- clean data -------------------------------------------------------------------
-    def mark_clean(self, owner: object, content: Content, on_evict: Callable[[], None]) -> None:
-        self.clean[owner] = (content, on_evict)
+    def mark_clean(self, owner: object, content: Content, on_evict: Callable[[], None],
+                   whole: bool = True) -> None:
+        """``content`` is in the store: its blocks may go. ``whole=False`` (a file open for
+        reading): one block at a time, lowest index first (behind a sequential reader)."""
+        self.clean[owner] = (content, on_evict, whole)
         self.clean.move_to_end(owner)
         if self.waiters:
             self._space.set()
@@ -201,13 +206,28 @@ class Cache:
     def unmark_clean(self, owner: object) -> None:
         self.clean.pop(owner, None)
 
+    def touch(self, owner: object) -> None:
+        """``owner``'s clean data was just used: it goes to the end of the eviction order."""
+        if owner in self.clean:
+            self.clean.move_to_end(owner)
+
     def _evict(self, prefer_tier: int | None) -> bool:
-        """Drop the least recently used clean content (holding a block on prefer_tier)."""
-        for owner, (content, on_evict) in self.clean.items():
-            if prefer_tier is None or any(r is not None and r[0] == prefer_tier for r in content.blocks):
-                del self.clean[owner]
-                on_evict()
-                content.drop_blocks()
+        """Drop the least recently used clean content (holding a block on prefer_tier); the
+        latest checkpoint's only when nothing else is left."""
+        for spare_pinned in (True, False):
+            for owner, (content, on_evict, whole) in self.clean.items():
+                if spare_pinned and self.pinned(owner):
+                    continue
+                held = [i for i, r in enumerate(content.blocks) if r is not None and prefer_tier in (None, r[0])]
+                if not held:
+                    continue
+                if whole:
+                    del self.clean[owner]
+                    on_evict()
+                    content.drop_blocks()
+                else:  # (the entry stays: the reader fetches more blocks into it)
+                    self.decref(content.blocks[held[0]])
+                    content.blocks[held[0]] = None
                 return True
         return False
 
@@ -261,7 +281,7 @@ class Cache:
                 "used": used * self.block_size,
                 "budget": tier.n_slots * self.block_size,
             }
-        out["clean_bytes"] = sum(c.size for c, _ in self.clean.values())
+        out["clean_bytes"] = sum(len(c.refs()) for c, *_ in self.clean.values()) * self.block_size
         out["writers_waiting"] = self.waiters
         return out
 
@@ -301,6 +321,8 @@ class Content:
         self.remote: dict[int, object] = {}  # block index -> PartInfo
         self.upload: object | None = None
         self.orphaned = False  # that upload was given up (a newer version replaced this one)
+        self.durable_at = 0.0  # when it became durable (time.time()), for the clean cache index
+        self.verify = ""  # cached blocks kept from the last mount: their digest, checked at first open
 
     def hold(self) -> Content:
         self.holders += 1

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--part-size", type=_size, metavar="SIZE", help=f"upload part size (default {fmt(MountConfig.part_size)})")
     p.add_argument("--upload-concurrency", type=_positive_int, metavar="N",
                    help=f"parts uploading at once (default {MountConfig.upload_concurrency})")
+    p.add_argument("--list-ttl", type=_seconds, metavar="SECONDS",
+                   help="how old a directory listing may get before its next use asks the store again, so "
+                        "files other mounts made durable show up; also how long a missing name is "
+                        f"remembered (default {MountConfig.list_ttl:g}; 0: ask every time)")
     p.add_argument("--foreground", action="store_true", help="serve in this process, logging to stderr")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default {MountConfig.log_level})")
@@ -174,6 +178,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "cache_size": args.cache_size,
         "part_size": args.part_size,
         "upload_concurrency": args.upload_concurrency,
+        "list_ttl": args.list_ttl,
         "log_level": args.log_level,
     }
     config = MountConfig(
@@ -263,6 +268,7 @@ def daemon_argv(config: MountConfig) -> list[str]:
     argv = ["mount", config.store_url, config.mountpoint, "--cache-dir", config.cache_dir,
             "--ram-cache", str(config.ram_cache), "--cache-size", str(config.cache_size),
             "--part-size", str(config.part_size), "--upload-concurrency", str(config.upload_concurrency),
+            "--list-ttl", repr(config.list_ttl),
             "--log-level", config.log_level, "--foreground"]
     if config.endpoint_url:
         argv += ["--endpoint-url", config.endpoint_url]
@@ -363,7 +369,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     files, seconds, fetched = total["files"], total["seconds"], total["fetched_bytes"]
     rate = f"{_fmt(fetched / seconds)}/s" if fetched and seconds > 0 else "nothing to fetch"
     print(f"ckptfs: warmed {files} file{'' if files == 1 else 's'}, {_fmt(total['total_bytes'])} "
-          f"({_fmt(fetched)} fetched) in {seconds:.1f} s, {rate}", file=sys.stderr)
+          f"({_fmt(fetched)} fetched) in {seconds:.2f} s, {rate}", file=sys.stderr)
     return 0
 
 

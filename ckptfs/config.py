@@ -51,6 +51,10 @@ class MountConfig:
     cache_size: int = 16 * GiB  # NVMe tier budget (arena file in cache_dir), bytes
     part_size: int = 8 * MiB
     upload_concurrency: int = 8  # parts in flight across all files
+    # Seconds a directory listing from the store is trusted before the next use lists it again
+    # (what other mounts made durable shows up), and a name found absent is not asked again.
+    # 0: ask the store every time.
+    list_ttl: float = 5.0
     log_level: str = "INFO"
     foreground: bool = False
 

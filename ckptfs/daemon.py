@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import humanfriendly
 import pyfuse3
 import trio
 
-from . import control
+from . import clean_index, control
 from .cache import Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path
 from .errors import CkptfsError, FsError, MountError
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
 READ_AHEAD_KB = 1024  # read requests of 1 MiB instead of 128 KiB (shared/notes/fuse.md)
+CLEAN_INDEX = "clean.index"
 
 
 def run(config: MountConfig, on_ready: Callable[[], None] | None = None) -> None:
@@ -76,12 +78,15 @@ class Daemon:
         pending, open_uploads = self.journal.replay()
         pending = self._adopt_blocks(pending)
         self.journal.open(pending, open_uploads)
+        clean = clean_index.load(self.cache_dir / CLEAN_INDEX, self.cache,
+                                 {ref for op in pending for ref in op.blocks if ref is not None})
         if pending:
             log.info("journal: %d operations still pending from the last run; resuming", len(pending))
         self.uploader = Uploader(self.store, self.cache, self.journal, self.config.part_size,
                                  self.config.upload_concurrency)
         self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
-        self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid())
+        self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid(),
+                                   list_ttl=self.config.list_ttl)
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
         options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
         if os.geteuid() == 0:
@@ -91,7 +96,8 @@ class Daemon:
         except RuntimeError as exc:
             raise MountError(f"cannot mount at {self.mountpoint}: {exc}") from exc
         try:
-            trio.run(self._serve, pending, open_uploads, listing, on_ready)
+            trio.run(self._serve, pending, open_uploads, listing, clean, on_ready)
+            self._save_clean_index()
         finally:
             pyfuse3.close(unmount=True)
             self.journal.close()
@@ -153,12 +159,26 @@ class Daemon:
         return kept
 
     # -- serving ---------------------------------------------------------------------------------
-    async def _serve(self, pending, open_uploads, listing, on_ready) -> None:
+    def _save_clean_index(self) -> None:
+        """Leave the cached durable files for the next mount with this cache dir."""
+        started = time.monotonic()
+        entries = [clean_index.CleanEntry(key, c.size, c.durable_at, list(c.blocks),
+                                          clean_index.cached_digest(self.cache, c.size, c.blocks))
+                   for key, c in self.namespace.clean_contents()]
+        try:
+            clean_index.save(self.cache_dir / CLEAN_INDEX, self.cache, entries)
+        except OSError as exc:
+            log.warning("cannot save the clean cache index (the next mount starts cold): %s", exc)
+            return
+        log.info("kept %d cached files (%s) for the next mount (%.1f s)", len(entries),
+                 sum(len([b for b in e.blocks if b]) for e in entries) * self.cache.block_size, time.monotonic() - started)
+
+    async def _serve(self, pending, open_uploads, listing, clean, on_ready) -> None:
         self.stop_requested = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(self.uploader.run, open_uploads)
             await nursery.start(self.fetcher.run)
-            self.namespace.load(listing, pending)
+            self.namespace.load(listing, pending, clean)
             server = control.ControlServer(control_socket_path(self.mountpoint), {
                 "status": self._status,
                 "sync": self._sync,
@@ -234,11 +254,11 @@ class Daemon:
     async def _warmup(self, request: dict, progress) -> dict:
         """Fetch the files at or under ``paths`` into the cache, reporting progress."""
         started = time.monotonic()
+        await self.namespace.refresh_paths(request.get("paths") or [])  # (what other mounts published)
         try:
             targets = self.namespace.contents_under(request.get("paths") or [])
         except FsError as exc:
             raise CkptfsError(str(exc)) from None
-        unreleased = dict(enumerate(done for _, done in targets))  # each ends once: when warm, or below
         last: dict = {}
 
         async def report(update: dict) -> None:
@@ -248,16 +268,19 @@ class Daemon:
         timeout = request.get("timeout")
         try:
             with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
-                result = await self.fetcher.warm([content for content, _ in targets], report,
-                                                 lambda i: unreleased.pop(i)(), PROGRESS_INTERVAL_S)
+                for content, _ in targets:  # blocks kept from the last mount are checked before they count
+                    if content.verify:
+                        await self.namespace.verify_kept(content)
+                result = await self.fetcher.warm([content for content, _ in targets], report, PROGRESS_INTERVAL_S)
         except FsError as exc:
             raise CkptfsError(str(exc)) from None
         finally:
-            for done in unreleased.values():
+            for _, done in targets:  # in order: the last file becomes the most recently used
                 done()
         if scope.cancelled_caught:
-            raise CkptfsError(f"timed out after {timeout:g} s: {last.get('done_bytes', 0)} of "
-                              f"{last.get('total_bytes', '?')} bytes cached")
+            cached, total = (humanfriendly.format_size(last.get(key, 0), binary=True)
+                             for key in ("done_bytes", "total_bytes"))
+            raise CkptfsError(f"timed out after {timeout:g} s: {cached} of {total} cached")
         return {**result, "seconds": round(time.monotonic() - started, 3)}
 
     async def _umount(self, request: dict, progress) -> dict:

@@ -73,16 +73,16 @@ class Fetcher:
                 nursery.start_soon(self._fetch_block, content, index)
 
     async def warm(self, contents: list[Content], progress: Callable[[dict], Awaitable[None]],
-                   on_warmed: Callable[[int], None] = lambda i: None, interval: float = 0.5) -> dict:
+                   interval: float = 0.5) -> dict:
         """Fetch every block of ``contents`` that is not cached (``ckptfs warmup``).
 
         Blocks go in file order, a bounded number at a time (the GETs themselves share the
         readers' thread limiter), through ``_fetch_block``: a block a reader is already fetching
         is waited for, not fetched again. Contents not in the store (local only) are fully
-        cached already. ``on_warmed(i)`` runs as soon as ``contents[i]`` is whole in the cache;
-        ``progress`` gets {"done_bytes", "total_bytes", "files", "files_done"} every ``interval``
-        seconds. The caller holds the contents (and keeps them from eviction) meanwhile.
-        Raises FsError: ENOSPC when the cache cannot hold them, or the store's error.
+        cached already. ``progress`` gets {"done_bytes", "total_bytes", "files", "files_done"}
+        every ``interval`` seconds. The caller holds the contents and keeps them from eviction
+        until this returns: a file warmed early must not make room for the ones after it.
+        Raises FsError: ENOSPC when the cache cannot hold them all, or the store's error.
         """
         bs = self.cache.block_size
         total = sum(c.size for c in contents)
@@ -93,15 +93,8 @@ class Fetcher:
         todo = [c.missing(0, c.size) for c in contents]
         left = [len(indexes) for indexes in todo]
         missing = sum(c.block_length(i) for c, indexes in zip(contents, todo) for i in indexes)
-        state = {"done_bytes": total - missing, "total_bytes": total, "files": len(contents), "files_done": 0}
-
-        def finished(i: int) -> None:
-            state["files_done"] += 1
-            on_warmed(i)
-
-        for i, n in enumerate(left):
-            if not n:
-                finished(i)
+        state = {"done_bytes": total - missing, "total_bytes": total, "files": len(contents),
+                 "files_done": left.count(0)}
         failure: BaseException | None = None
         window = trio.Semaphore(2 * self.threads.total_tokens)  # blocks on their way at once
 
@@ -118,7 +111,7 @@ class Fetcher:
             state["done_bytes"] += contents[i].block_length(index)
             left[i] -= 1
             if not left[i]:
-                finished(i)
+                state["files_done"] += 1
 
         async def report() -> None:
             while True:
@@ -139,11 +132,11 @@ class Fetcher:
                                             f"(warmed {_fmt(state['done_bytes'])} of {_fmt(total)}): "
                                             "raise --ram-cache/--cache-size or warm fewer files") from None
             raise FsError(getattr(failure, "errno", None) or errno.EIO, str(failure)) from None
-        # A file warmed early may have been evicted again to make room for a later one.
+        # A file closed by a reader meanwhile is clean data again, and may have been evicted.
         lost = sum(c.block_length(i) for c in contents if c.holders > 0 for i in c.missing(0, c.size))
         if lost:
-            raise FsError(errno.ENOSPC, f"{_fmt(lost)} of the {_fmt(total)} warmed was evicted again for data "
-                                        "not yet in the store: raise --ram-cache/--cache-size or warm fewer files")
+            raise FsError(errno.ENOSPC, f"{_fmt(lost)} of the {_fmt(total)} warmed was evicted again to make room "
+                                        "for other data: raise --ram-cache/--cache-size or warm fewer files")
         await progress(dict(state))
         return {"files": len(contents), "total_bytes": total, "fetched_bytes": missing}
 

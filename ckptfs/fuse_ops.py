@@ -22,6 +22,7 @@ from .openers import Openers
 log = logging.getLogger(__name__)
 
 ENTRY_TIMEOUT = 1.0  # seconds the kernel may cache names and attributes
+NEGATIVE_TIMEOUT_MAX = 3600.0  # seconds the kernel may remember a name as absent, at most
 STATE_XATTR = b"user.ckptfs.state"
 
 
@@ -63,15 +64,19 @@ class Operations(pyfuse3.Operations):
         self.openers = Openers(mountpoint)
         self._dir_listings: dict[int, list] = {}
         self._next_dir_fh = 1 << 40
+        # Names are cached by the kernel no longer than the namespace trusts a listing, so a
+        # path walk reaches our lookup (which refreshes from the store) at least that often.
+        ttl = namespace.list_ttl
+        self.entry_timeout = ENTRY_TIMEOUT if ttl is None else min(ENTRY_TIMEOUT, ttl)
 
     def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = attr.ino
         entry.generation = 0
-        entry.entry_timeout = ENTRY_TIMEOUT
+        entry.entry_timeout = self.entry_timeout
         # Files: no attribute caching. A writer's direct writes move the kernel's size, but
         # readers see the committed version; a read past a stale size makes the kernel ask again.
-        entry.attr_timeout = ENTRY_TIMEOUT if attr.is_dir else 0
+        entry.attr_timeout = self.entry_timeout if attr.is_dir else 0
         entry.st_mode = attr.mode
         entry.st_nlink = 2 if attr.is_dir else 1
         entry.st_uid = attr.uid
@@ -88,7 +93,19 @@ class Operations(pyfuse3.Operations):
     # -- names ---------------------------------------------------------------------------
     @_errno_boundary
     async def lookup(self, parent_inode, name, ctx=None):
-        return self._entry(self.ns.lookup(parent_inode, _name(name)))
+        name = _name(name)
+        try:
+            return self._entry(await self.ns.lookup_async(parent_inode, name))
+        except FsError as exc:
+            ttl = self.ns.negative_ttl(parent_inode, name) if exc.errno == errno.ENOENT else 0
+            if not ttl:
+                raise
+        # Absent, and the namespace will say so without asking the store for ``ttl`` seconds:
+        # the kernel may remember it as long (a negative entry: inode 0).
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = 0
+        entry.entry_timeout = min(ttl, NEGATIVE_TIMEOUT_MAX)
+        return entry
 
     async def forget(self, inode_list):
         for inode, count in inode_list:
@@ -132,6 +149,7 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def opendir(self, inode, ctx):
         # Snapshot the listing at open so offsets stay stable while entries change.
+        await self.ns.refresh(inode)  # list it again from the store if the last listing is old
         fh = self._next_dir_fh
         self._next_dir_fh += 1
         self._dir_listings[fh] = self.ns.readdir(inode)
@@ -144,6 +162,7 @@ class Operations(pyfuse3.Operations):
             name, attr = entries[index]
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), index + 1):
                 break
+            self.ns.looked_up(attr.ino)  # READDIRPLUS: the kernel now holds the entry, as after a lookup
 
     async def releasedir(self, fh):
         self._dir_listings.pop(fh, None)

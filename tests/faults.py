@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import trio
 
-from ckptfs.store.base import ObjectInfo, ObjectStore, PartInfo, StoreError
+from ckptfs.store.base import DirListing, ObjectInfo, ObjectStore, PartInfo, StoreError
 
 HANG_GUARD_S = 60.0
 
@@ -123,6 +123,9 @@ class FaultyStore(ObjectStore):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return iter(self._call("list", prefix, lambda: list(self.inner.list(prefix))))
+
+    def list_dir(self, prefix: str = "", limit: int | None = None) -> DirListing:
+        return self._call("list_dir", prefix, self.inner.list_dir, prefix, limit)
 
     def delete(self, key: str) -> None:
         return self._call("delete", key, self.inner.delete, key)

@@ -425,3 +425,20 @@ def test_new_ram_arena_gets_a_new_id(tmp_path):
         assert cache.ram_arena_id != first
     finally:
         cache.close()
+
+
+def test_the_latest_checkpoint_is_evicted_last(tmp_path):
+    """Clean data goes least recently used first, but the pinned (latest checkpoint) content
+    only once nothing else is left."""
+    cache = Cache(tmp_path / "c", tmp_path / "r", 4096, 3 * 4096, 0)
+    contents = {}
+    for owner in ("old-a", "latest", "old-b"):
+        ref = cache.try_alloc()
+        contents[owner] = Content(cache, 4096, [ref], in_store=True)
+        cache.mark_clean(owner, contents[owner], lambda: None)
+    cache.pinned = lambda owner: owner == "latest"
+    evicted = []
+    for _ in range(3):
+        assert cache.try_alloc() is not None
+        evicted.append(next(o for o, c in contents.items() if c.blocks[0] is None and o not in evicted))
+    assert evicted == ["old-a", "old-b", "latest"]

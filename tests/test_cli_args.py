@@ -49,6 +49,7 @@ def empty_dir(tmp_path: Path) -> Path:
     (["mount", "ftp://x", "{empty}"], "unsupported store URL 'ftp://x'"),
     (["mount", "file:///tmp/s", "{empty}", "--endpoint-url", "http://x"], "needs an s3:// store URL"),
     (["mount", "{empty}", "--upload-concurrency", "0"], "not a positive integer"),
+    (["mount", "{empty}", "--list-ttl", "-1"], "not a number of seconds"),
     (["mount", "{empty}", "--log-level", "loud"], "invalid choice"),
     (["mount", "{file}"], "is not a directory"),
     (["mount", "{full}"], "is not empty"),
@@ -90,8 +91,9 @@ def test_mount_config_defaults_and_round_trip(empty_dir):
     config = cli.mount_config(cli.build_parser().parse_args([
         "mount", "s3://bucket/pre", str(empty_dir), "--cache-dir", "rel/cache", "--ram-cache", "512M",
         "--cache-size", "3GiB", "--endpoint-url", "http://h:9", "--part-size", "8MiB",
-        "--upload-concurrency", "3", "--log-level", "debug"]))
+        "--upload-concurrency", "3", "--list-ttl", "0.5", "--log-level", "debug"]))
     assert config.cache_dir == os.path.abspath("rel/cache") and config.ram_cache == 512 * MiB
+    assert config.list_ttl == 0.5
     # The detached daemon must rebuild exactly this config from its command line.
     rebuilt = cli.mount_config(cli.build_parser().parse_args(cli.daemon_argv(config) + ["--ready-fd", "9"]))
     assert rebuilt == config

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -321,4 +322,46 @@ def test_writers_larger_than_the_cache_flow_at_the_upload_rate(store, mount_fact
           f"peak daemon RSS {peak[0]:.0f} MiB")
     assert peak[0] < ram + 200, f"daemon RSS peaked at {peak[0]:.0f} MiB"
     assert m.status()["errors"] == []
+    m.stop()
+
+
+def test_remount_keeps_the_clean_cache_and_checks_it(store, mount_factory):
+    """A clean umount leaves the cached files for the next mount with the same cache dir: read
+    back without one GET. A cached copy that changed meanwhile (a corrupted arena slot) fails its
+    digest at the first open and is read from the store instead."""
+    m = mount_factory()
+    m.start()
+    ckpt, ckpt2 = os.urandom(20 << 20), os.urandom(3 << 20)
+    (m.path / "run").mkdir()
+    (m.path / "run" / "model.pt").write_bytes(ckpt)
+    (m.path / "run" / "optim.pt").write_bytes(ckpt2)
+    m.stop()  # drains: everything durable and still cached
+    m.start()
+    assert (m.path / "run" / "model.pt").read_bytes() == ckpt
+    assert (m.path / "run" / "optim.pt").read_bytes() == ckpt2
+    assert m.status()["fetched_bytes"] == 0
+    m.stop()
+    arena = ram_dir_for(m.cache_dir) / "ram.arena"
+    with open(arena, "r+b") as f:  # every RAM slot the files used now holds other bytes
+        f.write(os.urandom(32 << 20))
+    m.start()
+    assert (m.path / "run" / "model.pt").read_bytes() == ckpt
+    assert (m.path / "run" / "optim.pt").read_bytes() == ckpt2
+    assert m.status()["fetched_bytes"] == len(ckpt) + len(ckpt2)
+    m.stop()
+
+
+def test_remount_drops_cached_files_the_store_changed(store, mount_factory):
+    """Another writer replaced the object while this cache dir was unmounted: its new bytes win."""
+    m = mount_factory()
+    m.start()
+    (m.path / "f.bin").write_bytes(b"a" * (9 << 20))
+    m.stop()
+    other = mount_factory()  # another node: its own cache dir, same store
+    other.start()
+    time.sleep(3.5)  # past the 2 s slack for mtimes of one-second resolution
+    (other.path / "f.bin").write_bytes(b"b" * (9 << 20))
+    other.stop()
+    m.start()
+    assert (m.path / "f.bin").read_bytes() == b"b" * (9 << 20)
     m.stop()

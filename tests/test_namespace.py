@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -110,6 +111,18 @@ async def read_all(ns: Namespace, path_or_ino) -> bytes:
     handle, *_ = await ns.open(i, os.O_RDONLY)
     try:
         return await ns.read(handle.fh, 0, 1 << 30)  # clamped to the version's size
+    finally:
+        ns.release(handle.fh)
+
+
+async def read_in_pieces(ns: Namespace, path: str, piece: int = BS // 2) -> bytes:
+    """Reads of at most ``piece`` bytes, as the kernel sends them (a file may exceed the cache)."""
+    handle, *_ = await ns.open(ino(ns, path), os.O_RDONLY)
+    try:
+        out = bytearray()
+        while chunk := await ns.read(handle.fh, len(out), piece):
+            out += chunk
+        return bytes(out)
     finally:
         ns.release(handle.fh)
 
@@ -787,7 +800,7 @@ def test_writers_larger_than_the_cache_flow_at_the_upload_rate(tmp_path, local):
                 m.ns.flush(handle.fh)
                 m.ns.release(handle.fh)
             for name, data in files.items():  # readers wait for the evicted parts to be in the store
-                assert await read_all(m.ns, name) == data
+                assert await read_in_pieces(m.ns, name) == data  # (as the kernel reads: a file larger than the cache)
             await sync(m)
             assert store_files(store) == files
             assert local.list_multipart() == []
@@ -849,5 +862,257 @@ def test_a_cache_full_of_open_files_that_cannot_stream_gives_enospc_not_a_hang(t
             m.ns.release(other.fh)
             await sync(m)
             assert store_files(store) == {"small.bin": b"the mount still works"}
+
+    trio.run(main)
+
+
+def test_the_latest_checkpoint_is_the_directory_of_the_last_save(tmp_path, local):
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            for step in (1, 2):  # Megatron-style: iter_N/mp_rank_XX/model_optim_rng.pt, then a pointer
+                for rank in range(2):
+                    mkdirs(m.ns, f"iter_{step}/mp_rank_{rank:02d}")
+                    await create(m.ns, f"iter_{step}/mp_rank_{rank:02d}/model.pt", blob(BS + 1, rank))
+                await create(m.ns, f"latest-{step}.txt", str(step).encode())  # (a pointer at the top)
+                m.ns._last_shard_commit -= 3600  # the next save comes much later
+            assert m.ns.checkpoint_dir == "iter_2/"
+            assert m.ns._pinned(m.ns.node(ino(m.ns, "iter_2/mp_rank_01/model.pt")))
+            assert not m.ns._pinned(m.ns.node(ino(m.ns, "iter_1/mp_rank_01/model.pt")))
+
+    trio.run(main)
+
+
+# -- refresh from the store: what another mount made durable ---------------------------------------------
+
+
+async def alookup(ns: Namespace, path: str) -> int:
+    """The kernel's path walk: lookups that ask the store about names this mount does not know."""
+    node = ROOT_INODE
+    for part in [p for p in path.split("/") if p]:
+        node = (await ns.lookup_async(node, part)).ino
+    return node
+
+
+async def alist(ns: Namespace, path: str = "") -> list[str]:
+    """opendir + readdir: the directory is listed again from the store if that is due."""
+    directory = await alookup(ns, path)
+    await ns.refresh(directory)
+    return [name for name, _ in ns.readdir(directory)]
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The namespace's monotonic clock, moved by hand: ``clock[0] += seconds``."""
+    now = [1000.0]
+    monkeypatch.setattr(Namespace, "_now", lambda self: now[0])
+    return now
+
+
+def test_refresh_shows_what_another_mount_made_durable_after_the_ttl(tmp_path, local, clock):
+    local.put("d/a", b"a")
+
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            ns = m.ns
+            ns.list_ttl = 5.0
+            new = blob(3 * BS + 7, 1)
+            local.put("d/new", new)  # another mount publishes
+            local.put("d/sub/deep", b"deep")
+            local.put("top", b"t")
+            clock[0] += 4.9
+            assert await alist(ns, "d") == ["a"]  # the listing at mount is trusted for the TTL
+            clock[0] += 0.1
+            assert await alist(ns, "d") == ["a", "new", "sub"]
+            assert await read_all(ns, await alookup(ns, "d/new")) == new
+            assert await alist(ns, "d/sub") == ["deep"]  # a directory new here is listed at first use
+            assert await read_all(ns, await alookup(ns, "d/sub/deep")) == b"deep"
+            assert await alist(ns) == ["d", "top"]
+            assert ns.state(ino(ns, "d/new")) == "durable"
+
+    trio.run(main)
+
+
+def test_refresh_paths_brings_a_tree_up_to_date_for_warmup(tmp_path, local, clock):
+    async def main():
+        async with mounted(tmp_path, local) as m:
+            m.ns.list_ttl = 5.0
+            local.put("ckpt/step2/a", b"a")  # another mount publishes a checkpoint
+            local.put("ckpt/step2/sub/b", b"b")
+            await m.ns.refresh_paths(["ckpt/step2"])
+            held = m.ns.contents_under(["ckpt/step2"])
+            assert sorted(content.key for content, _ in held) == ["ckpt/step2/a", "ckpt/step2/sub/b"]
+            for _, done in held:
+                done()
+
+    trio.run(main)
+
+
+def test_lookup_of_an_unknown_name_asks_the_store_and_remembers_a_miss(tmp_path, local, clock):
+    store = FaultyStore(local)
+    data = blob(2 * BS, 2)
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            ns = m.ns
+            ns.list_ttl = 60.0
+            local.put("ckpt/step1/model.pt", data)
+            # A path never listed here, opened directly: each unknown name is asked of the store.
+            assert await read_all(ns, await alookup(ns, "ckpt/step1/model.pt")) == data
+            assert names(ns) == ["ckpt"]  # only what was asked: the top is not listed again
+            assert store.count("list_dir", "") == 0
+            # A miss is remembered for the TTL (import machinery probing names, in a loop) ...
+            for _ in range(5):
+                assert await aerr(ns.lookup_async, ROOT_INODE, "missing.py") == errno.ENOENT
+            assert store.count("head", "missing.py") == 1
+            assert ns.negative_ttl(ROOT_INODE, "missing.py") == 60.0  # (the kernel may keep it as long)
+            local.put("missing.py", b"now here")
+            clock[0] += 59
+            assert await aerr(ns.lookup_async, ROOT_INODE, "missing.py") == errno.ENOENT
+            assert ns.negative_ttl(ROOT_INODE, "missing.py") == 1.0
+            # ... and after it the directory is due: listed again, which finds the name.
+            clock[0] += 1
+            assert await read_all(ns, await alookup(ns, "missing.py")) == b"now here"
+            assert store.count("head", "missing.py") == 1 and store.count("list_dir", "") == 1
+            # Names no key can hold are never asked.
+            assert await aerr(ns.lookup_async, ROOT_INODE, ".ckptfs-tmp") == errno.ENOENT
+            assert await aerr(ns.lookup_async, ROOT_INODE, "x" * 256) == errno.ENOENT
+            assert store.count("head", ".ckptfs-tmp") == 0
+            # A store that fails: lookups answer from what is known; the failure is not retried
+            # before the TTL.
+            store.fail("head", 1)
+            assert await aerr(ns.lookup_async, ROOT_INODE, "flaky") == errno.ENOENT
+            assert await aerr(ns.lookup_async, ROOT_INODE, "flaky") == errno.ENOENT
+            assert store.count("head", "flaky") == 1
+            # In a directory this mount writes into, names it does not know are not asked (the
+            # lookup before each create would wait on the store); the next listing brings them.
+            await create(ns, "mine.txt", b"m")
+            local.put("theirs.txt", b"t")
+            assert await aerr(ns.lookup_async, ROOT_INODE, "theirs.txt") == errno.ENOENT
+            assert store.count("head", "theirs.txt") == 0
+            clock[0] += 60
+            assert await read_all(ns, await alookup(ns, "theirs.txt")) == b"t"
+
+    trio.run(main)
+
+
+def test_a_file_gone_from_the_store_goes_unless_open_or_pending_here(tmp_path, local):
+    store = FaultyStore(local)
+    for key in ("d/gone", "d/open", "d/unlinked", "d/sub/f"):
+        local.put(key, key.encode())
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            ns = m.ns
+            ns.list_ttl = 0  # every use lists again
+            reader, *_ = await ns.open(ino(ns, "d/open"), os.O_RDONLY)
+            assert await ns.read(reader.fh, 0, 100) == b"d/open"
+            gone = ino(ns, "d/gone")  # (the kernel holds its entry)
+            gate = store.hold("put", "d/mine")
+            await create(ns, "d/mine", b"mine")  # committed here, its upload held: pending
+            await gate.entered()
+            ns.unlink(ino(ns, "d"), "unlinked")  # the delete queues behind that put
+            for key in ("d/gone", "d/open", "d/sub/f"):  # another mount deletes these
+                local.delete(key)
+            local.delete("d/sub/")
+            # The pending file stays, the open one stays for its reader; the unlinked one does
+            # not come back although the store still has it.
+            assert await alist(ns, "d") == ["mine", "open"]
+            assert await aerr(ns.lookup_async, ino(ns, "d"), "unlinked") == errno.ENOENT
+            assert await aerr(ns.lookup_async, ino(ns, "d"), "gone") == errno.ENOENT
+            # Through an entry the kernel still holds: gone too (not an empty file).
+            assert err(ns.getattr, gone) == errno.ENOENT
+            assert await aerr(ns.open, gone, os.O_RDONLY) == errno.ENOENT
+            assert await ns.read(reader.fh, 0, 100) == b"d/open"
+            ns.release(reader.fh)
+            assert await alist(ns, "d") == ["mine"]
+            gate.open()
+            await sync(m)
+            assert await alist(ns, "d") == ["mine"]  # our own upload, now in the store
+            assert store_keys(store) == {"d/", "d/mine"}
+            assert await read_all(ns, "d/mine") == b"mine"
+
+    trio.run(main)
+
+
+def test_an_object_changed_in_the_store_replaces_clean_cached_content(tmp_path, local):
+    store = FaultyStore(local)
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            ns = m.ns
+            ns.list_ttl = 0
+            ours = blob(2 * BS, 1)
+            await create(ns, "f", ours)
+            await sync(m)
+            assert await alist(ns) == ["f"]
+            node = ns.node(ino(ns, "f"))
+            assert node.version.stamp is not None  # our upload, recognised: its cache stays
+            assert all(ref is not None for ref in node.version.content.blocks)
+            assert await read_all(ns, "f") == ours and store.count("get_range") == 0
+            # Another mount overwrites it (another size), then again (same size, new content).
+            for seed, size in ((2, 3 * BS + 1), (3, 3 * BS + 1)):
+                theirs = blob(size, seed)
+                local.put("f", theirs)
+                assert await alist(ns) == ["f"]
+                assert ns.getattr(node.ino).size == size
+                assert await read_all(ns, "f") == theirs
+            # A reader keeps the version it opened; the change shows once it closed.
+            reader, *_ = await ns.open(node.ino, os.O_RDONLY)
+            local.put("f", b"short")
+            await alist(ns)
+            assert await ns.read(reader.fh, 0, 1 << 20) == theirs
+            ns.release(reader.fh)
+            await alist(ns)
+            assert await read_all(ns, "f") == b"short"
+            # A commit here that is not in the store yet wins over the store's object.
+            gate = store.hold("put", "g")
+            await create(ns, "g", b"local")
+            await gate.entered()
+            local.put("g", b"remote!")
+            assert await alist(ns) == ["f", "g"]
+            assert await read_all(ns, "g") == b"local"
+            gate.open()
+            await sync(m)
+            assert await alist(ns) == ["f", "g"] and await read_all(ns, "g") == b"local"
+            assert store_files(store)["g"] == b"local"
+            # Overwritten by another mount with the same size before this one listed its own
+            # upload again: told apart by the store's date, later than our upload.
+            await create(ns, "h", b"ours")
+            await sync(m)
+            local.put("h", b"them")
+            later = time.time() + 30
+            os.utime(local.root / "h", (later, later))
+            await alist(ns)
+            assert await read_all(ns, "h") == b"them"
+
+    trio.run(main)
+
+
+def test_a_refresh_that_fails_keeps_the_tree(tmp_path, local):
+    store = FaultyStore(local)
+    local.put("d/a", b"a")
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            ns = m.ns
+            ns.list_ttl = 0
+            local.delete("d/a")
+            store.fail("list_dir", 1, key="d/")
+            assert await alist(ns, "d") == ["a"]  # the store failed: what we knew stays
+            assert await alist(ns, "d") == []
+
+    trio.run(main)
+
+
+def test_no_refresh_without_a_ttl(tmp_path, local):
+    store = FaultyStore(local)
+
+    async def main():
+        async with mounted(tmp_path, store) as m:
+            local.put("late", b"x")
+            assert await aerr(m.ns.lookup_async, ROOT_INODE, "late") == errno.ENOENT
+            assert await alist(m.ns) == []
+            assert m.ns.negative_ttl(ROOT_INODE, "late") == 0
+            assert store.count("head") == store.count("list_dir") == 0
 
     trio.run(main)

@@ -127,6 +127,60 @@ def test_list_nested_keys_and_markers(store):
     assert _keys(store, "emp") == ["empty/"]
 
 
+def test_list_dir_is_one_level(store):
+    keys = {"ckpt/": 0, "ckpt/latest": 2, "ckpt/step1/": 0, "ckpt/step1/model.pt": 3,
+            "ckpt/step10/model.pt": 7, "ckpt/a b/x": 1, "ckpt/deep/er/still/f": 1, "ckpt-old": 1,
+            "empty/": 0, "top.txt": 4}
+    for key, size in keys.items():
+        store.put(key, b"x" * size)
+    top = store.list_dir("")
+    assert top.exists
+    assert [(o.key, o.size) for o in top.files] == [("ckpt-old", 1), ("top.txt", 4)]
+    assert top.dirs == ["ckpt", "empty"]
+    ckpt = store.list_dir("ckpt/")
+    assert ckpt.exists
+    assert [o.key for o in ckpt.files] == ["ckpt/latest"]  # not the directory's own marker
+    assert ckpt.dirs == ["a b", "deep", "step1", "step10"]  # markers and implied directories
+    assert abs(ckpt.files[0].mtime - time.time()) < 300
+    assert store.list_dir("ckpt/step1/").exists and [o.key for o in store.list_dir("ckpt/step1/").files] == [
+        "ckpt/step1/model.pt"]
+    empty = store.list_dir("empty/")
+    assert empty.exists and empty.files == [] and empty.dirs == []
+    missing = store.list_dir("nothing/")
+    assert not missing.exists and missing.files == [] and missing.dirs == []
+    assert not store.list_dir("top.txt/").exists
+    # limit: is there a directory under this name at all (a marker, or keys under it)?
+    assert store.list_dir("ckpt/deep/", limit=1).exists
+    assert store.list_dir("empty/", limit=1).exists
+    assert not store.list_dir("ckpt/latest/", limit=1).exists
+    one = store.list_dir("ckpt/", limit=1)
+    assert one.exists and len(one.files) + len(one.dirs) <= 1  # (S3 counts the marker as the one)
+    with pytest.raises(ValueError):
+        store.list_dir("ckpt")
+
+
+def test_listing_and_head_agree_on_an_objects_identity(store):
+    """A mount compares what list_dir says with what it saw earlier (from a listing or a HEAD)
+    to notice objects another mount replaced: size, mtime and etag must agree between them."""
+    store.put("d/small", b"abc")
+    uid = store.create_multipart("d/big")
+    parts = [store.upload_part("d/big", uid, n, _blob(5 * MiB, seed=n)) for n in (1, 2)]
+    store.complete_multipart("d/big", uid, parts)
+    listed = {o.key: o for o in store.list_dir("d/").files}
+    walked = {o.key: o for o in store.list("d/")}
+    for key in ("d/small", "d/big"):
+        head = store.head(key)
+        assert listed[key].size == head.size == walked[key].size
+        assert listed[key].etag == head.etag == walked[key].etag
+        assert abs(listed[key].mtime - head.mtime) <= 1.0  # HTTP dates have whole seconds
+    before = listed["d/small"]
+    time.sleep(0.01)
+    store.put("d/small", b"xyz")  # same size, new content
+    after = store.list_dir("d/").files[-1]
+    assert after.key == "d/small" and after.size == before.size
+    assert (after.etag, after.mtime) != (before.etag, before.mtime)
+
+
 def test_unicode_and_spaces(store):
     keys = ["my dir/file name.pt", "ünïcødé/模型 权重.bin", "emoji 🚀.txt", "a+b=c&d%20e.txt"]
     for i, key in enumerate(keys):

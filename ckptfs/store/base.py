@@ -40,6 +40,16 @@ class ObjectInfo:
     size: int
     mtime: float  # seconds since the epoch
     metadata: dict[str, str] = field(default_factory=dict)
+    etag: str = ""  # the store's identity of this content (S3 ETag), "" where the store has none
+
+
+@dataclass(frozen=True)
+class DirListing:
+    """One level of the store under a directory prefix (``list_dir``)."""
+
+    files: list[ObjectInfo]  # objects right under the prefix (not its own marker)
+    dirs: list[str]  # names of the sub-directories: common prefixes, markers included
+    exists: bool  # whether anything is under the prefix at all (its own marker counts)
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,32 @@ class ObjectStore(ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix``, recursively, directory
         markers included (metadata may be left empty)."""
+
+    def list_dir(self, prefix: str = "", limit: int | None = None) -> DirListing:
+        """One level under ``prefix`` ("" or ending in ``/``): the objects right under it and
+        the names of its sub-directories, in key order. ``limit``: stop after that many entries
+        (``list_dir(key + "/", limit=1).exists`` asks whether a directory exists). This generic
+        version walks ``list``; stores override it with a one-level listing."""
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"list_dir needs a directory prefix, not {prefix!r}")
+        files: list[ObjectInfo] = []
+        dirs: list[str] = []
+        exists = not prefix
+        for info in self.list(prefix):
+            exists = True
+            rest = info.key[len(prefix):]
+            if not rest:
+                continue  # the directory's own marker
+            name, sep, _ = rest.partition("/")
+            if not sep:
+                files.append(info)
+            elif not dirs or dirs[-1] != name:  # keys under one name are contiguous in key order
+                dirs.append(name)
+            else:
+                continue
+            if limit is not None and len(files) + len(dirs) >= limit:
+                break
+        return DirListing(files, dirs, exists)
 
     @abstractmethod
     def delete(self, key: str) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from .base import MAX_PARTS, NotFound, ObjectInfo, ObjectStore, PartInfo, StoreError
+from .base import MAX_PARTS, DirListing, NotFound, ObjectInfo, ObjectStore, PartInfo, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,12 @@ def _copy_fd(src: int, dst: int, dst_offset: int) -> int:
             copied += n
             view = view[n:]
     return copied
+
+
+def _etag(st: os.stat_result) -> str:
+    """Which file holds the object: every write publishes a new file (a new inode), and a
+    filesystem's clock may not tell two writes in one tick apart."""
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}"
 
 
 class LocalStore(ObjectStore):
@@ -220,7 +226,7 @@ class LocalStore(ObjectStore):
                 return None  # "a" and "a/" are different keys, as on S3
             if is_dir:
                 return ObjectInfo(key, 0, st.st_mtime)
-            return ObjectInfo(key, st.st_size, st.st_mtime, self._get_metadata(path))
+            return ObjectInfo(key, st.st_size, st.st_mtime, self._get_metadata(path), _etag(st))
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
@@ -268,9 +274,49 @@ class LocalStore(ObjectStore):
                 st = entry.stat()
             except FileNotFoundError:
                 continue  # removed while we walked
-            yield ObjectInfo(key, 0 if is_dir else st.st_size, st.st_mtime)
+            yield ObjectInfo(key, 0 if is_dir else st.st_size, st.st_mtime, etag="" if is_dir else _etag(st))
             if is_dir:
                 yield from self._walk(Path(entry.path), key, prefix)
+
+    def list_dir(self, prefix: str = "", limit: int | None = None) -> DirListing:
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"list_dir needs a directory prefix, not {prefix!r}")
+        path = self._path(prefix) if prefix else self.root
+        try:
+            entries = list(os.scandir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return DirListing([], [], not prefix)
+        except OSError as e:
+            raise self._err("list", prefix, e) from None
+        items = []
+        for entry in entries:
+            if not prefix and entry.name == TMP_DIR:
+                continue
+            try:
+                entry.name.encode()  # S3 keys are UTF-8: skip names that are not
+                is_dir = entry.is_dir(follow_symlinks=False)
+                if not is_dir and not entry.is_file():
+                    continue  # sockets, fifos, broken links
+            except (UnicodeEncodeError, OSError):
+                continue
+            items.append((entry.name.encode() + (b"/" if is_dir else b""), entry, is_dir))
+        items.sort(key=lambda item: item[0])  # S3 order: UTF-8 bytes of the key
+        files: list[ObjectInfo] = []
+        dirs: list[str] = []
+        for _, entry, is_dir in items:
+            if limit is not None and len(files) + len(dirs) >= limit:
+                break
+            if is_dir:
+                dirs.append(entry.name)
+                continue
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue  # removed while we listed
+            except OSError as e:
+                raise self._err("list", prefix + entry.name, e) from None
+            files.append(ObjectInfo(prefix + entry.name, st.st_size, st.st_mtime, etag=_etag(st)))
+        return DirListing(files, dirs, True)
 
     def delete(self, key: str) -> None:
         path = self._path(key)

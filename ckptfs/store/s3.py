@@ -16,7 +16,7 @@ import boto3
 import botocore.exceptions as bex
 from botocore.config import Config
 
-from .base import MAX_KEY_BYTES, NotFound, ObjectInfo, ObjectStore, PartInfo, StoreError
+from .base import MAX_KEY_BYTES, DirListing, NotFound, ObjectInfo, ObjectStore, PartInfo, StoreError
 
 _TRANSIENT_CODES = {
     "SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError", "Throttling",
@@ -58,6 +58,10 @@ def _as_bytes(data: bytes | memoryview) -> bytes | bytearray:
     if isinstance(obj, (bytes, bytearray)) and data.contiguous and data.nbytes == len(obj):
         return obj
     return data.tobytes()
+
+
+def _etag(answer: dict[str, Any]) -> str:
+    return str(answer.get("ETag", "")).strip('"')
 
 
 class S3Store(ObjectStore):
@@ -215,7 +219,8 @@ class S3Store(ObjectStore):
             self._fail("head", key, e)
         except (bex.BotoCoreError, OSError) as e:
             self._fail("head", key, e)
-        return ObjectInfo(key, r["ContentLength"], r["LastModified"].timestamp(), dict(r.get("Metadata", {})))
+        return ObjectInfo(key, r["ContentLength"], r["LastModified"].timestamp(), dict(r.get("Metadata", {})),
+                          _etag(r))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         try:
@@ -225,9 +230,40 @@ class S3Store(ObjectStore):
                 for o in page.get("Contents", []):
                     key = o["Key"][len(self._base):]
                     if key:  # skip the "prefix/" marker itself
-                        yield ObjectInfo(key, o["Size"], o["LastModified"].timestamp())
+                        yield ObjectInfo(key, o["Size"], o["LastModified"].timestamp(), etag=_etag(o))
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
             self._fail("list", prefix, e)
+
+    def list_dir(self, prefix: str = "", limit: int | None = None) -> DirListing:
+        """ListObjectsV2 with Delimiter='/': one level, sub-directories as common prefixes."""
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"list_dir needs a directory prefix, not {prefix!r}")
+        full = self._base + prefix
+        files: list[ObjectInfo] = []
+        dirs: list[str] = []
+        exists = not prefix
+        try:
+            if limit is not None:
+                pages = [self._client.list_objects_v2(Bucket=self.bucket, Prefix=full, Delimiter="/",
+                                                      MaxKeys=max(limit, 1))]
+            else:
+                pages = self._client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=full, Delimiter="/")
+            for page in pages:
+                for o in page.get("Contents", []):
+                    exists = True
+                    key = o["Key"][len(self._base):]
+                    if key != prefix:  # (not the directory's own marker)
+                        files.append(ObjectInfo(key, o["Size"], o["LastModified"].timestamp(), etag=_etag(o)))
+                for p in page.get("CommonPrefixes", []):
+                    exists = True
+                    dirs.append(p["Prefix"][len(full):-1])
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            self._fail("list", prefix, e)
+        if limit is not None:
+            del files[limit:]
+            del dirs[max(limit - len(files), 0):]
+        return DirListing(files, dirs, exists)
 
     def delete(self, key: str) -> None:
         try:
