@@ -30,7 +30,14 @@ from .clean_index import CleanEntry, cached_digest
 from .errors import FsError
 from .fetcher import Fetcher
 from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
-from .store.base import MAX_KEY_BYTES, MAX_PARTS, DirListing, ObjectInfo, PartInfo, StoreError
+from .store.base import (
+    MAX_KEY_BYTES,
+    MAX_PARTS,
+    DirListing,
+    ObjectInfo,
+    PartInfo,
+    StoreError,
+)
 from .uploader import Stream, Upload, Uploader
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,9 @@ LIST_THREADS = 8  # listings and HEADs in flight (apart from data transfers)
 STORE_MTIME_SLACK_S = 2.0  # S3 dates have whole seconds; a node's clock may be a little off the store's
 UNSEEN_GRACE_S = 10.0  # a file this mount made durable is dropped as gone only once a listing could show it
 NEGATIVE_CACHE_MAX = 65536  # names remembered as absent (then forgotten all at once)
+# How long a lookup or readdir waits for the store before it answers from what it knows (a store
+# that does not answer must not hang `ls`); shorter while the store is known to be failing.
+STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 10.0, 1.0
 
 
 @dataclass
@@ -469,7 +479,7 @@ class Namespace:
             before = _DirState(node)
             blocked = self._pending_names(prefix)
             try:
-                listing = await trio.to_thread.run_sync(self.store.list_dir, prefix, limiter=self.list_threads)
+                listing = await self._store_call(self.store.list_dir, prefix)
             except Exception as exc:  # noqa: BLE001 - never fail a readdir or lookup for this
                 self._store_trouble(f"cannot list {prefix or 'the top directory'}", exc)
                 flight.outcome = _FAILED
@@ -620,7 +630,7 @@ class Namespace:
 
         async def ask(what: str, fn, *args) -> None:
             try:
-                answers[what] = await trio.to_thread.run_sync(fn, *args, limiter=self.list_threads)
+                answers[what] = await self._store_call(fn, *args)
             except Exception as exc:  # noqa: BLE001 - re-raised below, outside the nursery
                 answers[what] = exc
 
@@ -631,6 +641,14 @@ class Namespace:
             if isinstance(answer, Exception):
                 raise answer
         return answers["file"], bool(answers["dir"])
+
+    async def _store_call(self, fn, *args):
+        """``fn(*args)`` in a thread, given up (TimeoutError) if the store takes too long: the
+        thread is left to finish on its own, and its answer is dropped."""
+        limit = STORE_ANSWER_FAILING_S if self._store_failing else STORE_ANSWER_S
+        with trio.move_on_after(limit):
+            return await trio.to_thread.run_sync(fn, *args, limiter=self.list_threads, abandon_on_cancel=True)
+        raise TimeoutError(f"the store did not answer in {limit:g} s")
 
     def _pending_names(self, prefix: str) -> set[str]:
         """Names right under directory ``prefix`` that a pending op of this mount is about (a put,

@@ -19,6 +19,7 @@ import pytest
 import trio
 import xxhash
 
+from ckptfs import namespace
 from ckptfs.cache import Cache
 from ckptfs.errors import FsError
 from ckptfs.fetcher import Fetcher
@@ -1088,9 +1089,10 @@ def test_an_object_changed_in_the_store_replaces_clean_cached_content(tmp_path, 
     trio.run(main)
 
 
-def test_a_refresh_that_fails_keeps_the_tree(tmp_path, local):
+def test_a_refresh_that_fails_keeps_the_tree(tmp_path, local, monkeypatch):
     store = FaultyStore(local)
     local.put("d/a", b"a")
+    monkeypatch.setattr(namespace, "STORE_ANSWER_S", 0.5)
 
     async def main():
         async with mounted(tmp_path, store) as m:
@@ -1100,6 +1102,13 @@ def test_a_refresh_that_fails_keeps_the_tree(tmp_path, local):
             store.fail("list_dir", 1, key="d/")
             assert await alist(ns, "d") == ["a"]  # the store failed: what we knew stays
             assert await alist(ns, "d") == []
+            # A store that does not answer: the listing is given up after a while, not waited for.
+            gate = store.hold("list_dir", "d/")
+            local.put("d/b", b"b")
+            with trio.fail_after(5):
+                assert await alist(ns, "d") == []
+            gate.open()
+            assert await alist(ns, "d") == ["b"]
 
     trio.run(main)
 

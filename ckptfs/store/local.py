@@ -22,7 +22,15 @@ from pathlib import Path
 
 import xxhash
 
-from .base import MAX_PARTS, DirListing, NotFound, ObjectInfo, ObjectStore, PartInfo, StoreError
+from .base import (
+    MAX_PARTS,
+    DirListing,
+    NotFound,
+    ObjectInfo,
+    ObjectStore,
+    PartInfo,
+    StoreError,
+)
 
 log = logging.getLogger(__name__)
 

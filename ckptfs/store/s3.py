@@ -16,7 +16,15 @@ import boto3
 import botocore.exceptions as bex
 from botocore.config import Config
 
-from .base import MAX_KEY_BYTES, DirListing, NotFound, ObjectInfo, ObjectStore, PartInfo, StoreError
+from .base import (
+    MAX_KEY_BYTES,
+    DirListing,
+    NotFound,
+    ObjectInfo,
+    ObjectStore,
+    PartInfo,
+    StoreError,
+)
 
 _TRANSIENT_CODES = {
     "SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError", "Throttling",
