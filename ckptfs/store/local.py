@@ -44,6 +44,23 @@ _TRANSIENT = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EINTR,
 _COPY_CHUNK = 64 << 20
 
 
+def _storable_entries(path: Path, top: bool) -> list[tuple[os.DirEntry, bool]]:
+    """The entries of a directory that are objects or prefixes: (entry, is_dir). Skips our own
+    temp dir at the top, names that are not UTF-8 (S3 keys are), sockets, fifos, broken links."""
+    out = []
+    for entry in os.scandir(path):
+        if top and entry.name == TMP_DIR:
+            continue
+        try:
+            entry.name.encode()
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if is_dir or entry.is_file():
+                out.append((entry, is_dir))
+        except (UnicodeEncodeError, OSError):
+            continue
+    return out
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -259,20 +276,11 @@ class LocalStore(ObjectStore):
     def _walk(self, path: Path, rel: str, prefix: str) -> Iterator[ObjectInfo]:
         """Yield the keys under ``path`` in S3 order (UTF-8 byte order of the whole key)."""
         try:
-            entries = list(os.scandir(path))
+            entries = _storable_entries(path, top=not rel)
         except (FileNotFoundError, NotADirectoryError):
             return
         items = []
-        for entry in entries:
-            if not rel and entry.name == TMP_DIR:
-                continue
-            try:
-                entry.name.encode()  # S3 keys are UTF-8: skip names that are not
-                is_dir = entry.is_dir(follow_symlinks=False)
-                if not is_dir and not entry.is_file():
-                    continue  # sockets, fifos, broken links
-            except (UnicodeEncodeError, OSError):
-                continue
+        for entry, is_dir in entries:
             key = rel + entry.name + ("/" if is_dir else "")
             if key.startswith(prefix):
                 items.append((key.encode(), key, is_dir, entry))
@@ -291,22 +299,13 @@ class LocalStore(ObjectStore):
             raise ValueError(f"list_dir needs a directory prefix, not {prefix!r}")
         path = self._path(prefix) if prefix else self.root
         try:
-            entries = list(os.scandir(path))
+            entries = _storable_entries(path, top=not prefix)
         except (FileNotFoundError, NotADirectoryError):
             return DirListing([], [], not prefix)
         except OSError as e:
             raise self._err("list", prefix, e) from None
         items = []
-        for entry in entries:
-            if not prefix and entry.name == TMP_DIR:
-                continue
-            try:
-                entry.name.encode()  # S3 keys are UTF-8: skip names that are not
-                is_dir = entry.is_dir(follow_symlinks=False)
-                if not is_dir and not entry.is_file():
-                    continue  # sockets, fifos, broken links
-            except (UnicodeEncodeError, OSError):
-                continue
+        for entry, is_dir in entries:
             items.append((entry.name.encode() + (b"/" if is_dir else b""), entry, is_dir))
         items.sort(key=lambda item: item[0])  # S3 order: UTF-8 bytes of the key
         files: list[ObjectInfo] = []
