@@ -73,6 +73,14 @@ class Tier:
             return self.mm[pos : pos + length]
         return os.pread(self.fd, length, pos)
 
+    def read_into(self, slot: int, offset: int, out: memoryview) -> None:
+        """Copy into a caller's buffer: no new bytes object (fresh memory is slow here)."""
+        pos = slot * self.block_size + offset
+        if self.mm is not None:
+            out[:] = memoryview(self.mm)[pos : pos + len(out)]
+        elif os.preadv(self.fd, [out], pos) != len(out):
+            raise OSError(errno.EIO, f"short read from {self.path}")
+
     def view(self, slot: int, length: int) -> memoryview | bytes:
         """Zero-copy view for hashing and uploading (RAM tier); a read on disk."""
         if self.mm is not None:
@@ -238,6 +246,9 @@ class Cache:
     def read(self, ref: BlockRef, offset: int, length: int) -> bytes:
         return self.tiers[ref[0]].read(ref[1], offset, length)
 
+    def read_into(self, ref: BlockRef, offset: int, out: memoryview) -> None:
+        self.tiers[ref[0]].read_into(ref[1], offset, out)
+
     def view(self, ref: BlockRef, length: int):
         return self.tiers[ref[0]].view(ref[1], length)
 
@@ -367,10 +378,28 @@ class Content:
             chunks.append(self._read_block(i, start, stop - start))
         return b"".join(chunks)
 
-    def _read_block(self, index: int, start: int, length: int) -> bytes:
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """``read`` into a caller's buffer, which the range must fill exactly (within the file)."""
+        bs = self.cache.block_size
+        done = 0
+        while done < len(out):
+            index, start = divmod(offset + done, bs)
+            chunk = out[done : done + min(bs - start, len(out) - done)]
+            ref = self._block_ref(index)
+            if ref is None:
+                chunk[:] = bytes(len(chunk))
+            else:
+                self.cache.read_into(ref, start, chunk)
+            done += len(chunk)
+
+    def _block_ref(self, index: int) -> BlockRef | None:
         ref = self.blocks[index]
         if ref is None and index in self.remote:
             raise OSError(errno.EIO, "this part of the file was evicted to the store and is not readable yet")
+        return ref
+
+    def _read_block(self, index: int, start: int, length: int) -> bytes:
+        ref = self._block_ref(index)
         return bytes(length) if ref is None else self.cache.read(ref, start, length)
 
     def refs(self) -> list[BlockRef]:

@@ -178,6 +178,10 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.uploader.run, open_uploads)
             await nursery.start(self.fetcher.run)
+            prefill = self.namespace.prefill
+            prefill.store_pages, prefill.invalidate = pyfuse3.notify_store, pyfuse3.invalidate_inode
+            prefill.stat = lambda key: os.stat(os.path.join(self.mountpoint, key))
+            await nursery.start(prefill.run)
             self.namespace.load(listing, pending, clean)
             server = control.ControlServer(control_socket_path(self.mountpoint), {
                 "status": self._status,
@@ -233,6 +237,7 @@ class Daemon:
             "uploaded_bytes": up.uploaded_bytes,
             "durable_files": up.durable_files,
             "fetched_bytes": self.fetcher.fetched_bytes,
+            "page_cache_pushed_bytes": self.namespace.prefill.pushed_bytes,
             "errors": list(up.errors),
             **self.namespace.status(),
         }

@@ -30,6 +30,7 @@ from .clean_index import CleanEntry, cached_digest
 from .errors import FsError
 from .fetcher import Fetcher
 from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
+from .prefill import Prefill
 from .store.base import (
     MAX_KEY_BYTES,
     MAX_PARTS,
@@ -173,6 +174,7 @@ class Namespace:
         self.checkpoint_dir = ""
         self._last_shard_commit = 0.0
         self._verifying: dict[int, trio.Event] = {}
+        self.prefill = Prefill(busy=self._busy)
         self._next_ino = ROOT_INODE + 1
         self._next_fh = 1
         # Refresh from the store: seconds a directory listing or a missing name is trusted
@@ -235,6 +237,10 @@ class Namespace:
         """Durable files with cached blocks (what the clean cache index keeps for the next mount)."""
         return [(n.key(), n.version.content) for n in self.root.walk()
                 if not n.is_dir and n.version is not None and n.version.seq is None and n.version.content.refs()]
+
+    def _busy(self) -> bool:
+        """A save or an upload is running (background work waits for idle time)."""
+        return bool(self.uploader.pending) or any(h.staged is not None for h in self.handles.values())
 
     def _pinned(self, owner: object) -> bool:
         return bool(self.checkpoint_dir) and isinstance(owner, Node) and owner.key().startswith(self.checkpoint_dir)
@@ -725,6 +731,7 @@ class Namespace:
         if node.version is not None and node.version.content.verify:
             await self.verify_kept(node.version.content)
         if not writing:
+            await self.prefill.settle(node)  # no page of an older version may land after our answer
             content = node.version.content if node.version is not None else Content(self.cache, 0, [])
             # While another handle writes this file, the kernel's idea of its size follows that
             # writer's private copy; a page-cache read would stop at it. Direct reads ask us.
@@ -1114,6 +1121,8 @@ class Namespace:
             version.content.remote = {}  # evicted parts are now plain store reads
             self._retire_shadows(node, op.seq)
             self._maybe_clean(node)
+            if version.content.size >= self.cache.block_size and (node.parent is self.root or self._pinned(node)):
+                self.prefill.want(node, version)  # a checkpoint a restart will load: into the page cache
 
         return durable
 

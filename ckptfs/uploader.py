@@ -30,6 +30,7 @@ retargeted: the namespace then follows with a compensating op (delete or move).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -57,6 +58,35 @@ def part_size_for(size: int, base: int, max_parts: int = MAX_PARTS) -> int:
     while math.ceil(size / part) > max_parts:
         part *= 2
     return part
+
+
+class PartBuffers:
+    """Request bodies for parts, reused: botocore takes bytes-like bodies, not views of the
+    arena, and a fresh 8 MiB copy per part costs more here than the copy itself (first touch
+    of new memory, shared/notes/fuse.md). Never waits: with every buffer busy, a part gets a
+    fresh copy. Called from store threads (list.pop/append are atomic)."""
+
+    def __init__(self, size: int, count: int):
+        self.size = size
+        self._free = [bytearray(size) for _ in range(count)]  # touched at first use, then kept
+
+    @contextlib.contextmanager
+    def body(self, length: int, fill: Callable[[memoryview], None]):
+        """A buffer of ``length`` bytes that ``fill`` wrote, for the duration of one request."""
+        try:
+            buf = self._free.pop() if length == self.size else None
+        except IndexError:
+            buf = None
+        if buf is None:
+            body = bytearray(length)
+            fill(memoryview(body))
+            yield body
+            return
+        try:
+            fill(memoryview(buf))
+            yield buf
+        finally:
+            self._free.append(buf)
 
 
 @dataclass(frozen=True)
@@ -130,6 +160,7 @@ class Uploader:
         self.uploads: dict[str, Upload] = {}  # live multipart uploads by journal id
         self.creating: dict[str, str] = {}  # journal id -> key, while CreateMultipartUpload runs
         self.part_slots = trio.Semaphore(concurrency)
+        self.part_buffers = PartBuffers(part_size, concurrency)
         self.store_threads = trio.CapacityLimiter(concurrency + 2)
         self.hash_threads = trio.CapacityLimiter(2)
         self.progress = trio.Event()  # set (and replaced) whenever an op is done
@@ -339,7 +370,8 @@ class Uploader:
             content = task.content
 
             def send() -> PartInfo:
-                return self.store.upload_part(upload.key, upload.upload_id, number, content.read(start, length))
+                with self.part_buffers.body(length, lambda out: content.read_into(start, out)) as body:
+                    return self.store.upload_part(upload.key, upload.upload_id, number, body)
 
             try:
                 task.parts[number - 1] = await self._call(upload.key, send)
@@ -365,8 +397,8 @@ class Uploader:
                     upload, size = stream.upload, self.cache.block_size
 
                     def send() -> PartInfo:
-                        return self.store.upload_part(upload.key, upload.upload_id, index + 1,
-                                                      self.cache.read(ref, 0, size))
+                        with self.part_buffers.body(size, lambda out: self.cache.read_into(ref, 0, out)) as body:
+                            return self.store.upload_part(upload.key, upload.upload_id, index + 1, body)
 
                     try:
                         part = await self._call(upload.key, send)
