@@ -43,6 +43,7 @@ import tenacity
 import trio
 import xxhash
 
+from .background import BackgroundThreads
 from .cache import BlockRef, Cache, Content
 from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
 from .store.base import MAX_PARTS, NotFound, ObjectStore, PartInfo, StoreError
@@ -161,7 +162,7 @@ class Uploader:
         self.creating: dict[str, str] = {}  # journal id -> key, while CreateMultipartUpload runs
         self.part_slots = trio.Semaphore(concurrency)
         self.part_buffers = PartBuffers(part_size, concurrency)
-        self.store_threads = trio.CapacityLimiter(concurrency + 2)
+        self.store_threads = BackgroundThreads(concurrency + 2, "ckptfs-store")
         self.hash_threads = trio.CapacityLimiter(2)
         self.progress = trio.Event()  # set (and replaced) whenever an op is done
         self.new_work = trio.Event()
@@ -580,7 +581,7 @@ class Uploader:
         )
         async for attempt in retrying:
             with attempt:
-                return await trio.to_thread.run_sync(fn, *args, limiter=self.store_threads)
+                return await self.store_threads.run(fn, *args)
 
     def _record_error(self, key: str, exc: BaseException) -> None:
         message = str(exc)

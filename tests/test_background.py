@@ -1,0 +1,76 @@
+"""Background threads: parallel, lower CPU priority, uncancellable once started (like trio.to_thread)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import trio
+
+from ckptfs import background
+from ckptfs.background import BackgroundThreads
+
+
+def test_calls_run_in_parallel_at_a_lower_priority():
+    threads = BackgroundThreads(4, "t")
+    nices = []
+
+    def job(i):
+        nices.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        time.sleep(0.2)
+        return i * 2
+
+    async def main():
+        out = []
+
+        async def one(i):
+            out.append(await threads.run(job, i))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(one, i)
+        return sorted(out)
+
+    assert trio.run(main) == [i * 2 for i in range(8)]
+    assert set(nices) == {background.NICE}
+    assert threads._live == 4  # no more threads than asked for
+
+
+def test_errors_reach_the_caller_and_idle_threads_end(monkeypatch):
+    monkeypatch.setattr(background, "IDLE_EXIT_S", 0.1)
+    threads = BackgroundThreads(2, "t")
+
+    def boom():
+        raise ValueError("store said no")
+
+    async def main():
+        with pytest.raises(ValueError, match="store said no"):
+            await threads.run(boom)
+        await trio.sleep(0.4)
+        assert threads._live == 0
+        assert await threads.run(lambda: 5) == 5  # a new thread starts for new work
+
+    trio.run(main)
+
+
+def test_a_started_call_finishes_and_a_queued_one_never_runs_after_cancel():
+    threads = BackgroundThreads(1, "t")
+    ran = []
+
+    def slow():
+        time.sleep(0.3)
+        ran.append("slow")
+
+    async def main():
+        with trio.move_on_after(0.1):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(threads.run, slow)
+                await trio.sleep(0.01)
+                nursery.start_soon(threads.run, lambda: ran.append("queued"))  # behind slow
+        assert ran == ["slow"]  # the cancel waited for the call that had started
+        await trio.sleep(0.1)
+        assert ran == ["slow"]
+
+    trio.run(main)
