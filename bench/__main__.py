@@ -1,0 +1,249 @@
+"""ckptfs side by side with what users would use instead, in one run on this machine.
+
+    scripts/bench [--size MiB] [--runs N] [--targets LIST] [--scenarios LIST] ...
+
+Starts OpenStack Swift (s3api) on 127.0.0.1, mounts every filesystem target, runs the scenarios
+(run 1 of every target, then run 2, ...), prints a table, writes docs/benchmarks/results.json,
+one PNG per scenario and the generated part of docs/benchmarks.md. Unmounts, stops what it
+started (by PID) and removes its work directory on the way out, also after an error or Ctrl-C.
+See docs/benchmarks.md for the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from . import report, sysinfo, workloads
+from .durable import POLL_INTERVAL
+from .figures import Results
+from .goals import check
+from .mounts import fuse_mounts_under, unmount
+from .targets import TARGETS, Context
+
+REPO = Path(__file__).resolve().parent.parent
+SCENARIOS = ("save", "cold", "write", "ram4x", "dcp", "small")
+MiB = 1 << 20
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + error
+        self.exit(2, f"scripts/bench: {message} (see --help)\n")
+
+
+def _names(allowed, what: str):
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or repr(text)}; "
+                                             f"choose from {','.join(allowed)}")
+        return names
+    return parse
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = Parser(prog="scripts/bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=_at_least(16), default=1024, metavar="MiB",
+                   help="checkpoint size in MiB (default 1024); each of the 4 DCP ranks saves size/4")
+    p.add_argument("--runs", type=_at_least(1), default=3, metavar="N", help="runs per figure and target (default 3)")
+    p.add_argument("--small-files", type=_at_least(1), default=2000, metavar="N",
+                   help="files of 64 KiB in the small-files scenario (default 2000)")
+    p.add_argument("--small-runs", type=_at_least(1), default=1, metavar="N",
+                   help="runs per target of the small-files scenario, the slowest part (default 1)")
+    p.add_argument("--slow-files", type=_at_least(0), default=200, metavar="N",
+                   help="s3fs and s3torchconnector write only N of the small files, their times scaled "
+                        "to all of them (default 200; 0: all)")
+    p.add_argument("--targets", type=_names(tuple(TARGETS), "target"), default=list(TARGETS), metavar="LIST",
+                   help=f"comma-separated (default all: {','.join(TARGETS)})")
+    p.add_argument("--scenarios", type=_names(SCENARIOS, "scenario"), default=list(SCENARIOS), metavar="LIST",
+                   help=f"comma-separated (default all: {','.join(SCENARIOS)}); cold loads read what save wrote")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks", metavar="DIR",
+                   help="where results.json and the plots go (default docs/benchmarks)")
+    p.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"), metavar="FILE",
+                   help="markdown file whose bench:results block is rewritten; 'none' to skip")
+    p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()), metavar="DIR",
+                   help="where the temporary work directory goes: the cache disk (default $TMPDIR or /tmp)")
+    p.add_argument("--note", default="", metavar="TEXT",
+                   help="a remark stored with the results (e.g. that the machine was shared)")
+    opts = p.parse_args(argv)
+    if not opts.work_dir.is_dir():
+        p.error(f"--work-dir {opts.work_dir} is not a directory")
+    return opts
+
+
+def runs_policy(opts):
+    def runs(scenario: str, target: str) -> int:
+        return opts.small_runs if scenario == "small" else opts.runs
+    return runs
+
+
+def budget(opts) -> dict[str, str]:
+    """How many runs each scenario gets, and what the slow peers skip, in words."""
+    out = {s: f"{opts.runs} runs" for s in opts.scenarios if s != "small"}
+    if "small" in opts.scenarios:
+        out["small"] = f"{opts.small_runs} run{'s' if opts.small_runs > 1 else ''}"
+        slow = [t for t in workloads.SLOW_SMALL if t in opts.targets]
+        if slow and 0 < opts.slow_files < opts.small_files:
+            out["small"] += (f", {' and '.join(slow)} on {opts.slow_files} of {opts.small_files} files "
+                             "with times scaled")
+    return out
+
+
+def _safely(what: str, fn, *args) -> None:
+    start = time.monotonic()
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 -- keep cleaning up
+        print(f"scripts/bench: cleanup: {what}: {e}", file=sys.stderr, flush=True)
+    if time.monotonic() - start > 3:
+        print(f"  ({what} took {time.monotonic() - start:.0f} s)", flush=True)
+
+
+def _clean_work(work: Path) -> None:
+    """Whatever is left: FUSE mounts under the work dir, RAM arenas of its ckptfs caches, the dir."""
+    from ckptfs.daemon import ram_dir_for
+
+    for mountpoint in fuse_mounts_under(work):
+        print(f"  unmounting leftover {mountpoint}", file=sys.stderr, flush=True)
+        unmount(mountpoint, attempts=4)
+    for cache in work.glob("*-cache"):
+        shutil.rmtree(ram_dir_for(cache), ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progress) -> int:
+    import torch
+
+    from tests.checkpoints import make_checkpoint
+    from tests.swift import SwiftServer
+
+    machine = sysinfo.describe()  # before the bench loads the machine
+    server = SwiftServer(work / "swift")
+    stack.callback(_safely, "stopping Swift", server.stop)
+    server.start()
+    os.environ.update(server.env())
+    progress(f"Swift (s3api) healthy at {server.endpoint}")
+
+    state = make_checkpoint(opts.size)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    nbytes = buf.tell()
+    del buf
+    progress(f"checkpoint: {nbytes / MiB:.0f} MiB (bf16 + fp32 weights, Adam-like state, python objects)")
+
+    ctx = Context(work, server.endpoint, server.access_key, server.secret_key, server.region, nbytes)
+    targets = {}
+    for name in opts.targets:
+        target = TARGETS[name](ctx)
+        stack.callback(_safely, f"stopping {name}", target.stop)
+        target.start()
+        targets[name] = target
+        progress(f"ready     {name:17} {f'(daemon pid {target.pid})' if target.pid else ''}")
+
+    runs = runs_policy(opts)
+    progress("budget: " + "; ".join(f"{k}: {v}" for k, v in budget(opts).items()))
+    results = Results()
+    bench = workloads.Bench(targets, results, progress, runs)
+    ram_budget = max(4 * 8 * MiB, (nbytes // 4) // MiB * MiB)
+    if "save" in opts.scenarios:
+        workloads.one_checkpoint(bench, state, nbytes)
+    if "cold" in opts.scenarios:
+        workloads.cold_loads(bench)
+    if "write" in opts.scenarios:
+        workloads.write_path(bench, state, nbytes)
+    if "ram4x" in opts.scenarios and "ckptfs-s3" in targets:
+        ram_budget = workloads.ram_budget_4x(bench, ctx, state, nbytes)
+    del state
+    if "dcp" in opts.scenarios:
+        workloads.dcp_like(bench, max(1, opts.size // workloads.RANKS))
+    if "small" in opts.scenarios:
+        workloads.small_files(bench, opts.small_files, opts.slow_files)
+
+    for target in reversed(list(targets.values())):  # unmount before reporting: counts in the run time
+        target.stop()
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "argv": sys.argv[1:],
+        "options": {"size": opts.size, "runs": opts.runs, "small_files": opts.small_files,
+                    "small_runs": opts.small_runs, "slow_files": opts.slow_files, "targets": opts.targets,
+                    "scenarios": opts.scenarios},
+        "budget": budget(opts),
+        "checkpoint_mib": nbytes / MiB,
+        "poll_interval_s": POLL_INTERVAL,
+        "ram_budget_4x_mib": ram_budget / MiB,
+        "targets": {name: t.note for name, t in targets.items()},
+        "machine": machine,
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        "note": opts.note,
+        "duration_s": time.monotonic() - progress.start,
+    }
+    goals = check(results, ram_budget)
+    print("\n" + report.table(results, goals), flush=True)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    report.write_json(opts.out / "results.json", report.to_json(results, goals, meta))
+    limit = (ram_budget + 200e6) / MiB
+    pngs = report.plots(results, opts.out, {"ram_4x_rss": (limit, f"budget + 200 MB = {limit:.0f} MiB")})
+    progress(f"wrote {opts.out / 'results.json'} and {len(pngs)} plots in {opts.out}")
+    if opts.doc != "none":
+        doc = Path(opts.doc)
+        if report.update_doc(doc, report.markdown(results, goals, meta, pngs, doc)):
+            progress(f"updated the results in {doc}")
+        else:
+            progress(f"{doc}: missing, or without the {report.BEGIN} ... {report.END} markers: not updated")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    progress = workloads.Progress()
+    signal.signal(signal.SIGTERM, _interrupt)
+    work = Path(tempfile.mkdtemp(prefix="ckptfs-bench-", dir=opts.work_dir))
+    progress(f"work directory {work}")
+    stack = contextlib.ExitStack()
+    stack.callback(_safely, "removing the work directory", _clean_work, work)
+    rc = 1
+    try:
+        rc = run(opts, work, stack, progress)
+    except KeyboardInterrupt:
+        print("\nscripts/bench: interrupted; cleaning up", file=sys.stderr, flush=True)
+        rc = 130
+    except Exception as e:  # noqa: BLE001 -- reported, then cleaned up
+        traceback.print_exc()
+        print(f"scripts/bench: failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # let the cleanup finish
+            signal.signal(sig, signal.SIG_IGN)
+        stack.close()
+        progress(f"cleaned up; {time.monotonic() - progress.start:.0f} s in all")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

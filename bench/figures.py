@@ -1,0 +1,102 @@
+"""The figures the bench reports, and the runs collected for each (target -> seconds, ...)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+PEERS = ("s3fs", "rclone", "boto3", "s3torchconnector")
+CKPTFS = ("ckptfs-local", "ckptfs-s3")
+
+
+@dataclass(frozen=True)
+class Figure:
+    id: str
+    scenario: str  # figures of one scenario share a plot
+    title: str
+    unit: str
+    higher_is_better: bool = False
+    floor: str | None = None  # the target that ratios "to the floor" divide by
+
+
+FIGURES = [
+    Figure("save_stall", "save", "save stall: torch.save until it returns", "s", floor="cache-disk"),
+    Figure("durable", "save", "time to durable, from save start", "s"),
+    Figure("warm_load", "load", "warm torch.load of the latest checkpoint", "s", floor="cache-disk"),
+    Figure("cold_load", "load", "cold torch.load (empty cache, page cache dropped)", "s", floor="cache-disk"),
+    Figure("daemon_cpu", "daemon", "daemon CPU per GiB saved and uploaded", "CPU s/GiB"),
+    Figure("daemon_rss", "daemon", "daemon peak RSS while saving and uploading", "MiB"),
+    Figure("ram_4x_rss", "daemon", "ckptfs peak RSS saving 4x its RAM-tier budget", "MiB"),
+    Figure("write_tp", "write", "FUSE write path: 8 MiB os.write calls", "GiB/s", True, floor="nullfs"),
+    Figure("save_tp", "write", "FUSE write path: torch.save throughput", "GiB/s", True, floor="nullfs"),
+    Figure("dcp_stall", "dcp", "4 ranks save a shard each: stall until the last returns", "s", floor="cache-disk"),
+    Figure("dcp_durable", "dcp", "4 ranks: time to durable of all shards", "s"),
+    Figure("small_stall", "small", "many small files: save time", "s", floor="cache-disk"),
+    Figure("small_durable", "small", "many small files: time to durable", "s"),
+]
+BY_ID = {f.id: f for f in FIGURES}
+
+SCENARIO_TITLES = {
+    "save": "One checkpoint: save stall and time to durable",
+    "load": "Loading the latest checkpoint",
+    "daemon": "Filesystem daemon: CPU and memory",
+    "write": "FUSE write path vs a do-nothing pyfuse3 filesystem",
+    "dcp": "DCP-like: 4 ranks save at once",
+    "small": "Many small files",
+}
+
+
+@dataclass
+class Summary:
+    median: float
+    min: float
+    max: float
+    runs: list[float]
+
+
+@dataclass
+class Results:
+    values: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    notes: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def add(self, figure: str, target: str, value: float) -> None:
+        assert figure in BY_ID, figure
+        self.values.setdefault(figure, {}).setdefault(target, []).append(value)
+
+    def note(self, figure: str, target: str, text: str) -> None:
+        self.notes.setdefault(figure, {})[target] = text
+
+    def targets(self, figure: str) -> list[str]:
+        return list(self.values.get(figure, {}))
+
+    def summary(self, figure: str, target: str) -> Summary | None:
+        runs = self.values.get(figure, {}).get(target)
+        if not runs:
+            return None
+        return Summary(statistics.median(runs), min(runs), max(runs), list(runs))
+
+    def median(self, figure: str, target: str) -> float | None:
+        s = self.summary(figure, target)
+        return s.median if s else None
+
+    def best_peer(self, figure: str) -> str | None:
+        fig = BY_ID[figure]
+        peers = [(self.median(figure, p), p) for p in PEERS if self.median(figure, p) is not None]
+        if not peers:
+            return None
+        return (max(peers) if fig.higher_is_better else min(peers))[1]
+
+    def ratios(self, figure: str, target: str) -> dict:
+        """ckptfs (or any target) against the floor and the best peer: value / theirs."""
+        fig, mine = BY_ID[figure], self.median(figure, target)
+        out = {}
+        if mine is None:
+            return out
+        if fig.floor and self.median(figure, fig.floor):
+            out["floor"] = fig.floor
+            out["vs_floor"] = mine / self.median(figure, fig.floor)
+        peer = self.best_peer(figure)
+        if peer and self.median(figure, peer):
+            out["best_peer"] = peer
+            out["vs_best_peer"] = mine / self.median(figure, peer)
+        return out

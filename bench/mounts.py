@@ -1,0 +1,153 @@
+"""FUSE mounts the bench makes, and how it takes each one down again, whatever happened.
+
+`ForegroundMount` runs a FUSE daemon as a child that stays in the foreground (s3fs -f, rclone
+mount, bench.nullfs), in its own session so a Ctrl-C reaches only the bench, which then unmounts
+in order. `CkptfsMount` uses the ckptfs CLI (the daemon detaches; its PID comes from `ckptfs
+status --json`). Both stop only the process they started, by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MOUNT_TIMEOUT = 60.0
+
+
+def _mounted(path: Path) -> bool:
+    return os.path.ismount(path)
+
+
+def _fusermount(path: Path, lazy: bool = False) -> bool:
+    argv = ["fusermount3", "-u", *(["-z"] if lazy else []), str(path)]
+    return subprocess.run(argv, capture_output=True, check=False).returncode == 0
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join("    " + line for line in path.read_text(errors="replace").splitlines()[-lines:])
+    return "    (no log)"
+
+
+def unmount(path: Path, attempts: int = 20) -> None:
+    """Unmount `path`, retrying while it is busy, lazily as a last resort."""
+    for _ in range(attempts):
+        if not _mounted(path) or _fusermount(path):
+            return
+        time.sleep(0.25)
+    _fusermount(path, lazy=True)
+
+
+def fuse_mounts_under(root: Path) -> list[Path]:
+    """FUSE mountpoints below `root`, deepest first (/proc/mounts escapes spaces as octal)."""
+    found = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and (fields[2] == "fuse" or fields[2].startswith("fuse.")):
+                mp = Path(fields[1].encode().decode("unicode_escape"))
+                if mp.is_relative_to(root):
+                    found.append(mp)
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+class ForegroundMount:
+    """A FUSE daemon in the foreground, as our child: we know its PID and own its log."""
+
+    def __init__(self, name: str, argv: list[str], mountpoint: Path, log: Path, env: dict | None = None):
+        self.name, self.argv, self.mountpoint, self.log, self.env = name, argv, mountpoint, log, env
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self) -> ForegroundMount:
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+        deadline = time.monotonic() + MOUNT_TIMEOUT
+        while not _mounted(self.mountpoint):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} before mounting:\n"
+                                   + _tail(self.log))
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} did not mount {self.mountpoint} in {MOUNT_TIMEOUT:.0f} s:\n"
+                                   + _tail(self.log))
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        unmount(self.mountpoint)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+class CkptfsMount:
+    """`ckptfs mount STORE MNT` with its own cache dir; `stop` drains and unmounts it."""
+
+    def __init__(self, store_url: str, mountpoint: Path, cache_dir: Path, ram_cache: int, cache_size: int,
+                 endpoint: str | None = None):
+        self.store_url, self.mountpoint, self.cache_dir = store_url, mountpoint, cache_dir
+        self.ram_cache, self.cache_size, self.endpoint = ram_cache, cache_size, endpoint
+        self.pid: int | None = None
+
+    def _ckptfs(self, *args: str, timeout: float = 120) -> str:
+        r = subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, timeout=timeout,
+                           check=False)
+        if r.returncode:
+            raise RuntimeError(f"ckptfs {args[0]} failed ({r.returncode}): {r.stderr.strip()}")
+        return r.stdout
+
+    def start(self) -> CkptfsMount:
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        args = [self.store_url, str(self.mountpoint), "--cache-dir", str(self.cache_dir),
+                "--ram-cache", str(self.ram_cache), "--cache-size", str(self.cache_size)]
+        if self.endpoint:
+            args += ["--endpoint-url", self.endpoint]
+        try:
+            self._ckptfs("mount", *args)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{_tail(self.cache_dir / 'ckptfs.log')}") from None
+        self.pid = json.loads(self._ckptfs("status", str(self.mountpoint), "--json"))["pid"]
+        return self
+
+    def stop(self) -> None:
+        if self.pid is None:
+            return
+        from ckptfs.daemon import ram_dir_for
+
+        try:
+            self._ckptfs("umount", str(self.mountpoint), timeout=300)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"  ({e}; unmounting lazily and stopping daemon {self.pid})", file=sys.stderr, flush=True)
+            unmount(self.mountpoint, attempts=1)
+            self._kill_daemon()
+        self.pid = None
+        shutil.rmtree(ram_dir_for(self.cache_dir), ignore_errors=True)
+
+    def _kill_daemon(self) -> None:
+        """SIGKILL our daemon, checking by its command line that the PID is still ours."""
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes()
+            if str(self.mountpoint).encode() in cmdline:
+                os.kill(self.pid, signal.SIGKILL)

@@ -1,0 +1,226 @@
+"""What a run produces: the table on stdout, results.json, one PNG plot per scenario, and the
+generated part of docs/benchmarks.md (between the bench:results markers)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tabulate import tabulate
+
+from .figures import CKPTFS, FIGURES, SCENARIO_TITLES, Results
+from .goals import Goal
+
+BEGIN, END = "<!-- bench:results -->", "<!-- /bench:results -->"
+ORDER = ("cache-disk", "nullfs", "ckptfs-local", "ckptfs-s3", "s3fs", "rclone", "boto3", "s3torchconnector")
+
+
+def _targets(results: Results, figure: str) -> list[str]:
+    present = results.targets(figure)
+    return [t for t in ORDER if t in present] + [t for t in present if t not in ORDER]
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return ""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.2f}"
+
+
+def _ratio(r: dict, key: str, other: str) -> str:
+    return f"{r[key]:.2f}x {r[other]}" if key in r else ""
+
+
+def _notes(results: Results) -> list[str]:
+    """'figure, target: note' for every value that needs one (marked * in the tables)."""
+    return [f"{fig.id}, {target}: {note}" for fig in FIGURES for target, note in results.notes.get(fig.id, {}).items()]
+
+
+def _star(results: Results, figure: str, target: str) -> str:
+    return "*" if target in results.notes.get(figure, {}) else ""
+
+
+def _goal_mark(goal: Goal) -> str:
+    return {True: "met", False: "NOT met", None: "not measured"}[goal.met]
+
+
+# --- stdout ----------------------------------------------------------------------------------
+
+
+def table(results: Results, goals: list[Goal]) -> str:
+    rows = []
+    for fig in FIGURES:
+        for target in _targets(results, fig.id):
+            s = results.summary(fig.id, target)
+            r = results.ratios(fig.id, target) if target in CKPTFS else {}
+            rows.append([fig.id, fig.unit, target + _star(results, fig.id, target),
+                         _num(s.median), _num(s.min), _num(s.max), len(s.runs),
+                         _ratio(r, "vs_floor", "floor"), _ratio(r, "vs_best_peer", "best_peer")])
+    text = tabulate(rows, ["figure", "unit", "target", "median", "min", "max", "runs", "ckptfs / floor",
+                           "ckptfs / best peer"], tablefmt="simple", disable_numparse=True)
+    width = max(len(g.text) for g in goals)
+    notes = "".join(f"\n  * {line}" for line in _notes(results))
+    lines = [f"  {_goal_mark(g):12} {g.text:{width}}  {g.detail}" for g in goals]
+    return text + notes + "\n\nDesign section 5 targets (ckptfs-s3):\n" + "\n".join(lines)
+
+
+# --- JSON ------------------------------------------------------------------------------------
+
+
+def to_json(results: Results, goals: list[Goal], meta: dict) -> dict:
+    figures = []
+    for fig in FIGURES:
+        values = {}
+        for target in _targets(results, fig.id):
+            s = results.summary(fig.id, target)
+            values[target] = {"median": s.median, "min": s.min, "max": s.max, "runs": s.runs}
+            if target in results.notes.get(fig.id, {}):
+                values[target]["note"] = results.notes[fig.id][target]
+        if values:
+            figures.append({"id": fig.id, "scenario": fig.scenario, "title": fig.title, "unit": fig.unit,
+                            "higher_is_better": fig.higher_is_better, "floor": fig.floor, "values": values,
+                            "ratios": {t: results.ratios(fig.id, t) for t in CKPTFS if t in values}})
+    return {"meta": meta, "figures": figures,
+            "design_targets": [{"target": g.text, "measured": g.detail, "met": g.met} for g in goals]}
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+# --- plots -----------------------------------------------------------------------------------
+
+COLORS = {"ckptfs": "#d95f02", "floor": "#999999", "peer": "#4c78a8"}
+
+
+def _color(target: str) -> str:
+    if target in CKPTFS:
+        return COLORS["ckptfs"]
+    return COLORS["floor"] if target in ("cache-disk", "nullfs") else COLORS["peer"]
+
+
+def plots(results: Results, out: Path, limits: dict[str, tuple[float, str]]) -> list[Path]:
+    """One PNG per scenario: a panel per figure, bars = medians, whiskers = min..max, ckptfs in
+    orange. `limits`: figure -> (value, label) drawn as a dashed line (e.g. the RSS limit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for scenario, title in SCENARIO_TITLES.items():
+        figs = [f for f in FIGURES if f.scenario == scenario and results.targets(f.id)]
+        if not figs:
+            continue
+        fig, axes = plt.subplots(1, len(figs), figsize=(4.2 * len(figs) + 0.6, 4.2), squeeze=False)
+        for ax, f in zip(axes[0], figs):
+            names = _targets(results, f.id)
+            sums = [results.summary(f.id, n) for n in names]
+            med = [s.median for s in sums]
+            err = [[s.median - s.min for s in sums], [s.max - s.median for s in sums]]
+            bars = ax.bar(range(len(names)), med, yerr=err, capsize=4, color=[_color(n) for n in names],
+                          edgecolor=["black" if n in CKPTFS else "none" for n in names])
+            ax.bar_label(bars, labels=[_num(m) for m in med], padding=2, fontsize=8)
+            ax.set_xticks(range(len(names)), [n.replace("s3torchconnector", "s3torch-\nconnector") for n in names],
+                          rotation=35, ha="right", fontsize=8)
+            better = "higher is better" if f.higher_is_better else "lower is better"
+            ax.set_ylabel(f"{f.unit} ({better})", fontsize=8)
+            ax.set_title(f.title, fontsize=9, wrap=True)
+            ax.margins(y=0.15)
+            if f.id in limits:
+                value, label = limits[f.id]
+                ax.axhline(value, color="#d95f02", linestyle="--", linewidth=1)
+                ax.text(len(names) - 0.5, value, label, ha="right", va="bottom", fontsize=8, color="#d95f02")
+        fig.suptitle(title + "  (median of the runs; whiskers: min and max)", fontsize=10)
+        fig.tight_layout()
+        path = out / f"{scenario}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# --- docs/benchmarks.md ----------------------------------------------------------------------
+
+
+def markdown(results: Results, goals: list[Goal], meta: dict, plot_paths: list[Path], doc: Path) -> str:
+    targets = [t for t in ORDER if any(t in results.targets(f.id) for f in FIGURES)]
+    rows = []
+    for f in FIGURES:
+        if not results.targets(f.id):
+            continue
+        cells = []
+        for t in targets:
+            s = results.summary(f.id, t)
+            if s is None:
+                cells.append("")
+                continue
+            median = f"**{_num(s.median)}**" if t in CKPTFS else _num(s.median)
+            spread = f" ({_num(s.min)}–{_num(s.max)})" if len(s.runs) > 1 else ""
+            cells.append(median + spread + _star(results, f.id, t))
+        rows.append([f"{f.title} [{f.unit}]", *cells])
+    matrix = tabulate(rows, ["figure", *targets], tablefmt="github", disable_numparse=True)
+
+    ratio_rows = []
+    for f in FIGURES:
+        r = {t: results.ratios(f.id, t) for t in CKPTFS}
+        if any(r.values()):
+            ratio_rows.append([f.id, *(_ratio(r[t], "vs_floor", "floor") for t in CKPTFS),
+                               *(_ratio(r[t], "vs_best_peer", "best_peer") for t in CKPTFS)])
+    ratios = tabulate(ratio_rows, ["figure", *(f"{t} / floor" for t in CKPTFS),
+                                   *(f"{t} / best peer" for t in CKPTFS)], tablefmt="github", disable_numparse=True)
+    goal_rows = [[g.text, _goal_mark(g), g.detail] for g in goals]
+    goal_table = tabulate(goal_rows, ["design section 5 target (ckptfs-s3)", "", "this run"], tablefmt="github")
+    m, machine = meta, meta["machine"]
+    v = machine["versions"]
+    runs = "; ".join(f"{k}: {n}" for k, n in m["budget"].items())
+    generated = (f"_Generated by `scripts/bench {' '.join(m['argv'])}` on {m['date']} in {m['duration_s'] / 60:.1f} "
+                 "min (do not edit by hand: the next run rewrites this part)._")
+    load = (f"{', '.join(map(str, machine['load_average_at_start']))} at start, "
+            f"{', '.join(map(str, m['load_average_at_end']))} at the end")
+    host = (f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
+            f"kernel {machine['kernel']}, {machine['os']}; load average {load}."
+            + (f" Note: {m['note']}" if m.get("note") else ""))
+    versions = (f"Versions: ckptfs {v['ckptfs']}, torch {v['torch']}, pyfuse3 {v['pyfuse3']}, s3fs {v['s3fs']}, "
+                f"{v['rclone']}, boto3 {v['boto3']}, s3torchconnector {v['s3torchconnector']}, Swift {v['swift']}, "
+                f"libfuse {v['libfuse']}.")
+    ratio_text = ("Ratios: ckptfs's median divided by the floor's and by the best peer's (for times, below 1 is "
+                  "faster; for throughputs, above 1 is faster).")
+    lines = [
+        BEGIN,
+        generated,
+        "",
+        host,
+        versions,
+        f"Checkpoint: {m['checkpoint_mib']:.0f} MiB (`--size {m['options']['size']}`); runs per target: {runs}.",
+        "",
+        "Medians (min–max) per target; ckptfs in bold.",
+        "",
+        matrix,
+        "",
+        *(f"\\* {line}  " for line in _notes(results)),
+        "",
+        ratio_text,
+        "",
+        ratios,
+        "",
+        goal_table,
+        "",
+        *(f"![{p.stem}]({os.path.relpath(p, doc.parent)})" for p in plot_paths),
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def update_doc(doc: Path, block: str) -> bool:
+    """Replace the generated block of `doc`; False if the doc or its markers are missing."""
+    try:
+        text = doc.read_text()
+    except FileNotFoundError:
+        return False
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        return False
+    doc.write_text(text[:start] + block + text[end + len(END):])
+    return True

@@ -1,0 +1,109 @@
+"""Facts about the machine and about processes: what a benchmark report must state and sample."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start a new peak-RSS window: the kernel sets VmHWM back to the current RSS."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM of a process, in bytes: its peak resident set since start or the last reset."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def drop_page_cache() -> bool:
+    """Write back dirty pages and drop the kernel's page cache (needs root). False if not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+    except OSError:
+        return False
+    return True
+
+
+# --- the machine -----------------------------------------------------------------------------
+
+
+def _first_line(argv: list[str]) -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False).stdout.strip()
+        if out:
+            return out.splitlines()[0]
+    return "not installed"
+
+
+def _python_package(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _debian_package(name: str) -> str:
+    out = _first_line(["dpkg-query", "-W", "-f=${Version}", name])
+    return out if out and "no packages" not in out else "not installed"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _git_revision() -> str:
+    rev = _first_line(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=False).stdout.strip()
+    return rev + (" + uncommitted changes" if dirty else "")
+
+
+def describe() -> dict:
+    """The machine and the versions of everything measured, for the JSON and the docs."""
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
+        "kernel": platform.release(),
+        "os": _first_line(["sh", "-c", ". /etc/os-release && echo $PRETTY_NAME"]),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "versions": {
+            "ckptfs": _git_revision(),
+            "python": sys.version.split()[0],
+            "torch": _python_package("torch"),
+            "pyfuse3": _python_package("pyfuse3"),
+            "boto3": _python_package("boto3"),
+            "s3torchconnector": _python_package("s3torchconnector"),
+            "s3fs": _first_line(["s3fs", "--version"]).replace("Amazon Simple Storage Service File System ", ""),
+            "rclone": _first_line(["rclone", "version"]),
+            "swift": _debian_package("swift"),
+            "libfuse": _debian_package("fuse3"),
+        },
+    }

@@ -1,0 +1,275 @@
+"""The measured scenarios. Runs are interleaved (run 1 of every target, then run 2, ...) so that
+noise on a shared machine spreads over all targets instead of hitting one.
+
+Every save is timed the same way (`measure`): the stall is the wall time of the call, time to
+durable comes from the store poller (bench.durable) started with the save, the daemon's CPU
+seconds and peak RSS cover the save and its upload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import sysinfo
+from .durable import Poller
+from .figures import Results
+from .ranks import Ranks
+from .targets import CkptfsS3, Target
+
+GiB = 1 << 30
+MiB = 1 << 20
+RANKS = 4
+SMALL_FILE = 64 << 10
+WRITE_CHUNK = 8 * MiB
+# what save_pretrained / DCP write next to the tensors, written last
+CONFIG_FILES = {
+    "config.json": json.dumps({"architectures": ["TinyLLM"], "hidden_size": 1024, "num_hidden_layers": 24,
+                               "torch_dtype": "bfloat16", "vocab_size": 32000}, indent=2),
+    "generation_config.json": json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.9}, indent=2),
+    "tokenizer_config.json": json.dumps({"model_max_length": 4096, "padding_side": "right"}, indent=2),
+    "special_tokens_map.json": json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
+    "vocab.txt": "\n".join(f"token{i}" for i in range(2000)),
+    "latest": "step-1000\n",
+}
+
+
+class Progress:
+    """One line per measurement, with the time since the bench started."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        elapsed = time.monotonic() - self.start
+        print(f"[{int(elapsed // 60):2d}:{int(elapsed % 60):02d}] {text}", flush=True)
+
+
+@dataclass
+class Bench:
+    targets: dict[str, Target]
+    results: Results
+    progress: Progress
+    runs: Callable[[str, str], int]  # (scenario, target) -> how many runs
+    latest: dict[str, str] = field(default_factory=dict)  # target -> its latest single-file checkpoint
+
+    def each_run(self, scenario: str, names):
+        """(run index, target) in interleaved order, skipping targets not in this run."""
+        chosen = [self.targets[n] for n in names if n in self.targets]
+        for i in range(max((self.runs(scenario, t.name) for t in chosen), default=0)):
+            for target in chosen:
+                n = self.runs(scenario, target.name)
+                if i < n:
+                    yield i, n, target
+
+
+@dataclass
+class Measured:
+    stall: float
+    durable: float | None  # None: no store to poll (the floor)
+    cpu: float | None  # CPU seconds of the daemon, save start to durable
+    rss: int | None  # its peak RSS over the same window
+    extra: dict
+
+
+def measure(target: Target, save: Callable[[], dict], rels: list[str], known: dict[str, int] | None = None
+            ) -> Measured:
+    """Time one save of `rels` (relative paths) into `target`, with the store poller and daemon stats."""
+    pid = target.pid
+    if pid:
+        sysinfo.reset_peak_rss(pid)
+        cpu0 = sysinfo.cpu_seconds(pid)
+    known = known or {}
+    start = time.monotonic()
+    poller = None
+    if target.view is not None:
+        poller = Poller(target.view, {target.key(r): known.get(r) for r in rels}, start)
+    try:
+        extra = save() or {}
+        stall = time.monotonic() - start
+        durable = None
+        if poller is not None:
+            poller.expect({target.key(r): target.saved_size(r) for r in rels if r not in known})
+            durable = poller.wait()
+    finally:
+        if poller is not None:
+            poller.cancel()
+    cpu = sysinfo.cpu_seconds(pid) - cpu0 if pid else None
+    rss = sysinfo.peak_rss(pid) if pid else None
+    return Measured(stall, durable, cpu, rss, extra)
+
+
+def _fmt(m: Measured) -> str:
+    parts = [f"stall {m.stall:6.2f} s"]
+    if m.durable is not None:
+        parts.append(f"durable {m.durable:6.2f} s")
+    if m.cpu is not None:
+        parts.append(f"daemon {m.cpu:5.1f} CPU s, peak RSS {m.rss / MiB:5.0f} MiB")
+    return ", ".join(parts)
+
+
+SAVE_TARGETS = ("cache-disk", "ckptfs-local", "ckptfs-s3", "s3fs", "rclone", "boto3", "s3torchconnector")
+
+
+def one_checkpoint(bench: Bench, state, nbytes: int) -> None:
+    """Save stall, time to durable, daemon CPU and RSS, then a warm load through the same target."""
+    r = bench.results
+    for i, n, t in bench.each_run("save", SAVE_TARGETS):
+        rel = f"single/run-{i}/model.pt"
+        m = measure(t, lambda t=t, rel=rel: t.save(state, rel), [rel])
+        r.add("save_stall", t.name, m.stall)
+        if t.name == "boto3":
+            durable = m.extra["upload"]
+        else:
+            durable = m.durable if t.view is not None else (None if t.role == "floor" else m.stall)
+        if durable is not None:
+            r.add("durable", t.name, durable)
+        line = f"save      {t.name:17} run {i + 1}/{n}: {_fmt(m)}"
+        if t.name == "boto3":
+            line += f" (serialize {m.extra['serialize']:.2f} s + upload {m.extra['upload']:.2f} s)"
+        if m.cpu is not None:
+            r.add("daemon_cpu", t.name, m.cpu / (nbytes / GiB))
+            r.add("daemon_rss", t.name, m.rss / MiB)
+        if t.root is not None:
+            start = time.monotonic()
+            t.warm_load(rel)
+            r.add("warm_load", t.name, time.monotonic() - start)
+            line += f"; warm load {time.monotonic() - start:.2f} s"
+        bench.progress(line)
+        if t.name in bench.latest:
+            t.remove(os.path.dirname(bench.latest[t.name]))
+        bench.latest[t.name] = rel
+
+
+def cold_loads(bench: Bench) -> None:
+    """torch.load of each target's latest checkpoint as a fresh node sees it: a new mount with an
+    empty cache (ckptfs, s3fs, rclone), the page cache dropped; boto3 downloads it instead."""
+    dropped = []
+
+    def drop():
+        dropped.append(sysinfo.drop_page_cache())
+
+    for i, n, t in bench.each_run("cold", [name for name in SAVE_TARGETS if name in bench.latest]):
+        seconds = t.cold_load(bench.latest[t.name], drop)
+        bench.results.add("cold_load", t.name, seconds)
+        bench.progress(f"cold load {t.name:17} run {i + 1}/{n}: {seconds:6.2f} s")
+    if dropped and not all(dropped):
+        bench.progress("  (could not drop the page cache: not root; cold loads are not cold)")
+
+
+def write_path(bench: Bench, state, nbytes: int) -> None:
+    """Write throughput of the FUSE write path: 8 MiB os.write calls from a buffer touched before,
+    and torch.save, into the do-nothing filesystem, ckptfs and (for reference) the cache disk.
+    Uploads are waited for between measurements (not timed), so one does not slow the next."""
+    chunk = os.urandom(WRITE_CHUNK)
+    total = max(1, nbytes // WRITE_CHUNK) * WRITE_CHUNK
+    for i, n, t in bench.each_run("write", ("cache-disk", "nullfs", "ckptfs-local", "ckptfs-s3")):
+        rel = f"write-{i}.bin"
+
+        def write(rel=rel, t=t):
+            fd = os.open(t.root / rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for _ in range(total // WRITE_CHUNK):
+                    os.write(fd, chunk)
+            finally:
+                os.close(fd)
+
+        m = measure(t, write, [rel])
+        bench.results.add("write_tp", t.name, total / GiB / m.stall)
+        save_rel = f"save-{i}.pt"
+        s = measure(t, lambda t=t, rel=save_rel: t.save(state, rel), [save_rel])
+        saved = (t.root / save_rel).stat().st_size
+        bench.results.add("save_tp", t.name, saved / GiB / s.stall)
+        bench.progress(f"write     {t.name:17} run {i + 1}/{n}: os.write {total / GiB / m.stall:5.2f} GiB/s, "
+                       f"torch.save {saved / GiB / s.stall:5.2f} GiB/s")
+        t.remove(rel)
+        t.remove(save_rel)
+
+
+def ram_budget_4x(bench: Bench, ctx, state, nbytes: int, make_target=CkptfsS3) -> int:
+    """One ckptfs mount whose RAM tier holds a quarter of the checkpoint: its peak RSS while saving
+    (and uploading) 4x the budget. Returns the budget."""
+    budget = max(4 * 8 * MiB, (nbytes // 4) // MiB * MiB)
+    target = make_target(ctx, ram_cache=budget, bucket="ckptfs-ram4x")
+    target.name = "ckptfs-ram4x"  # its own mount and cache directories; reported as ckptfs-s3
+    runs = bench.runs("ram4x", "ckptfs-s3")
+    target.start()
+    try:
+        for i in range(runs):
+            rel = f"ram4x/run-{i}/model.pt"
+            m = measure(target, lambda rel=rel: target.save(state, rel), [rel])
+            bench.results.add("ram_4x_rss", "ckptfs-s3", m.rss / MiB)
+            bench.progress(f"ram 4x    {'ckptfs-s3':17} run {i + 1}/{runs}: RAM tier {budget / MiB:.0f} MiB, {_fmt(m)}")
+            target.remove(os.path.dirname(rel))
+    finally:
+        target.stop()
+    bench.results.note("ram_4x_rss", "ckptfs-s3", f"--ram-cache {budget // MiB} MiB, a {nbytes / MiB:.0f} MiB save")
+    return budget
+
+
+def dcp_like(bench: Bench, shard_mib: int) -> None:
+    """4 rank processes each save a shard into one checkpoint directory at once; the main process
+    then writes `.metadata` (as DCP's coordinator does). Stall: until that is written."""
+    names = [n for n in SAVE_TARGETS if n in bench.targets]
+    if not names:
+        return
+    bench.progress(f"dcp       starting {RANKS} rank processes ({shard_mib} MiB shard each)")
+    ranks = Ranks(RANKS, shard_mib)
+    try:
+        for i, n, t in bench.each_run("dcp", names):
+            folder = f"dcp/run-{i}"
+            shards = [f"{folder}/__{rank}_0.distcp" for rank in range(RANKS)]
+            metadata = json.dumps({"shards": shards, "step": 1000 + i}).encode()
+            specs = [t.rank_spec(rel) for rel in shards]
+
+            def save(t=t, specs=specs, metadata=metadata, folder=folder):
+                ranks.save(specs)
+                t.write_files([(f"{folder}/.metadata", metadata)])
+
+            m = measure(t, save, [*shards, f"{folder}/.metadata"], known={f"{folder}/.metadata": len(metadata)})
+            _record_pair(bench, "dcp", t, m)
+            bench.progress(f"dcp       {t.name:17} run {i + 1}/{n}: {_fmt(m)}")
+            if i + 1 < n:
+                t.remove(folder)
+    finally:
+        ranks.close()
+
+
+SLOW_SMALL = ("s3fs", "s3torchconnector")  # one request round per file, synchronous: the slowest here
+
+
+def small_files(bench: Bench, count: int, slow_count: int) -> None:
+    """A directory of `count` files of 64 KiB, then a few config files (json/txt), written one
+    after the other as save_pretrained or DCP would. The targets in SLOW_SMALL write only the first
+    `slow_count` files (and the configs); their times are scaled to `count` files (they send each
+    file on its own, so their time grows linearly with the count) and say so in a note."""
+    blob = os.urandom(count * SMALL_FILE)
+    for i, n, t in bench.each_run("small", [n for n in SAVE_TARGETS if n in bench.targets]):
+        written = min(count, slow_count) if t.name in SLOW_SMALL and slow_count else count
+        folder = f"small/run-{i}"
+        files = [(f"{folder}/shards/{k:05d}.bin", blob[k * SMALL_FILE:(k + 1) * SMALL_FILE]) for k in range(written)]
+        files += [(f"{folder}/{name}", text.encode()) for name, text in CONFIG_FILES.items()]
+        m = measure(t, lambda t=t, files=files: t.write_files(files), [rel for rel, _ in files],
+                    known={rel: len(data) for rel, data in files})
+        scale = (count + len(CONFIG_FILES)) / len(files)
+        line = f"small     {t.name:17} run {i + 1}/{n}: {len(files)} files, {_fmt(m)}"
+        if scale != 1:
+            m.stall *= scale
+            m.durable = None if m.durable is None else m.durable * scale
+            note = f"{written} of {count} files written, times scaled x{scale:.1f} (--slow-files)"
+            bench.results.note("small_stall", t.name, note)
+            bench.results.note("small_durable", t.name, note)
+            line += f"; scaled x{scale:.1f} to {count + len(CONFIG_FILES)} files: {_fmt(m)}"
+        _record_pair(bench, "small", t, m)
+        bench.progress(line)
+        if i + 1 < n:
+            t.remove(folder)
+
+
+def _record_pair(bench: Bench, prefix: str, t: Target, m: Measured) -> None:
+    bench.results.add(f"{prefix}_stall", t.name, m.stall)
+    if t.role != "floor":
+        bench.results.add(f"{prefix}_durable", t.name, m.durable if m.durable is not None else m.stall)
