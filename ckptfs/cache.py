@@ -4,7 +4,9 @@ Each tier is one pre-sized arena file carved into slots of ``block_size`` bytes:
 the RAM tier lives on tmpfs (mapped once, so writes are a memcpy), the NVMe tier
 in the cache dir (pread/pwrite, so its pages never count against the daemon's
 RSS). Slots are reused, never given back to the OS: fresh memory costs 2-3 s/GiB
-on first touch here (shared/notes/fuse.md), reused slots cost nothing. Both
+on first touch here (shared/notes/fuse.md), reused slots cost nothing. So that a
+save never pays for it, the RAM slots the next save will take are touched ahead
+of it, in the background (``populate``): as many as the largest save so far. Both
 arenas are files, so committed bytes outlive the daemon; the journal maps each
 committed file to its slots.
 
@@ -31,6 +33,8 @@ import trio
 
 log = logging.getLogger(__name__)
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14 (the mmap module of Python 3.11 lacks the name)
+
 RAM, DISK = 0, 1
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -55,6 +59,16 @@ class Tier:
         if self.file_size:
             os.ftruncate(self.fd, self.file_size)
         self.mm = mmap.mmap(self.fd, self.file_size) if mapped and self.file_size else None
+        self.touched: set[int] = set()  # RAM slots known to have their pages
+
+    def populate(self, slot: int) -> None:
+        """Give a RAM slot its pages now (a background thread), not at the writer's first touch.
+        Harmless if the slot is taken meanwhile: the pages are made present, not changed."""
+        try:
+            self.mm.madvise(MADV_POPULATE_WRITE, slot * self.block_size, self.block_size)
+        except OSError as exc:  # kernels before 5.14
+            log.debug("cannot populate %s: %s", self.path, exc)
+        self.touched.add(slot)
 
     def reset_free(self, used: set[int]) -> None:
         # Pop from the end: low slots first, so a small working set stays in touched pages.
@@ -136,6 +150,8 @@ class Cache:
         self.reclaim: Callable[[], bool] = lambda: False
         # Clean data of the latest checkpoint goes last (the namespace knows which it is).
         self.pinned: Callable[[object], bool] = lambda owner: False
+        self.populate_ahead = 0  # free RAM slots to keep touched (the largest save so far)
+        self._populate_wanted = trio.Event()
         for tier in self.tiers:
             tier.reset_free(set())
 
@@ -161,6 +177,8 @@ class Cache:
             if tier.free:
                 ref = (tier.index, tier.free.pop())
                 self.refcounts[ref] = 1
+                if tier.mm is not None:
+                    tier.touched.add(ref[1])
                 return ref
         if self._evict(prefer_tier=only) or (only is None and self.reclaim()):
             return self.try_alloc(only)
@@ -283,6 +301,31 @@ class Cache:
         copy.key = content.key
         copy.remote, copy.upload = dict(content.remote), content.upload
         return copy
+
+    def expect_writes(self, nbytes: int) -> None:
+        """A save of ``nbytes`` happened: keep that many free RAM slots touched for the next one."""
+        slots = min(-(-nbytes // self.block_size), self.tiers[RAM].n_slots)
+        if slots > self.populate_ahead:
+            self.populate_ahead = slots
+        self._populate_wanted.set()
+
+    def _next_untouched(self) -> int | None:
+        ram = self.tiers[RAM]
+        if ram.mm is None:
+            return None
+        for slot in reversed(ram.free[-self.populate_ahead:] if self.populate_ahead else []):
+            if slot not in ram.touched:  # (the free list is taken from its end)
+                return slot
+        return None
+
+    async def run_populate(self, threads, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Touch the free RAM slots the next save will take (see the module doc)."""
+        task_status.started()
+        while True:
+            await self._populate_wanted.wait()
+            self._populate_wanted = trio.Event()
+            while (slot := self._next_untouched()) is not None:
+                await threads.run(self.tiers[RAM].populate, slot)
 
     def usage(self) -> dict:
         out = {}

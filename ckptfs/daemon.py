@@ -23,6 +23,7 @@ import pyfuse3
 import trio
 
 from . import clean_index, control
+from .background import BackgroundThreads
 from .cache import Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path
 from .errors import CkptfsError, FsError, MountError
@@ -182,6 +183,7 @@ class Daemon:
             prefill.store_pages, prefill.invalidate = pyfuse3.notify_store, pyfuse3.invalidate_inode
             prefill.stat = lambda key: os.stat(os.path.join(self.mountpoint, key))
             await nursery.start(prefill.run)
+            await nursery.start(self.cache.run_populate, BackgroundThreads(1, "ckptfs-populate"))
             self.namespace.load(listing, pending, clean)
             server = control.ControlServer(control_socket_path(self.mountpoint), {
                 "status": self._status,

@@ -173,6 +173,7 @@ class Namespace:
         # saves (their common ancestor), whose clean data is evicted last.
         self.checkpoint_dir = ""
         self._last_shard_commit = 0.0
+        self._last_commit, self._burst_bytes = 0.0, 0
         self._verifying: dict[int, trio.Event] = {}
         self.prefill = Prefill(busy=self._busy)
         self._next_ino = ROOT_INODE + 1
@@ -256,6 +257,15 @@ class Namespace:
         else:  # the same save: the common ancestor of its shards' directories (never the root)
             self.checkpoint_dir = _common_dir(self.checkpoint_dir, directory) or directory
         self._last_shard_commit = now
+
+    def _note_save(self, size: int) -> None:
+        """Bytes committed in this burst of saves: the cache keeps as much RAM ready for the next."""
+        now = time.monotonic()
+        if now - self._last_commit > CHECKPOINT_GAP_S:
+            self._burst_bytes = 0
+        self._burst_bytes += size
+        self._last_commit = now
+        self.cache.expect_writes(self._burst_bytes)
 
     async def verify_kept(self, content: Content) -> None:
         """First open of a file whose blocks the last mount left: check them before use."""
@@ -1096,6 +1106,7 @@ class Namespace:
             if shadow.covers is None:
                 shadow.covers, shadow.handle = op.seq, None
         self._note_checkpoint(node, content.size)
+        self._note_save(content.size)
         stream, stamps = None, None
         if handle is not None and handle.stream is not None:
             stream, stamps, handle.stream = handle.stream, list(handle.staged.stamps), None

@@ -442,3 +442,29 @@ def test_the_latest_checkpoint_is_evicted_last(tmp_path):
         assert cache.try_alloc() is not None
         evicted.append(next(o for o, c in contents.items() if c.blocks[0] is None and o not in evicted))
     assert evicted == ["old-a", "old-b", "latest"]
+
+
+def test_the_ram_slots_of_the_next_save_are_touched_ahead(tmp_path):
+    """After a save of 2 blocks, the 2 free RAM slots the next allocations take get their pages
+    in the background (and no more: a small save does not touch the whole budget)."""
+    from ckptfs.background import BackgroundThreads
+    cache = make_cache(tmp_path, ram_blocks=6)
+    ram = cache.tiers[RAM]
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run_populate, BackgroundThreads(1, "t"))
+            first = [cache.try_alloc() for _ in range(2)]  # the first save takes fresh slots
+            assert {slot for _, slot in first} == ram.touched
+            cache.expect_writes(2 * cache.block_size)
+            with trio.fail_after(10):
+                while len(ram.touched) < 4:
+                    await trio.sleep(0.01)
+            upcoming = {ram.free[-1], ram.free[-2]}
+            assert upcoming <= ram.touched and len(ram.touched) == 4
+            nxt = [cache.try_alloc() for _ in range(2)]
+            assert {slot for _, slot in nxt} == upcoming  # what was touched is what the next save takes
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    cache.close()
