@@ -102,7 +102,8 @@ def runs_policy(opts):
 
 def budget(opts) -> dict[str, str]:
     """How many runs each scenario gets, and what the slow peers skip, in words."""
-    out = {s: f"{opts.runs} runs" for s in opts.scenarios if s != "small"}
+    plural = "run" if opts.runs == 1 else "runs"
+    out = {s: f"{opts.runs} {plural}" for s in opts.scenarios if s != "small"}
     if "small" in opts.scenarios:
         out["small"] = f"{opts.small_runs} run{'s' if opts.small_runs > 1 else ''}"
         slow = [t for t in workloads.SLOW_SMALL if t in opts.targets]

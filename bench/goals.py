@@ -45,7 +45,7 @@ def _memory_goal(results: Results, ram_budget: int) -> Goal:
     if summary is None:
         return Goal(text, "not measured", None)
     limit = (ram_budget + 200e6) / MiB
-    return Goal(text, f"peak {summary.max:.0f} MiB over {len(summary.runs)} run(s), limit {limit:.0f} MiB "
+    return Goal(text, f"peak {summary.max:.0f} MiB (highest of {len(summary.runs)} runs), limit {limit:.0f} MiB "
                       f"(budget {ram_budget / MiB:.0f} MiB)", summary.max <= limit)
 
 

@@ -101,8 +101,9 @@ def describe() -> dict:
             "pyfuse3": _python_package("pyfuse3"),
             "boto3": _python_package("boto3"),
             "s3torchconnector": _python_package("s3torchconnector"),
-            "s3fs": _first_line(["s3fs", "--version"]).replace("Amazon Simple Storage Service File System ", ""),
-            "rclone": _first_line(["rclone", "version"]),
+            "s3fs": _first_line(["s3fs", "--version"]).replace("Amazon Simple Storage Service File System V", "")
+            .split(" ")[0],
+            "rclone": _first_line(["rclone", "version"]).replace("rclone v", ""),
             "swift": _debian_package("swift"),
             "libfuse": _debian_package("fuse3"),
         },

@@ -259,10 +259,11 @@ def small_files(bench: Bench, count: int, slow_count: int) -> None:
         if scale != 1:
             m.stall *= scale
             m.durable = None if m.durable is None else m.durable * scale
-            note = f"{written} of {count} files written, times scaled x{scale:.1f} (--slow-files)"
+            note = (f"wrote {written} of the {count} data files (and the config files), times scaled by the file "
+                    f"count x{scale:.1f} (--slow-files)")
             bench.results.note("small_stall", t.name, note)
             bench.results.note("small_durable", t.name, note)
-            line += f"; scaled x{scale:.1f} to {count + len(CONFIG_FILES)} files: {_fmt(m)}"
+            line += f"; scaled x{scale:.1f} to {count + len(CONFIG_FILES)} files: {_fmt(m).split(', daemon')[0]}"
         _record_pair(bench, "small", t, m)
         bench.progress(line)
         if i + 1 < n:
