@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     progress = workloads.Progress()
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     work = Path(tempfile.mkdtemp(prefix="ckptfs-bench-", dir=opts.work_dir))
     progress(f"work directory {work}")
     stack = contextlib.ExitStack()

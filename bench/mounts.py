@@ -61,8 +61,11 @@ def fuse_mounts_under(root: Path) -> list[Path]:
 class ForegroundMount:
     """A FUSE daemon in the foreground, as our child: we know its PID and own its log."""
 
-    def __init__(self, name: str, argv: list[str], mountpoint: Path, log: Path, env: dict | None = None):
+    def __init__(self, name: str, argv: list[str], mountpoint: Path, log: Path, env: dict | None = None,
+                 stop_signal: int | None = None):
+        """`stop_signal`: how the daemon wants to be stopped (it unmounts itself); None: fusermount3 -u."""
         self.name, self.argv, self.mountpoint, self.log, self.env = name, argv, mountpoint, log, env
+        self.stop_signal = stop_signal
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -89,6 +92,10 @@ class ForegroundMount:
     def stop(self) -> None:
         if self.proc is None:
             return
+        if self.stop_signal is not None and self.proc.poll() is None:
+            self.proc.send_signal(self.stop_signal)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(15)
         unmount(self.mountpoint)
         try:
             self.proc.wait(15)

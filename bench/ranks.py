@@ -45,7 +45,11 @@ def _save(spec: tuple, state, cache: dict) -> None:
 
 
 def _serve(conn, rank: int, shard_mib: int) -> None:
+    import signal
+
     from tests.checkpoints import make_checkpoint
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle: it stops the ranks
 
     state = make_checkpoint(shard_mib, seed=rank)
     cache: dict = {}

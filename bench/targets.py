@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -150,7 +151,7 @@ class NullFs(Target):
 
         self.root = self.ctx.work / "nullfs-mnt"
         self.mount = ForegroundMount("nullfs", [sys.executable, "-m", "bench.nullfs", str(self.root)], self.root,
-                                     self.ctx.work / "nullfs.log").start()
+                                     self.ctx.work / "nullfs.log", stop_signal=signal.SIGTERM).start()
 
     def stop(self) -> None:
         if getattr(self, "mount", None) is not None:
