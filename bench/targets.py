@@ -170,7 +170,8 @@ class Ckptfs(Target):
 
     def __init__(self, ctx: Context, ram_cache: int | None = None):
         super().__init__(ctx)
-        self.ram_cache = ram_cache or max(512 * MiB, 2 * ctx.size)
+        # one checkpoint and a quarter more (ckptfs's default is 1 GiB): the save stays in RAM
+        self.ram_cache = ram_cache or max(1024 * MiB, (ctx.size * 5 // 4) // MiB * MiB)
         self.cache_size = max(4096 * MiB, 16 * ctx.size)
         self.mounts = 0
 
