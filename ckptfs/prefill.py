@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import trio
 
+from .background import BackgroundThreads
+
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.2  # how often a waiting push looks again whether the machine is idle
@@ -31,6 +33,7 @@ IDLE_POLL_S = 0.2  # how often a waiting push looks again whether the machine is
 class Prefill:
     def __init__(self, busy: Callable[[], bool]):
         self.busy = busy  # a save or an upload is running: pushing would compete with it
+        self.threads = BackgroundThreads(1, "ckptfs-prefill")  # low priority: never before the job
         # Set by the daemon (pyfuse3.notify_store / invalidate_inode, a stat through the mount
         # by key); None: prefill is off.
         self.store_pages: Callable[[int, int, object], None] | None = None
@@ -116,7 +119,7 @@ class Prefill:
     async def _in_thread(self, node, fn, *args) -> bool:
         done = self.in_flight[node.ino] = trio.Event()
         try:
-            await trio.to_thread.run_sync(fn, *args)
+            await self.threads.run(fn, *args)
             return True
         except OSError as exc:  # ENOENT: the kernel forgot the inode; ENOSYS: no support
             log.info("page-cache prefill of %s stopped: %s", node.key(), exc)
