@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -283,6 +284,83 @@ def test_multipart_abort_and_list(store):
     with pytest.raises(NotFound):
         store.upload_part("a/x.bin", ua, 2, b"too late")
 
+
+
+def test_multipart_reupload_then_stale_and_new_token(store):
+    """A part uploaded again with other bytes: completing with the old token fails and leaves
+    the upload as it was; completing with the new one gives the new bytes."""
+    key = "reup.bin"
+    p1, old2, new2, p3 = _blob(5 * MiB, 1), _blob(5 * MiB, 2), _blob(5 * MiB, 3), _blob(1000, 4)
+    uid = store.create_multipart(key)
+    i1 = store.upload_part(key, uid, 1, p1)
+    i2_old = store.upload_part(key, uid, 2, old2)
+    i3 = store.upload_part(key, uid, 3, p3)
+    i2 = store.upload_part(key, uid, 2, new2)
+    assert i2.token != i2_old.token
+    with pytest.raises(StoreError) as exc:
+        store.complete_multipart(key, uid, [i1, i2_old, i3])
+    assert not exc.value.transient
+    assert store.head(key) is None
+    assert (key, uid) in store.list_multipart()
+    assert store.upload_part(key, uid, 1, p1).token == i1.token  # the same bytes again: same token
+    store.complete_multipart(key, uid, [i1, i2, i3])
+    assert store.get_range(key, 0, 20 * MiB) == p1 + new2 + p3
+
+
+def test_multipart_last_part_first(store):
+    """Parts arrive in any order (parallel uploads): the short last part may come first."""
+    key = "ckpt/last-first.pt"
+    blobs = {1: _blob(5 * MiB, 1), 2: _blob(5 * MiB, 2), 3: _blob(5 * MiB, 3), 4: _blob(12345, 4)}
+    uid = store.create_multipart(key, {"xxh3": "77"})
+    infos = {n: store.upload_part(key, uid, n, blobs[n]) for n in (4, 2, 3, 1)}
+    store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
+    info = store.head(key)
+    assert info.size == 15 * MiB + 12345 and info.metadata == {"xxh3": "77"}
+    assert store.get_range(key, 0, info.size) == b"".join(blobs[n] for n in sorted(blobs))
+
+
+def test_multipart_odd_part_sizes(store):
+    """Parts of different sizes (not ckptfs's layout, but the API allows it) still give their
+    concatenation."""
+    key = "odd.bin"
+    blobs = {1: _blob(5 * MiB + 1, 1), 2: _blob(6 * MiB, 2), 3: _blob(5 * MiB, 3), 4: _blob(3, 4)}
+    uid = store.create_multipart(key)
+    infos = {n: store.upload_part(key, uid, n, blobs[n]) for n in (2, 4, 1, 3)}
+    store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
+    whole = b"".join(blobs[n] for n in sorted(blobs))
+    assert store.head(key).size == len(whole)
+    assert store.get_range(key, 0, len(whole)) == whole
+
+
+def test_multipart_parts_left_out(store):
+    """Completing with some of the uploaded parts: numbers with gaps, or fewer at the end."""
+    blobs = {n: _blob(5 * MiB, n) for n in (1, 2, 3, 4)}
+    for key, chosen in (("gap.bin", [1, 3, 4]), ("short.bin", [1, 2])):
+        uid = store.create_multipart(key)
+        infos = {n: store.upload_part(key, uid, n, blobs[n]) for n in blobs}
+        store.complete_multipart(key, uid, [infos[n] for n in chosen])
+        assert store.head(key).size == 5 * MiB * len(chosen)
+        assert store.get_range(key, 0, 20 * MiB) == b"".join(blobs[n] for n in chosen)
+        assert (key, uid) not in store.list_multipart()
+
+
+def test_multipart_parts_from_threads(store):
+    """ckptfs sends the parts of one upload from several threads at once, in no set order: a
+    larger object of many parts is exactly their concatenation."""
+    key = "big/model.pt"
+    count = 8
+    blobs = {n: _blob(5 * MiB, n) for n in range(1, count + 1)}
+    blobs[count + 1] = _blob(MiB // 3, 99)
+    uid = store.create_multipart(key, {"xxh3": "big"})
+    order = list(blobs)
+    random.Random(7).shuffle(order)
+    with ThreadPoolExecutor(4) as pool:
+        infos = dict(zip(order, pool.map(lambda n: store.upload_part(key, uid, n, blobs[n]), order)))
+    store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
+    whole = b"".join(blobs[n] for n in sorted(blobs))
+    assert store.head(key).size == len(whole)
+    assert store.get_range(key, 0, len(whole)) == whole
+    assert store.get_range(key, 5 * MiB - 3, 6) == blobs[1][-3:] + blobs[2][:3]
 
 # -- local store -------------------------------------------------------------------
 

@@ -3,21 +3,30 @@
 Objects appear only whole: every write goes to a temp file under ``ROOT/.ckptfs-tmp/``
 (same filesystem, so the final ``os.replace`` is atomic), is fsynced, then renamed into
 place and its directory fsynced. A key ending in ``/`` is a directory. User metadata
-lives in ``user.ckptfs.<name>`` xattrs. Multipart uploads are directories under
-``.ckptfs-tmp/uploads/<id>/`` that ``complete_multipart`` concatenates.
+lives in ``user.ckptfs.<name>`` xattrs.
+
+A multipart upload is a directory ``.ckptfs-tmp/uploads/<id>/`` whose ``data`` file becomes
+the object: each part is written once, in place, at ``(number - 1) * P`` (P: the size of every
+part but the last), and ``complete_multipart`` truncates that file and renames it into place.
+The multipart section of LocalStore says how parts are laid out and locked, and what a crash
+leaves.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
+import struct
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -69,25 +78,110 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _copy_fd(src: int, dst: int, dst_offset: int) -> int:
-    """Append all of ``src`` (from offset 0) to ``dst`` at ``dst_offset``; returns bytes copied.
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> int:
+    """Write all of ``data`` at ``offset`` (a write may be short); returns its length."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def _copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int | None = None) -> int:
+    """Copy ``length`` bytes (None: up to the end of ``src``) from ``src`` at ``src_offset`` to
+    ``dst`` at ``dst_offset``; returns the bytes copied (fewer where ``src`` ends first).
     copy_file_range lets the kernel (or an NFS/Lustre server) copy without user space."""
     copied = 0
+
+    def chunk() -> int:
+        return _COPY_CHUNK if length is None else min(_COPY_CHUNK, length - copied)
+
     try:
-        while n := os.copy_file_range(src, dst, _COPY_CHUNK, copied, dst_offset + copied):
+        while (n := chunk()) and (n := os.copy_file_range(src, dst, n, src_offset + copied, dst_offset + copied)):
             copied += n
         return copied
     except OSError as e:
         # Not supported on this filesystem pair: fall back to read/write below.
         if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
             raise
-    while data := os.pread(src, _COPY_CHUNK, copied):
-        view = memoryview(data)
-        while view:
-            n = os.pwrite(dst, view, dst_offset + copied)
-            copied += n
-            view = view[n:]
+    while (n := chunk()) and (data := os.pread(src, n, src_offset + copied)):
+        copied += _pwrite_all(dst, data, dst_offset + copied)
     return copied
+
+
+# Records of a multipart upload's ``index`` file (see the multipart section of LocalStore):
+# fixed-size, each with its own checksum, so a torn or wiped record reads as no record.
+_RECORD = 64
+_HEADER = struct.Struct("<4sQ")  # magic, P (the slot size)
+_PART = struct.Struct("<4sIQQ16s")  # magic, number, length, offset in ``data`` or _OWN_FILE, token
+_MAGIC = {_HEADER: b"CKPS", _PART: b"CKPP"}
+_CRC = struct.Struct("<Q")
+_OWN_FILE = (1 << 64) - 1  # the part is in ``<number>.part``
+
+
+@dataclass(frozen=True)
+class _Part:
+    length: int
+    offset: int  # where in ``data``, or _OWN_FILE
+    token: str
+
+
+def _pack(layout: struct.Struct, *fields) -> bytes:
+    body = layout.pack(_MAGIC[layout], *fields)
+    return (body + _CRC.pack(xxhash.xxh64_intdigest(body))).ljust(_RECORD, b"\0")
+
+
+def _unpack(layout: struct.Struct, raw: bytes) -> tuple | None:
+    """A record's fields, or None for one missing, torn or wiped."""
+    body, crc = raw[:layout.size], raw[layout.size:layout.size + _CRC.size]
+    if len(crc) < _CRC.size or _CRC.unpack(crc)[0] != xxhash.xxh64_intdigest(body):
+        return None
+    fields = layout.unpack(body)
+    return fields if fields[0] == _MAGIC[layout] else None
+
+
+def _parse_part(raw: bytes, number: int) -> _Part | None:
+    fields = _unpack(_PART, raw)
+    if fields is None or fields[1] != number:
+        return None
+    return _Part(fields[2], fields[3], fields[4].decode("ascii", "replace"))
+
+
+def _read_part(index: int, number: int) -> _Part | None:
+    return _parse_part(os.pread(index, _RECORD, number * _RECORD), number)
+
+
+def _read_parts(index: int) -> dict[int, _Part]:
+    """Every part recorded in the index: {number: part}."""
+    raw = os.pread(index, (MAX_PARTS + 1) * _RECORD, 0)
+    parts = {}
+    for number in range(1, len(raw) // _RECORD):
+        part = _parse_part(raw[number * _RECORD:(number + 1) * _RECORD], number)
+        if part is not None:
+            parts[number] = part
+    return parts
+
+
+def _write_records(index: int, records: dict[int, _Part | None]) -> None:
+    """Write part records (None wipes one), then make them durable."""
+    if not records:
+        return
+    for number, part in records.items():
+        raw = bytes(_RECORD) if part is None else _pack(_PART, number, part.length, part.offset,
+                                                        part.token.encode())
+        _pwrite_all(index, raw, number * _RECORD)
+    os.fdatasync(index)
+
+
+@contextlib.contextmanager
+def _flocked(path: Path, how: int, create: bool = False) -> Iterator[int]:
+    """``path`` opened and flocked ``how`` (closing it releases the lock)."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+    try:
+        fcntl.flock(fd, how)
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _etag(st: os.stat_result) -> str:
@@ -103,6 +197,9 @@ class LocalStore(ObjectStore):
         self._tmp = self.root / TMP_DIR
         self._uploads = self._tmp / "uploads"
         self._xattrs = True  # cleared the first time the filesystem refuses them
+        self._slot_sizes: dict[str, int] = {}  # upload id -> P, once known (it never changes)
+        self._begun: dict[str, dict[int, int]] = {}  # upload id -> {number: length} of parts begun here
+        self._begun_lock = threading.Lock()
         self._ready = False
 
     # -- helpers ---------------------------------------------------------------
@@ -153,6 +250,18 @@ class LocalStore(ObjectStore):
         os.replace(tmp, dest)
         _fsync_dir(dest.parent)
 
+    def _publish_new(self, dest: Path, metadata: dict[str, str] | None, fill: Callable[[int], object]) -> None:
+        """A new object at ``dest``: a temp file that ``fill(fd)`` writes, then ``_publish``."""
+        fd, tmp = self._tmpfile()
+        try:
+            fill(fd)
+            self._set_metadata(fd, metadata)
+            self._publish(fd, tmp, dest)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
     def _set_metadata(self, fd: int, metadata: dict[str, str] | None) -> None:
         for name, value in (metadata or {}).items():
             if not self._xattrs:
@@ -199,17 +308,7 @@ class LocalStore(ObjectStore):
             if key.endswith("/"):
                 self._makedirs(dest)
                 return
-            fd, tmp = self._tmpfile()
-            try:
-                view = memoryview(data).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
-                self._set_metadata(fd, metadata)
-                self._publish(fd, tmp, dest)
-            finally:
-                os.close(fd)
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
+            self._publish_new(dest, metadata, lambda fd: _pwrite_all(fd, data, 0))
         except OSError as e:
             raise self._err("put", key, e) from None
 
@@ -354,21 +453,25 @@ class LocalStore(ObjectStore):
         try:
             if os.path.isdir(src_path):
                 raise NotFound(f"local store {self.root}: no object {src!r} (a directory)")
-            fd, tmp = self._tmpfile()
-            try:
-                _copy_fd(sfd, fd, 0)
-                self._set_metadata(fd, self._get_metadata(sfd))
-                self._publish(fd, tmp, dst_path)
-            finally:
-                os.close(fd)
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
+            self._publish_new(dst_path, self._get_metadata(sfd), lambda fd: _copy_range(sfd, 0, fd, 0))
         except OSError as e:
             raise self._err("copy", f"{src} -> {dst}", e) from None
         finally:
             os.close(sfd)
 
     # -- multipart ---------------------------------------------------------------
+    #
+    # Each upload is a directory .ckptfs-tmp/uploads/<id>/ holding
+    #   key, metadata.json  what create_multipart was given (``key`` also says the upload exists)
+    #   data                the object to be: part n lies at (n - 1) * P, its slot
+    #   index               64-byte records: record 0 holds P once known, record n where part n is
+    #   <n>.lock            flocked while part n is written (0.lock while P is decided)
+    #   <n>.part            a part that does not fit a slot: it came before P was known, or it is
+    #                       bigger than P
+    # A record is written (and fdatasynced) only after its bytes are synced, and wiped (and
+    # synced) before they are overwritten, under the part's lock: a record never names bytes that
+    # are not there, whatever the crash. Parts hold the index flocked shared; complete and abort
+    # hold it exclusively, so they wait for parts being written.
 
     def _upload_dir(self, key: str, upload_id: str) -> Path:
         """The upload's directory; NotFound if it does not exist or is for another key."""
@@ -382,17 +485,80 @@ class LocalStore(ObjectStore):
             raise self._err("multipart", key, e) from None
         raise NotFound(f"local store {self.root}: no upload {upload_id!r} for {key!r}")
 
+    @contextlib.contextmanager
+    def _locked_upload(self, key: str, upload_id: str, how: int) -> Iterator[tuple[Path, int]]:
+        """The upload's directory and its index, flocked ``how``; NotFound if the upload is gone
+        or went (completed, aborted) while we waited for the lock."""
+        d = self._upload_dir(key, upload_id)
+        try:
+            index = os.open(d / "index", os.O_RDWR)
+        except FileNotFoundError:
+            raise self._gone(key, upload_id) from None
+        try:
+            fcntl.flock(index, how)
+            if os.fstat(index).st_nlink == 0:
+                raise self._gone(key, upload_id)
+            yield d, index
+        finally:
+            os.close(index)
+
+    def _gone(self, key: str, upload_id: str) -> NotFound:
+        return NotFound(f"local store {self.root}: upload {upload_id!r} for {key!r} is gone")
+
+    def _drop_upload(self, d: Path, upload_id: str) -> None:
+        (d / "key").unlink(missing_ok=True)  # out of list_multipart first
+        shutil.rmtree(d, ignore_errors=True)
+        self._slot_sizes.pop(upload_id, None)
+        self._begun.pop(upload_id, None)
+
+    def _slot_size(self, d: Path, upload_id: str, index: int, number: int, length: int) -> int | None:
+        """P, the size of every part but the last, or None while unknown. It is set, once, to the
+        length of a part that must be a full one: part 1, or a part below another (begun here, or
+        recorded). A part that may be the last, smaller one sets nothing: while P is unknown it
+        goes to a file of its own, copied in place at completion. (Parts of other sizes are
+        correct too, only slower: see complete_multipart.)"""
+        size = self._slot_sizes.get(upload_id)
+        if size is not None:
+            return size
+        with _flocked(d / "0.lock", fcntl.LOCK_EX, create=True):
+            header = _unpack(_HEADER, os.pread(index, _RECORD, 0))
+            if header is not None:
+                size = header[1]
+            else:
+                lengths = {n: part.length for n, part in _read_parts(index).items()}
+                with self._begun_lock:
+                    lengths |= self._begun.get(upload_id, {})
+                top = max(lengths, default=0)
+                size = next((lengths[n] for n in sorted(lengths) if (n == 1 or n < top) and lengths[n]), None)
+                if size is None:
+                    return None
+                _pwrite_all(index, _pack(_HEADER, size), 0)
+                os.fdatasync(index)
+        self._slot_sizes[upload_id] = size
+        with self._begun_lock:
+            self._begun.pop(upload_id, None)
+        return size
+
     def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
         self._path(key)  # validate now, not at completion
         upload_id = uuid.uuid4().hex
         try:
             self._prepare()
-            # Build the upload dir under a temp name, then rename: it appears with its key.
+            # Build the upload dir under a temp name, then rename: it appears whole, with its key.
             tmp = self._tmp / f"{upload_id}.upload"
             tmp.mkdir()
-            (tmp / "key").write_text(key)
-            (tmp / "metadata.json").write_text(json.dumps(metadata or {}))
+            for name, content in (("key", key), ("metadata.json", json.dumps(metadata or {})),
+                                  ("data", ""), ("index", "")):
+                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    if content:
+                        _pwrite_all(fd, content.encode(), 0)
+                        os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            _fsync_dir(tmp)
             os.rename(tmp, self._uploads / upload_id)
+            _fsync_dir(self._uploads)  # parts are durable once stored: so must their upload be
         except OSError as e:
             raise self._err("create_multipart", key, e) from None
         return upload_id
@@ -401,69 +567,134 @@ class LocalStore(ObjectStore):
         if not 1 <= number <= MAX_PARTS:
             raise StoreError(f"local store {self.root}: part number {number} not in 1..{MAX_PARTS}",
                              errno_=errno.EINVAL)
-        d = self._upload_dir(key, upload_id)
+        view = memoryview(data).cast("B")
+        if upload_id not in self._slot_sizes:
+            with self._begun_lock:  # before hashing: parts sent at once have all begun when P is decided
+                self._begun.setdefault(upload_id, {})[number] = len(view)
         # The token names the part's content, so complete_multipart uses exactly the
         # bytes the caller uploaded (like an S3 ETag) and a stale token fails.
-        token = xxhash.xxh3_64_hexdigest(data)
-        name = f"{number:05d}-{token}"
+        token = xxhash.xxh3_64_hexdigest(view)
         try:
-            tmp = d / f"{uuid.uuid4().hex}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(data).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, d / name)
-            for old in d.glob(f"{number:05d}-*"):
-                if old.name != name:
-                    old.unlink(missing_ok=True)  # a re-upload replaces the part
-        except FileNotFoundError:
-            raise NotFound(f"local store {self.root}: upload {upload_id!r} for {key!r} is gone") from None
+            with self._locked_upload(key, upload_id, fcntl.LOCK_SH) as (d, index), \
+                    _flocked(d / f"{number}.lock", fcntl.LOCK_EX, create=True):
+                size = self._slot_size(d, upload_id, index, number, len(view))
+                in_slot = size is not None and len(view) <= size
+                new = _Part(len(view), (number - 1) * size if in_slot else _OWN_FILE, token)
+                old = _read_part(index, number)
+                if old == new:
+                    return PartInfo(number, token)  # these very bytes are there already (a retry)
+                if old is not None:
+                    _write_records(index, {number: None})  # a re-upload: no record over changing bytes
+                own = d / f"{number}.part"
+                fd = os.open(d / "data", os.O_WRONLY) if in_slot else \
+                    os.open(own, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    _pwrite_all(fd, view, new.offset if in_slot else 0)
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+                if not in_slot:
+                    _fsync_dir(d)  # the file's name
+                elif old is not None and old.offset == _OWN_FILE:
+                    own.unlink(missing_ok=True)
+                _write_records(index, {number: new})
         except OSError as e:
             raise self._err("upload_part", key, e) from None
         return PartInfo(number, token)
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
         dest = self._path(key)
-        d = self._upload_dir(key, upload_id)
         numbers = [p.number for p in parts]
         if not parts or numbers != sorted(set(numbers)):
             raise StoreError(f"local store {self.root}: complete {key!r}: parts must be non-empty and ascending",
                              errno_=errno.EINVAL)
         try:
-            metadata = json.loads((d / "metadata.json").read_text())
-            fd, tmp = self._tmpfile()
-            try:
-                offset = 0
+            with self._locked_upload(key, upload_id, fcntl.LOCK_EX) as (d, index):
+                recorded = _read_parts(index)
+                chosen: list[tuple[int, _Part]] = []
                 for p in parts:
-                    try:
-                        pfd = os.open(d / f"{p.number:05d}-{p.token}", os.O_RDONLY)
-                    except FileNotFoundError:
+                    part = recorded.get(p.number)
+                    if part is None or part.token != p.token:
                         raise StoreError(f"local store {self.root}: complete {key!r}: part {p.number} "
-                                         f"with token {p.token!r} was not uploaded", errno_=errno.EINVAL) from None
-                    try:
-                        offset += _copy_fd(pfd, fd, offset)
-                    finally:
-                        os.close(pfd)
-                self._set_metadata(fd, metadata)
-                self._publish(fd, tmp, dest)
-            finally:
-                os.close(fd)
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
-            shutil.rmtree(d, ignore_errors=True)
+                                         f"with token {p.token!r} was not uploaded", errno_=errno.EINVAL)
+                    chosen.append((p.number, part))
+                metadata = json.loads((d / "metadata.json").read_text())
+                try:
+                    fd = os.open(d / "data", os.O_RDWR)
+                except FileNotFoundError:  # published just before a crash: only the cleanup was left
+                    raise self._gone(key, upload_id) from None
+                try:
+                    # Every part in a slot must already lie where the object needs it.
+                    offset, in_place = 0, True
+                    for _, part in chosen:
+                        if part.offset not in (_OWN_FILE, offset) and part.length:
+                            in_place = False
+                        offset += part.length
+                    if in_place:
+                        self._complete_in_place(d, index, fd, chosen, recorded, offset, metadata, dest)
+                    else:
+                        log.debug("local store %s: parts of %r out of their slots: copying them", self.root, key)
+                        self._complete_by_copy(d, fd, chosen, metadata, dest)
+                finally:
+                    os.close(fd)
+                self._drop_upload(d, upload_id)
         except OSError as e:
             raise self._err("complete_multipart", key, e) from None
+
+    def _copy_part(self, d: Path, number: int, part: _Part, data: int, dst: int, dst_offset: int) -> None:
+        """Copy a part (from its slot in ``data`` or its own file) to ``dst`` at ``dst_offset``."""
+        own = part.offset == _OWN_FILE
+        src = os.open(d / f"{number}.part", os.O_RDONLY) if own else data
+        try:
+            copied = _copy_range(src, 0 if own else part.offset, dst, dst_offset, part.length)
+        finally:
+            if own:
+                os.close(src)
+        if copied != part.length:
+            raise OSError(errno.EIO, f"part {number} has {copied} bytes, not {part.length}")
+
+    def _complete_in_place(self, d: Path, index: int, data: int, chosen: list[tuple[int, _Part]],
+                           recorded: dict[int, _Part], size: int, metadata: dict[str, str], dest: Path) -> None:
+        """The data file becomes the object: copy in the parts kept in files of their own (at most
+        a few: the last, or parts sent before P was known), cut it to size, rename it into place."""
+        # Those copies and the truncation overwrite the slots of parts left out of the object:
+        # wipe their records first, so a crash here leaves no record over changed bytes.
+        chosen_numbers = {number for number, _ in chosen}
+        _write_records(index, {n: None for n, part in recorded.items()
+                               if n not in chosen_numbers and part.offset != _OWN_FILE})
+        offset = 0
+        for number, part in chosen:
+            if part.offset == _OWN_FILE:
+                self._copy_part(d, number, part, data, data, offset)
+            offset += part.length
+        os.ftruncate(data, size)
+        self._set_metadata(data, metadata)
+        self._publish(data, d / "data", dest)
+
+    def _complete_by_copy(self, d: Path, data: int, chosen: list[tuple[int, _Part]],
+                          metadata: dict[str, str], dest: Path) -> None:
+        """Parts not in the simple layout (sizes that vary, numbers with gaps): concatenate them
+        into a new file."""
+        def concatenate(fd: int) -> None:
+            offset = 0
+            for number, part in chosen:
+                self._copy_part(d, number, part, data, fd, offset)
+                offset += part.length
+
+        self._publish_new(dest, metadata, concatenate)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         try:
             d = self._upload_dir(key, upload_id)
         except NotFound:
             return
-        shutil.rmtree(d, ignore_errors=True)
+        try:
+            with _flocked(d / "index", fcntl.LOCK_EX):  # waits for parts being written
+                self._drop_upload(d, upload_id)
+        except FileNotFoundError:
+            self._drop_upload(d, upload_id)  # removed meanwhile, or an upload without an index
+        except OSError as e:
+            raise self._err("abort_multipart", key, e) from None
 
     def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
         out = []
