@@ -344,11 +344,10 @@ class ClientTarget(Target):
         raise NotImplementedError
 
     def remove(self, rel: str) -> None:
-        client = self.ctx.client()
+        client = self.ctx.client()  # one DELETE per key: Swift wants a Content-MD5 on DeleteObjects
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=rel):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
-            if keys:
-                client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+            for entry in page.get("Contents", ()):
+                client.delete_object(Bucket=self.bucket, Key=entry["Key"])
 
 
 def transfer_config():
