@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -54,6 +55,26 @@ def ram_dir_for(cache_dir: Path) -> Path:
     return shm / name if shm.is_dir() else cache_dir / "ram"
 
 
+RAM_OWNER = "owner"  # in a RAM tier's directory: the cache dir it belongs to
+
+
+def claim_ram_dir(cache_dir: Path) -> Path:
+    """The RAM tier's directory, marked with its cache dir, after sweeping away the tmpfs arenas
+    of cache dirs that no longer exist: they would hold their RAM until reboot otherwise."""
+    ram_dir = ram_dir_for(cache_dir)
+    for other in ram_dir.parent.glob("ckptfs-*"):
+        try:
+            owner = Path((other / RAM_OWNER).read_text())
+        except OSError:
+            continue  # not ours to judge (no owner recorded)
+        if other != ram_dir and not owner.exists():
+            log.info("removing the RAM tier of %s (that cache dir is gone): %s", owner, other)
+            shutil.rmtree(other, ignore_errors=True)
+    ram_dir.mkdir(parents=True, exist_ok=True)
+    (ram_dir / RAM_OWNER).write_text(str(cache_dir))
+    return ram_dir
+
+
 class Daemon:
     def __init__(self, config: MountConfig):
         self.config = config
@@ -73,7 +94,7 @@ class Daemon:
             listing = list(self.store.list(""))
         except StoreError as exc:
             raise MountError(str(exc)) from exc
-        self.cache = Cache(self.cache_dir, ram_dir_for(self.cache_dir), self.config.part_size,
+        self.cache = Cache(self.cache_dir, claim_ram_dir(self.cache_dir), self.config.part_size,
                            self.config.ram_cache, self.config.cache_size)
         self.journal = Journal(self.cache_dir / "journal", self.cache.ram_arena_id)
         pending, open_uploads = self.journal.replay()

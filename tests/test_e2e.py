@@ -365,3 +365,26 @@ def test_remount_drops_cached_files_the_store_changed(store, mount_factory):
     m.start()
     assert (m.path / "f.bin").read_bytes() == b"b" * (9 << 20)
     m.stop()
+
+
+def test_mount_sweeps_ram_tiers_of_deleted_cache_dirs(store, mount_factory, tmp_path):
+    """The RAM tier outlives its daemon on tmpfs (a remount restores from it). Once its cache dir
+    is deleted nothing would ever free it: the next mount removes it, and only it."""
+    gone, kept = tmp_path / "deleted-cache", tmp_path / "kept-cache"
+    kept.mkdir()
+    orphans = []
+    for cache_dir in (gone, kept):
+        ram = ram_dir_for(cache_dir)
+        ram.mkdir(parents=True)
+        (ram / "ram.arena").write_bytes(b"\0" * 4096)
+        (ram / "owner").write_text(str(cache_dir))
+        orphans.append(ram)
+    try:
+        m = mount_factory().start()
+        assert not orphans[0].exists()
+        assert (orphans[1] / "ram.arena").exists()
+        assert (ram_dir_for(m.cache_dir) / "owner").read_text() == str(m.cache_dir)
+        m.stop()
+    finally:
+        for ram in orphans:
+            shutil.rmtree(ram, ignore_errors=True)
