@@ -138,6 +138,9 @@ class CkptfsMount:
         self.pid = json.loads(self._ckptfs("status", str(self.mountpoint), "--json"))["pid"]
         return self
 
+    def status(self) -> dict:
+        return json.loads(self._ckptfs("status", str(self.mountpoint), "--json"))
+
     def stop(self) -> None:
         if self.pid is None:
             return

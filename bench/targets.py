@@ -197,6 +197,20 @@ class Ckptfs(Target):
     def pid(self) -> int:
         return self.mount.pid
 
+    def warm_load(self, rel: str) -> None:
+        self.settle()
+        super().warm_load(rel)
+
+    def settle(self, timeout: float = 30) -> None:
+        """Wait (untimed) until the daemon has pushed the durable checkpoint into the page cache,
+        as it does while the job is idle: what a load some time after the save finds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.mount.status()
+            if not status["pending"]["files"] and not status["page_cache_queued_files"]:
+                return
+            time.sleep(0.05)
+
     @contextlib.contextmanager
     def fresh(self) -> Iterator[Path]:
         mount = self._mount()

@@ -261,6 +261,7 @@ class Daemon:
             "durable_files": up.durable_files,
             "fetched_bytes": self.fetcher.fetched_bytes,
             "page_cache_pushed_bytes": self.namespace.prefill.pushed_bytes,
+            "page_cache_queued_files": self.namespace.prefill.queued_files,
             "errors": list(up.errors),
             **self.namespace.status(),
         }

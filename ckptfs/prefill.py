@@ -43,6 +43,7 @@ class Prefill:
         self.wakeup = trio.Event()
         self.in_flight: dict[int, trio.Event] = {}  # ino -> set when its chunk is in
         self.pushed_bytes = 0
+        self.pushing = 0  # files being pushed now (0 or 1)
 
     def want(self, node, version) -> None:
         """Push ``version`` of ``node`` when idle (the newest request for a node wins)."""
@@ -69,7 +70,16 @@ class Prefill:
                 if not self.queue:
                     break
                 ino, (node, version) = self.queue.popitem(last=True)  # the newest first
-                await self._push(node, version)
+                self.pushing = 1
+                try:
+                    await self._push(node, version)
+                finally:
+                    self.pushing = 0
+
+    @property
+    def queued_files(self) -> int:
+        """Files waiting for a push or being pushed (0: the page cache holds what it will)."""
+        return len(self.queue) + self.pushing
 
     def _current(self, node, version) -> bool:
         return node.version is version and not node.unlinked and node.nlookup > 0

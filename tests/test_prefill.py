@@ -58,6 +58,11 @@ def test_a_durable_checkpoint_is_in_the_page_cache_before_its_first_read(mount_f
     path.write_bytes(data)
     m.sync()
     wait_pushed(m, len(data))
+    deadline = time.monotonic() + 10
+    while m.status()["page_cache_queued_files"]:  # the push of the last block ends
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert m.status()["page_cache_pushed_bytes"] == len(data)
     assert resident_fraction(path) == 1.0  # before any read through the mount
     assert path.read_bytes() == data
     m.stop()
