@@ -107,6 +107,9 @@ class Target:
         (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
         return ("file", str(self.root / rel))
 
+    def settle(self) -> None:
+        """Wait (untimed) for what the filesystem does on its own once a save is durable."""
+
     def warm_load(self, rel: str) -> None:
         load(self.root / rel)
 
@@ -196,10 +199,6 @@ class Ckptfs(Target):
     @property
     def pid(self) -> int:
         return self.mount.pid
-
-    def warm_load(self, rel: str) -> None:
-        self.settle()
-        super().warm_load(rel)
 
     def settle(self, timeout: float = 30) -> None:
         """Wait (untimed) until the daemon has pushed the durable checkpoint into the page cache,

@@ -134,6 +134,7 @@ def one_checkpoint(bench: Bench, state, nbytes: int) -> None:
             r.add("daemon_cpu", t.name, m.cpu / (nbytes / GiB))
             r.add("daemon_rss", t.name, m.rss / MiB)
         if t.root is not None:
+            t.settle()
             start = time.monotonic()
             t.warm_load(rel)
             r.add("warm_load", t.name, time.monotonic() - start)
