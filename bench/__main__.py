@@ -195,7 +195,7 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     if "save" in opts.scenarios:
         workloads.one_checkpoint(bench, state, nbytes)
     if "cold" in opts.scenarios:
-        workloads.cold_loads(bench)
+        workloads.cold_loads(bench, nbytes)
     if "write" in opts.scenarios:
         workloads.write_path(bench, state, nbytes)
     if "ram4x" in opts.scenarios and "ckptfs-s3" in targets:

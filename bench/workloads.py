@@ -25,6 +25,7 @@ MiB = 1 << 20
 RANKS = 4
 SMALL_FILE = 64 << 10
 WRITE_CHUNK = 8 * MiB
+LOAD_PREFAULT = 1.5  # times the checkpoint: the memory a load touches, pre-faulted (sysinfo)
 # what save_pretrained / DCP write next to the tensors, written last
 CONFIG_FILES = {
     "config.json": json.dumps({"architectures": ["TinyLLM"], "hidden_size": 1024, "num_hidden_layers": 24,
@@ -135,6 +136,7 @@ def one_checkpoint(bench: Bench, state, nbytes: int) -> None:
             r.add("daemon_rss", t.name, m.rss / MiB)
         if t.root is not None:
             t.settle()
+            sysinfo.prefault_free_memory(int(LOAD_PREFAULT * nbytes))
             start = time.monotonic()
             t.warm_load(rel)
             r.add("warm_load", t.name, time.monotonic() - start)
@@ -145,13 +147,14 @@ def one_checkpoint(bench: Bench, state, nbytes: int) -> None:
         bench.latest[t.name] = rel
 
 
-def cold_loads(bench: Bench) -> None:
+def cold_loads(bench: Bench, nbytes: int) -> None:
     """torch.load of each target's latest checkpoint as a fresh node sees it: a new mount with an
     empty cache (ckptfs, s3fs, rclone), the page cache dropped; boto3 downloads it instead."""
     dropped = []
 
     def drop():
         dropped.append(sysinfo.drop_page_cache())
+        sysinfo.prefault_free_memory(int(LOAD_PREFAULT * nbytes))
 
     for i, n, t in bench.each_run("cold", [name for name in SAVE_TARGETS if name in bench.latest]):
         seconds = t.cold_load(bench.latest[t.name], drop)
