@@ -12,8 +12,13 @@ committed file to its slots.
 
 A block is shared by reference count: committing a staged file snapshots its
 block list, and a later write into a shared block copies it first (copy on
-write). Budgets are slot counts; a writer that finds no slot waits (backpressure)
-until an upload finishes or clean data can be evicted.
+write). Budgets are bytes: a RAM slot costs a whole block (its pages stay, for
+reuse), a disk slot only the bytes its block holds once that is known for good (a
+committed file's last block, a fetched block): the rest of the slot is a hole, so
+a directory of 64 KiB files does not take 8 MiB of budget each. The disk arena
+grows by a slot whenever its budget has room and no slot is free. A writer that
+finds no room waits (backpressure) until an upload finishes or clean data can be
+evicted.
 """
 
 from __future__ import annotations
@@ -36,22 +41,34 @@ log = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # Linux 5.14 (the mmap module of Python 3.11 lacks the name)
 
 RAM, DISK = 0, 1
+PAGE = mmap.PAGESIZE  # the unit a disk slot's block is charged in
+# The disk arena is sparse; past this apparent size small files wait for room (ext4: 16 TiB at most).
+MAX_DISK_ARENA = 1 << 40
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 TIER_NAMES = ("ram", "disk")
 BlockRef = tuple[int, int]  # (tier, slot)
 
 
+def block_length(size: int, index: int, block_size: int) -> int:
+    """Bytes of block ``index`` in a file of ``size`` bytes."""
+    return max(0, min(block_size, size - index * block_size))
+
+
 class Tier:
-    """One arena file and its free slots."""
+    """One arena file, its free slots and the bytes charged to its budget."""
 
     def __init__(self, index: int, path: Path, block_size: int, budget: int, mapped: bool):
         self.index = index
         self.path = path
         self.block_size = block_size
         self.n_slots = max(budget // block_size, 0)
+        # RAM: whole slots (their pages stay). Disk: bytes; the arena grows past n_slots.
+        self.budget = self.n_slots * block_size if mapped else max(budget, 0)
         self.mapped = mapped
         self.free: list[int] = []
+        self.charged: dict[int, int] = {}  # slot -> bytes it costs the budget
+        self.charged_bytes = 0
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         # Never shrink: slots beyond a smaller new budget may still hold committed data.
@@ -71,15 +88,50 @@ class Tier:
         self.touched.add(slot)
 
     def reset_free(self, used: set[int]) -> None:
+        if self.mm is None and used:  # disk slots past the budget's are in use, not retired
+            self.n_slots = max(self.n_slots, max(used) + 1)
         # Pop from the end: low slots first, so a small working set stays in touched pages.
         self.free = [s for s in range(self.n_slots - 1, -1, -1) if s not in used]
+
+    def take(self) -> int | None:
+        """A free slot, charged a whole block (its final length is not known yet); None when
+        the budget has no room for one."""
+        if self.charged_bytes + self.block_size > self.budget:
+            return None
+        if not self.free:
+            if self.mm is not None or (self.n_slots + 1) * self.block_size > MAX_DISK_ARENA:
+                return None
+            self.n_slots += 1  # disk: room in the budget, none in the arena: grow it
+            self.file_size = max(self.file_size, self.n_slots * self.block_size)
+            os.ftruncate(self.fd, self.file_size)
+            self.free.append(self.n_slots - 1)
+        slot = self.free.pop()
+        self.charge(slot, self.block_size)
+        return slot
+
+    def charge(self, slot: int, nbytes: int) -> None:
+        self.charged_bytes += nbytes - self.charged.get(slot, 0)
+        self.charged[slot] = nbytes
+
+    def fit(self, slot: int, length: int) -> None:
+        """The slot's block ends at ``length`` for good: on disk, charge only the pages that
+        hold it and give the rest back to the filesystem (RAM keeps its pages: reuse is free)."""
+        keep = -(-length // PAGE) * PAGE
+        held = self.charged.get(slot, 0)
+        if self.mm is not None or keep >= held:
+            return
+        self.charge(slot, keep)
+        self._punch(slot * self.block_size + keep, held - keep)
 
     def write(self, slot: int, offset: int, data) -> None:
         pos = slot * self.block_size + offset
         if self.mm is not None:
             self.mm[pos : pos + len(data)] = data
-        else:
-            os.pwrite(self.fd, data, pos)
+            return
+        end = offset + len(data)
+        if end > self.charged.get(slot, 0):  # a fitted block written again past its end (rare)
+            self.charge(slot, min(-(-end // PAGE) * PAGE, self.block_size))
+        os.pwrite(self.fd, data, pos)
 
     def read(self, slot: int, offset: int, length: int) -> bytes:
         pos = slot * self.block_size + offset
@@ -104,13 +156,19 @@ class Tier:
 
     def release(self, slot: int) -> None:
         """A slot is free again. On disk, give its space back to the filesystem, so a full
-        cache disk recovers as soon as data is uploaded (the RAM tier keeps its pages: reuse is free)."""
-        self.free.append(slot)
-        if self.mm is None:
-            size = self.block_size
-            if _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                               ctypes.c_long(slot * size), ctypes.c_long(size)) != 0:
-                log.debug("cannot punch a hole in %s: %s", self.path, os.strerror(ctypes.get_errno()))
+        cache disk recovers as soon as data is uploaded (the RAM tier keeps its pages: reuse is free).
+        RAM slots past a shrunk budget are retired."""
+        held = self.charged.pop(slot, 0)
+        self.charged_bytes -= held
+        if slot < self.n_slots:
+            self.free.append(slot)
+        if self.mm is None and held:
+            self._punch(slot * self.block_size, held)
+
+    def _punch(self, pos: int, length: int) -> None:
+        if _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                           ctypes.c_long(pos), ctypes.c_long(length)) != 0:
+            log.debug("cannot punch a hole in %s: %s", self.path, os.strerror(ctypes.get_errno()))
 
     def sync(self) -> None:
         if self.mm is not None:
@@ -156,10 +214,16 @@ class Cache:
             tier.reset_free(set())
 
     # -- start-up -----------------------------------------------------------------
-    def adopt(self, refs: Iterable[BlockRef]) -> None:
-        """Take ownership of blocks named by the journal (one reference each)."""
-        for ref in refs:
-            self.refcounts[ref] = self.refcounts.get(ref, 0) + 1
+    def adopt(self, files: Iterable[tuple[int, list[BlockRef | None]]]) -> None:
+        """Take ownership of the blocks of files named by the journal, as (size, blocks):
+        one reference each, charged for the bytes they hold."""
+        for size, blocks in files:
+            for index, ref in enumerate(blocks):
+                if ref is not None:
+                    self.refcounts[ref] = self.refcounts.get(ref, 0) + 1
+                    tier, slot = self.tiers[ref[0]], ref[1]
+                    length = block_length(size, index, self.block_size) if tier.mm is None else self.block_size
+                    tier.charge(slot, max(tier.charged.get(slot, 0), -(-length // PAGE) * PAGE))
         for tier in self.tiers:
             tier.reset_free({slot for (t, slot) in self.refcounts if t == tier.index})
 
@@ -171,14 +235,14 @@ class Cache:
     def try_alloc(self, only: int | None = None) -> BlockRef | None:
         """A free slot: RAM first (evicting clean RAM data), then disk; ``only`` forces a tier."""
         ram, disk = self.tiers
-        if only is None and not ram.free:
+        if only is None and ram.charged_bytes + self.block_size > ram.budget:
             self._evict(prefer_tier=RAM)
         for tier in (ram, disk) if only is None else (self.tiers[only],):
-            if tier.free:
-                ref = (tier.index, tier.free.pop())
+            if (slot := tier.take()) is not None:
+                ref = (tier.index, slot)
                 self.refcounts[ref] = 1
                 if tier.mm is not None:
-                    tier.touched.add(ref[1])
+                    tier.touched.add(slot)
                 return ref
         if self._evict(prefer_tier=only) or (only is None and self.reclaim()):
             return self.try_alloc(only)
@@ -212,11 +276,20 @@ class Cache:
             self.refcounts[ref] = n
             return
         del self.refcounts[ref]
-        tier, slot = ref
-        if slot < self.tiers[tier].n_slots:  # slots past a shrunk budget are retired
-            self.tiers[tier].release(slot)
+        self.tiers[ref[0]].release(ref[1])
         self._space.set()
         self._space = trio.Event()
+
+    def fit(self, ref: BlockRef, length: int) -> None:
+        """Block ``ref`` holds ``length`` bytes for good (see Tier.fit)."""
+        if length < self.block_size:
+            self.tiers[ref[0]].fit(ref[1], length)
+            self.notify_space()
+
+    def fit_last(self, content: Content) -> None:
+        """``content``'s last block is as long as it will be: charge only what it holds."""
+        if content.blocks and content.blocks[-1] is not None:
+            self.fit(content.blocks[-1], content.block_length(len(content.blocks) - 1))
 
     # -- clean data -------------------------------------------------------------------
     def mark_clean(self, owner: object, content: Content, on_evict: Callable[[], None],
@@ -298,6 +371,7 @@ class Cache:
             blocks.append(new)
         await trio.to_thread.run_sync(lambda: [self.copy_block(*c) for c in copies])
         copy = Content(self, content.size, blocks)
+        self.fit_last(copy)
         copy.key = content.key
         copy.remote, copy.upload = dict(content.remote), content.upload
         return copy
@@ -327,15 +401,14 @@ class Cache:
             while (slot := self._next_untouched()) is not None:
                 await threads.run(self.tiers[RAM].populate, slot)
 
+    def charged(self, ref: BlockRef) -> int:
+        return self.tiers[ref[0]].charged.get(ref[1], 0)
+
     def usage(self) -> dict:
         out = {}
         for tier in self.tiers:
-            used = sum(1 for (t, _) in self.refcounts if t == tier.index)
-            out[TIER_NAMES[tier.index]] = {
-                "used": used * self.block_size,
-                "budget": tier.n_slots * self.block_size,
-            }
-        out["clean_bytes"] = sum(len(c.refs()) for c, *_ in self.clean.values()) * self.block_size
+            out[TIER_NAMES[tier.index]] = {"used": tier.charged_bytes, "budget": tier.budget}
+        out["clean_bytes"] = sum(self.charged(r) for c, *_ in self.clean.values() for r in c.refs())
         out["writers_waiting"] = self.waiters
         return out
 
@@ -394,8 +467,7 @@ class Content:
                 self.blocks[i] = None
 
     def block_length(self, index: int) -> int:
-        bs = self.cache.block_size
-        return max(0, min(bs, self.size - index * bs))
+        return block_length(self.size, index, self.cache.block_size)
 
     def missing(self, offset: int, length: int) -> list[int]:
         """Indexes of blocks in the range that must come from the store first."""
@@ -602,6 +674,7 @@ class StagedFile:
         blocks += [None] * (n_blocks - len(blocks))
         content = Content(self.cache, self.size, blocks[:n_blocks])
         content.remote = {i: p for i, p in self.remote.items() if i < n_blocks}
+        self.cache.fit_last(content)
         return content
 
     def discard(self) -> None:

@@ -85,5 +85,5 @@ def load(path: Path, cache: Cache, taken: set[BlockRef]) -> dict[str, CleanEntry
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         log.warning("clean cache index unreadable (%s): starting with an empty cache", exc)
         return {}
-    cache.adopt(b for e in entries.values() for b in e.blocks if b is not None)
+    cache.adopt((e.size, e.blocks) for e in entries.values())
     return entries

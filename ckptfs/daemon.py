@@ -177,7 +177,7 @@ class Daemon:
                 log.error("journal: %s names cache blocks that no longer exist; dropped", op.key)
                 continue
             kept.append(op)
-        self.cache.adopt(ref for op in kept for ref in op.blocks if ref is not None)
+        self.cache.adopt((op.size, op.blocks) for op in kept)
         return kept
 
     # -- serving ---------------------------------------------------------------------------------

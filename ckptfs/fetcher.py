@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 import humanfriendly
 import trio
 
-from .cache import Cache, Content
+from .cache import PAGE, Cache, Content
 from .errors import FsError
 from .store.base import NotFound, ObjectStore, StoreError
 
@@ -84,11 +84,10 @@ class Fetcher:
         until this returns: a file warmed early must not make room for the ones after it.
         Raises FsError: ENOSPC when the cache cannot hold them all, or the store's error.
         """
-        bs = self.cache.block_size
         total = sum(c.size for c in contents)
-        capacity = sum(tier.n_slots for tier in self.cache.tiers)
-        if sum(len(c.blocks) for c in contents) > capacity:
-            raise FsError(errno.ENOSPC, f"{_fmt(total)} asked but the cache holds at most {_fmt(capacity * bs)} "
+        if not self._fits(contents):
+            capacity = sum(tier.budget for tier in self.cache.tiers)
+            raise FsError(errno.ENOSPC, f"{_fmt(total)} asked but the cache holds at most {_fmt(capacity)} "
                                         "(--ram-cache + --cache-size): warm fewer files or mount with a larger cache")
         todo = [c.missing(0, c.size) for c in contents]
         left = [len(indexes) for indexes in todo]
@@ -173,11 +172,20 @@ class Fetcher:
                 raise FsError(errno.EIO, f"{key}: short read from the store ({len(data)} of {length} bytes)")
         ref = await self.cache.alloc()
         self.cache.write(ref, 0, data)
+        self.cache.fit(ref, length)
         self.fetched_bytes += length
         if content.blocks[index] is None and content.holders > 0:
             content.blocks[index] = ref
         else:  # raced, or the content was dropped meanwhile
             self.cache.decref(ref)
+
+    def _fits(self, contents: list[Content]) -> bool:
+        """Whether the cache can hold all of ``contents`` at once, at worst: a RAM slot takes a
+        whole block, the disk the pages of one, and RAM may get the shortest blocks."""
+        ram, disk = self.cache.tiers
+        lengths = sorted((-(-c.block_length(i) // PAGE) * PAGE for c in contents for i in range(len(c.blocks))),
+                         reverse=True)
+        return sum(lengths[:max(0, len(lengths) - ram.n_slots)]) <= disk.budget
 
     async def _get_range(self, content: Content, start: int, length: int) -> bytes:
         """A ranged GET of ``content``, following its key when a rename moves the object.

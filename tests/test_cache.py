@@ -6,6 +6,7 @@ reads; snapshots (committed Contents) must never change afterwards (copy on writ
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -32,6 +33,7 @@ def assert_all_free(cache: Cache) -> None:
     assert cache.refcounts == {}
     for tier in cache.tiers:
         assert sorted(tier.free) == list(range(tier.n_slots))
+        assert tier.charged == {} and tier.charged_bytes == 0
 
 
 class Model:
@@ -260,6 +262,76 @@ def test_ram_tier_fills_then_spills_to_disk(tmp_path):
         cache.close()
 
 
+def test_small_files_cost_the_disk_budget_their_bytes_not_whole_blocks(tmp_path):
+    """A committed file's last block is charged (and kept on disk) for the pages it holds: a
+    directory of small files fits a disk budget of a few blocks, and the arena grows for it."""
+    page = 4096
+    cache = make_cache(tmp_path, ram_blocks=1, disk_blocks=8)
+    disk = cache.tiers[DISK]
+    sizes = [random.Random(n).randrange(1, 2 * page) for n in range(40)]  # 40 files of 1-2 pages
+    cache.releases_pending = lambda: False  # out of room: ENOSPC, not a wait
+
+    async def main():
+        contents, datas = [], []
+        for n, size in enumerate(sizes):
+            staged = StagedFile(cache)
+            datas.append(random.Random(n).randbytes(size))
+            await staged.write(0, datas[-1])
+            contents.append(staged.snapshot())
+            staged.discard()
+        return contents, datas
+
+    contents, datas = trio.run(main)
+    try:
+        assert disk.n_slots > 8  # more files than the budget has whole blocks
+        on_disk = [c for c in contents if c.blocks[0][0] == DISK]
+        assert len(on_disk) == 39  # one took the RAM slot
+        assert disk.charged_bytes == sum(-(-c.size // page) * page for c in on_disk) <= disk.budget
+        assert cache.usage()["disk"]["used"] == disk.charged_bytes
+        assert [c.read(0, c.size) for c in contents] == datas
+        # The filesystem holds only those pages too (the rest of each slot is a hole).
+        assert os.stat(disk.path).st_blocks * 512 <= disk.charged_bytes + 16 * page
+        # A whole block still needs a block's worth of room: 8 blocks minus at most 5 used leaves 3.
+        assert cache.try_alloc() is not None and cache.try_alloc() is not None
+    finally:
+        cache.close()
+
+
+def test_a_fitted_disk_block_written_past_its_end_is_charged_again(tmp_path):
+    cache = make_cache(tmp_path, ram_blocks=0, disk_blocks=2)
+    try:
+        ref = cache.try_alloc()
+        cache.write(ref, 0, b"x" * 100)
+        cache.fit(ref, 100)
+        assert cache.charged(ref) == 4096
+        cache.write(ref, 5000, b"y" * 5000)  # its content was dropped; a writer took it back
+        assert cache.charged(ref) == 12288
+        assert cache.read(ref, 5000, 5000) == b"y" * 5000
+        cache.decref(ref)
+        assert_all_free(cache)
+    finally:
+        cache.close()
+
+
+def test_adopted_disk_blocks_are_charged_for_what_they_hold(tmp_path):
+    async def write():
+        cache = make_cache(tmp_path, ram_blocks=0, disk_blocks=4)
+        staged = StagedFile(cache)
+        await staged.write(0, b"z" * (BS + 10))
+        content = staged.snapshot()
+        cache.close()  # a crash
+        return content.size, list(content.blocks)
+
+    size, refs = trio.run(write)
+    cache = make_cache(tmp_path, ram_blocks=0, disk_blocks=4)
+    try:
+        cache.adopt([(size, refs)])
+        assert cache.usage()["disk"]["used"] == BS + 4096
+        assert Content(cache, size, refs).hold().read(0, size) == b"z" * size
+    finally:
+        cache.close()
+
+
 def test_only_forces_a_tier(tmp_path):
     cache = make_cache(tmp_path, ram_blocks=2, disk_blocks=2)
     try:
@@ -399,7 +471,7 @@ def test_arenas_survive_a_new_cache_object(tmp_path):
     try:
         assert cache.ram_arena_id == arena_id  # same tmpfs arena: the RAM blocks are valid
         assert all(cache.valid_ref(r) for r in refs)
-        cache.adopt(refs)
+        cache.adopt([(len(data), refs)])
         content = Content(cache, len(data), refs).hold()
         assert content.read(0, len(data)) == data
         # Adopted slots are not handed out again; the others are.

@@ -49,7 +49,7 @@ class Mount:
         self.journal = Journal(tmp_path / "cache" / "journal", self.cache.ram_arena_id)
         pending, self.open_uploads = self.journal.replay()
         self.pending = [op for op in pending if all(r is None or self.cache.valid_ref(r) for r in op.blocks)]
-        self.cache.adopt(ref for op in self.pending for ref in op.blocks if ref is not None)
+        self.cache.adopt((op.size, op.blocks) for op in self.pending)
         self.journal.open(self.pending, self.open_uploads)
         self.uploader = Uploader(store, self.cache, self.journal, BS, concurrency=4)
         self.fetcher = Fetcher(store, self.cache, 4)

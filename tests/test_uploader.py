@@ -345,7 +345,7 @@ def test_pending_ops_resume_after_restart(tmp_path):
     assert [op.key for op in pending] == ["big.bin", "small.bin"]
     assert [op.blocks for op in pending] == blocks
     assert [key for _, key, _ in uploads] == ["big.bin"]
-    env2.cache.adopt(ref for op in pending for ref in op.blocks if ref is not None)
+    env2.cache.adopt((op.size, op.blocks) for op in pending)
     env2.journal.open(pending, uploads)
 
     async def second_life():
