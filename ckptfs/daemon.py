@@ -203,6 +203,8 @@ class Daemon:
             prefill = self.namespace.prefill
             prefill.store_pages, prefill.invalidate = pyfuse3.notify_store, pyfuse3.invalidate_inode
             prefill.stat = lambda key: os.stat(os.path.join(self.mountpoint, key))
+            self.namespace.forget_name = lambda parent_ino, name: pyfuse3.invalidate_entry_async(
+                parent_ino, os.fsencode(name), ignore_enoent=True)
             await nursery.start(prefill.run)
             await nursery.start(self.cache.run_populate, BackgroundThreads(1, "ckptfs-populate"))
             self.namespace.load(listing, pending, clean)

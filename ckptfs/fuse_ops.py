@@ -74,9 +74,12 @@ class Operations(pyfuse3.Operations):
         entry.st_ino = attr.ino
         entry.generation = 0
         entry.entry_timeout = self.entry_timeout
-        # Files: no attribute caching. A writer's direct writes move the kernel's size, but
-        # readers see the committed version; a read past a stale size makes the kernel ask again.
-        entry.attr_timeout = self.entry_timeout if attr.is_dir else 0
+        # A file being written: no attribute caching. The writer's direct writes move the
+        # kernel's size, but readers see the committed version. Otherwise cached like names:
+        # every read() asks for attributes when they have expired (auto_inval_data), one
+        # daemon round trip per read of a torch.load. A later write through this mount
+        # invalidates them in the kernel.
+        entry.attr_timeout = 0 if attr.writing else self.entry_timeout
         entry.st_mode = attr.mode
         entry.st_nlink = 2 if attr.is_dir else 1
         entry.st_uid = attr.uid

@@ -70,6 +70,7 @@ class Attr:
     atime_ns: int
     mtime_ns: int
     ctime_ns: int
+    writing: bool = False  # a handle holds a staged copy: the kernel's size may be the writer's
 
 
 class Version:
@@ -182,6 +183,9 @@ class Namespace:
         # (0: ask every time; None: never, the tree is the listing at mount plus our changes).
         self.store = fetcher.store
         self.list_ttl = list_ttl
+        # Set by the daemon: the kernel drops its cached entry (and so the attributes) of a
+        # name, asynchronously. Used when the store changed a file behind the kernel's back.
+        self.forget_name: Callable[[int, str], None] = lambda parent_ino, name: None
         self.list_threads = trio.CapacityLimiter(LIST_THREADS)
         self._missing: dict[tuple[int, str], float] = {}  # (dir ino, name) -> absent until (monotonic)
         self._refreshing: dict[int, _Flight] = {}  # dir ino -> the listing in flight
@@ -361,7 +365,7 @@ class Namespace:
     def attr(self, node: Node) -> Attr:
         return Attr(
             node.ino, node.is_dir, node.mode, node.size(), node.uid, node.gid,
-            node.atime_ns, node.mtime_ns, node.ctime_ns,
+            node.atime_ns, node.mtime_ns, node.ctime_ns, node.writers > 0,
         )
 
     def readdir(self, ino: int) -> list[tuple[str, Attr]]:
@@ -546,6 +550,7 @@ class Namespace:
         log.info("%s is gone from the store: no longer shown", node.key())
         for n in node.walk():
             n.gone = True
+        self.forget_name(node.parent.ino, node.name)
         self._detach(node)
 
     def _follow_store(self, node: Node, info: ObjectInfo) -> None:
@@ -570,6 +575,7 @@ class Namespace:
         node.version.stamp = info
         version.content.release()  # its cached blocks go (nobody has it open)
         node.mtime_ns = node.ctime_ns = int(info.mtime * 1e9)
+        self.forget_name(node.parent.ino, node.name)  # its size and mtime changed
 
     def _removable(self, node: Node) -> bool:
         """Whether ``node`` (and all below it) may go because the store no longer has it: only
