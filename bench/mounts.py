@@ -135,7 +135,7 @@ class CkptfsMount:
             self._ckptfs("mount", *args)
         except RuntimeError as e:
             raise RuntimeError(f"{e}\n{_tail(self.cache_dir / 'ckptfs.log')}") from None
-        self.pid = json.loads(self._ckptfs("status", str(self.mountpoint), "--json"))["pid"]
+        self.pid = self.status()["pid"]
         return self
 
     def status(self) -> dict:

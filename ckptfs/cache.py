@@ -50,6 +50,11 @@ TIER_NAMES = ("ram", "disk")
 BlockRef = tuple[int, int]  # (tier, slot)
 
 
+def in_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages: what it costs the disk tier's budget."""
+    return -(-nbytes // PAGE) * PAGE
+
+
 def block_length(size: int, index: int, block_size: int) -> int:
     """Bytes of block ``index`` in a file of ``size`` bytes."""
     return max(0, min(block_size, size - index * block_size))
@@ -116,7 +121,7 @@ class Tier:
     def fit(self, slot: int, length: int) -> None:
         """The slot's block ends at ``length`` for good: on disk, charge only the pages that
         hold it and give the rest back to the filesystem (RAM keeps its pages: reuse is free)."""
-        keep = -(-length // PAGE) * PAGE
+        keep = in_pages(length)
         held = self.charged.get(slot, 0)
         if self.mm is not None or keep >= held:
             return
@@ -130,7 +135,7 @@ class Tier:
             return
         end = offset + len(data)
         if end > self.charged.get(slot, 0):  # a fitted block written again past its end (rare)
-            self.charge(slot, min(-(-end // PAGE) * PAGE, self.block_size))
+            self.charge(slot, min(in_pages(end), self.block_size))
         os.pwrite(self.fd, data, pos)
 
     def read(self, slot: int, offset: int, length: int) -> bytes:
@@ -223,7 +228,7 @@ class Cache:
                     self.refcounts[ref] = self.refcounts.get(ref, 0) + 1
                     tier, slot = self.tiers[ref[0]], ref[1]
                     length = block_length(size, index, self.block_size) if tier.mm is None else self.block_size
-                    tier.charge(slot, max(tier.charged.get(slot, 0), -(-length // PAGE) * PAGE))
+                    tier.charge(slot, max(tier.charged.get(slot, 0), in_pages(length)))
         for tier in self.tiers:
             tier.reset_free({slot for (t, slot) in self.refcounts if t == tier.index})
 

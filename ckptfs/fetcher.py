@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 import humanfriendly
 import trio
 
-from .cache import PAGE, Cache, Content
+from .cache import Cache, Content, in_pages
 from .errors import FsError
 from .store.base import NotFound, ObjectStore, StoreError
 
@@ -183,8 +183,7 @@ class Fetcher:
         """Whether the cache can hold all of ``contents`` at once, at worst: a RAM slot takes a
         whole block, the disk the pages of one, and RAM may get the shortest blocks."""
         ram, disk = self.cache.tiers
-        lengths = sorted((-(-c.block_length(i) // PAGE) * PAGE for c in contents for i in range(len(c.blocks))),
-                         reverse=True)
+        lengths = sorted((in_pages(c.block_length(i)) for c in contents for i in range(len(c.blocks))), reverse=True)
         return sum(lengths[:max(0, len(lengths) - ram.n_slots)]) <= disk.budget
 
     async def _get_range(self, content: Content, start: int, length: int) -> bytes:
