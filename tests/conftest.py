@@ -206,3 +206,86 @@ def mount_factory(store, tmp_path):
     yield make
     for m in mounts:
         m.cleanup()
+
+
+# =============================================================================================
+# A second, unprivileged local user (the hostile neighbour on a shared node)
+# =============================================================================================
+#
+# other_user: the user `ckptfs-tester` (scripts/test creates it); the test is skipped when it is
+#   missing or when the suite does not run as root. .uid, .gid, .name;
+#   .run(argv, **kw) -> CompletedProcess: argv run as that user (no extra groups, cwd /);
+#   .python(code, *args) -> CompletedProcess: the suite's interpreter runs `code` as that user;
+#   .reach(path): lets that user traverse every directory above `path` that this test session
+#   created (pytest's temporary directories are 0700), so it can reach a mount placed there.
+
+import pwd  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+OTHER_USER = "ckptfs-tester"
+
+
+class OtherUser:
+    def __init__(self, entry: pwd.struct_passwd, session_root: Path):
+        self.name, self.uid, self.gid = entry.pw_name, entry.pw_uid, entry.pw_gid
+        self._session_root = session_root
+
+    def run(self, argv: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", "LANG": "C.UTF-8"}
+        env.update(kwargs.pop("env", {}))
+        return subprocess.run(argv, user=self.uid, group=self.gid, extra_groups=[], cwd="/", env=env,
+                              capture_output=True, text=True, timeout=timeout, **kwargs)
+
+    def python(self, code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """``code`` run as that user by an interpreter it can reach, with ckptfs and its dependencies
+        importable (the suite's own interpreter may sit under root's 0700 home)."""
+        return self.run([_other_python(), "-c", code, *args], timeout=timeout, env=_other_pythonpath())
+
+    def ckptfs(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """The ckptfs command, run as that user."""
+        return self.run([_other_python(), "-m", "ckptfs", *args], timeout=timeout, env=_other_pythonpath())
+
+    def reach(self, path: Path) -> None:
+        path = Path(path).resolve()
+        for directory in [path, *path.parents]:
+            if directory == self._session_root or self._session_root in directory.parents:
+                directory.chmod(directory.stat().st_mode | 0o011)  # search (x) for group and others; no listing
+
+
+def _other_python() -> str:
+    system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    return str(system) if system.exists() else sys.executable
+
+
+def _other_pythonpath() -> dict[str, str]:
+    import sysconfig
+
+    repo = Path(__file__).resolve().parent.parent
+    return {"PYTHONPATH": os.pathsep.join([str(repo), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])}
+
+
+_other_user_usable: str | None = None  # why not, once found out
+
+
+@pytest.fixture
+def other_user(tmp_path_factory) -> OtherUser:
+    if os.geteuid() != 0:
+        pytest.skip("the shared-node tests run as root")
+    try:
+        entry = pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        pytest.skip(f"no user {OTHER_USER} (scripts/test creates it)")
+    # The session's own temporary tree: what `reach` may open up (never /tmp or / itself).
+    basetemp = tmp_path_factory.getbasetemp().resolve()
+    root = Path(os.path.commonpath([basetemp, Path(tempfile.gettempdir()).resolve()]))
+    if root in (Path("/"), Path("/tmp"), Path("/var/tmp")):
+        root = basetemp.parent
+    user = OtherUser(entry, root)
+    global _other_user_usable
+    if _other_user_usable is None:
+        done = user.python("import ckptfs.cli")
+        _other_user_usable = "" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1]
+    if _other_user_usable:
+        pytest.skip(f"{OTHER_USER} cannot run ckptfs from this checkout: {_other_user_usable}")
+    return user
