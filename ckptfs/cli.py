@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how old a directory listing may get before its next use asks the store again, so "
                         "files other mounts made durable show up; also how long a missing name is "
                         f"remembered (default {MountConfig.list_ttl:g}; 0: ask every time)")
+    p.add_argument("--shm-dir", metavar="DIR",
+                   help=f"the tmpfs that holds the RAM tier (default {MountConfig.shm_dir})")
     p.add_argument("--foreground", action="store_true", help="serve in this process, logging to stderr")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default {MountConfig.log_level})")
@@ -179,6 +181,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "part_size": args.part_size,
         "upload_concurrency": args.upload_concurrency,
         "list_ttl": args.list_ttl,
+        "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
         "log_level": args.log_level,
     }
     config = MountConfig(
@@ -268,7 +271,7 @@ def daemon_argv(config: MountConfig) -> list[str]:
     argv = ["mount", config.store_url, config.mountpoint, "--cache-dir", config.cache_dir,
             "--ram-cache", str(config.ram_cache), "--cache-size", str(config.cache_size),
             "--part-size", str(config.part_size), "--upload-concurrency", str(config.upload_concurrency),
-            "--list-ttl", repr(config.list_ttl),
+            "--list-ttl", repr(config.list_ttl), "--shm-dir", config.shm_dir,
             "--log-level", config.log_level, "--foreground"]
     if config.endpoint_url:
         argv += ["--endpoint-url", config.endpoint_url]

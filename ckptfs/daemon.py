@@ -48,20 +48,19 @@ def run(config: MountConfig, on_ready: Callable[[], None] | None = None) -> None
     Daemon(config).run(on_ready or (lambda: None))
 
 
-def ram_dir_for(cache_dir: Path) -> Path:
+def ram_dir_for(cache_dir: Path, shm_dir: Path = Path("/dev/shm")) -> Path:
     """The RAM tier's tmpfs directory: one per cache dir, so a remount finds its arena."""
     name = "ckptfs-" + hashlib.sha256(str(cache_dir.resolve()).encode()).hexdigest()[:16]
-    shm = Path("/dev/shm")
-    return shm / name if shm.is_dir() else cache_dir / "ram"
+    return shm_dir / name if shm_dir.is_dir() else cache_dir / "ram"
 
 
 RAM_OWNER = "owner"  # in a RAM tier's directory: the cache dir it belongs to
 
 
-def claim_ram_dir(cache_dir: Path) -> Path:
+def claim_ram_dir(cache_dir: Path, shm_dir: Path) -> Path:
     """The RAM tier's directory, marked with its cache dir, after sweeping away the tmpfs arenas
     of cache dirs that no longer exist: they would hold their RAM until reboot otherwise."""
-    ram_dir = ram_dir_for(cache_dir)
+    ram_dir = ram_dir_for(cache_dir, shm_dir)
     for other in ram_dir.parent.glob("ckptfs-*"):
         try:
             owner = Path((other / RAM_OWNER).read_text())
@@ -94,7 +93,7 @@ class Daemon:
             listing = list(self.store.list(""))
         except StoreError as exc:
             raise MountError(str(exc)) from exc
-        self.cache = Cache(self.cache_dir, claim_ram_dir(self.cache_dir), self.config.part_size,
+        self.cache = Cache(self.cache_dir, claim_ram_dir(self.cache_dir, Path(self.config.shm_dir)), self.config.part_size,
                            self.config.ram_cache, self.config.cache_size)
         self.journal = Journal(self.cache_dir / "journal", self.cache.ram_arena_id)
         pending, open_uploads = self.journal.replay()
