@@ -144,13 +144,14 @@ def _safely(what: str, fn, *args) -> None:
 
 def _clean_work(work: Path) -> None:
     """Whatever is left: FUSE mounts under the work dir, RAM arenas of its ckptfs caches, the dir."""
-    from ckptfs.daemon import ram_dir_for
+    from ckptfs.daemon import recorded_ram_dir
 
     for mountpoint in fuse_mounts_under(work):
         print(f"  unmounting leftover {mountpoint}", file=sys.stderr, flush=True)
         unmount(mountpoint, attempts=4)
     for cache in work.glob("*-cache"):
-        shutil.rmtree(ram_dir_for(cache), ignore_errors=True)
+        if (ram := recorded_ram_dir(cache)) is not None:
+            shutil.rmtree(ram, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -144,7 +144,7 @@ class CkptfsMount:
     def stop(self) -> None:
         if self.pid is None:
             return
-        from ckptfs.daemon import ram_dir_for
+        from ckptfs.daemon import recorded_ram_dir
 
         try:
             self._ckptfs("umount", str(self.mountpoint), timeout=300)
@@ -153,7 +153,8 @@ class CkptfsMount:
             unmount(self.mountpoint, attempts=1)
             self._kill_daemon()
         self.pid = None
-        shutil.rmtree(ram_dir_for(self.cache_dir), ignore_errors=True)
+        if (ram := recorded_ram_dir(self.cache_dir)) is not None:  # left by --no-wait or a kill
+            shutil.rmtree(ram, ignore_errors=True)
 
     def _kill_daemon(self) -> None:
         """SIGKILL our daemon, checking by its command line that the PID is still ours."""

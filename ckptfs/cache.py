@@ -36,6 +36,8 @@ from pathlib import Path
 
 import trio
 
+from . import private
+
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14 (the mmap module of Python 3.11 lacks the name)
@@ -74,8 +76,7 @@ class Tier:
         self.free: list[int] = []
         self.charged: dict[int, int] = {}  # slot -> bytes it costs the budget
         self.charged_bytes = 0
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.fd = private.open_file(path, os.O_RDWR | os.O_CREAT)  # the caller checked its directory
         # Never shrink: slots beyond a smaller new budget may still hold committed data.
         self.file_size = max(os.fstat(self.fd).st_size, self.n_slots * block_size)
         if self.file_size:
@@ -195,6 +196,8 @@ class Cache:
 
     def __init__(self, cache_dir: Path, ram_dir: Path, block_size: int, ram_budget: int, disk_budget: int):
         self.block_size = block_size
+        private.ensure_dir(cache_dir, "cache dir")
+        private.ensure_dir(ram_dir, "RAM tier directory")
         self.tiers = (
             Tier(RAM, ram_dir / "ram.arena", block_size, ram_budget, mapped=True),
             Tier(DISK, cache_dir / "disk.arena", block_size, disk_budget, mapped=False),
@@ -425,10 +428,10 @@ class Cache:
 def _arena_id(path: Path) -> str:
     """Identifies this incarnation of the RAM arena: a reboot empties tmpfs and makes a new one."""
     try:
-        return path.read_text().strip()
+        return private.read_file(path, 64).decode(errors="replace").strip()
     except FileNotFoundError:
         new = uuid.uuid4().hex
-        path.write_text(new)
+        private.write_file(path, new.encode())
         return new
 
 

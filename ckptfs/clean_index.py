@@ -19,6 +19,7 @@ from pathlib import Path
 
 import xxhash
 
+from . import private
 from .cache import RAM, BlockRef, Cache
 
 log = logging.getLogger(__name__)
@@ -50,21 +51,20 @@ def cached_digest(cache: Cache, size: int, blocks: list[BlockRef | None]) -> str
 
 
 def save(path: Path, cache: Cache, entries: list[CleanEntry]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
+    with open(private.new_temp(path), "w") as f:
         f.write(json.dumps({"ram": cache.ram_arena_id}) + "\n")
         for e in entries:
             f.write(json.dumps({"key": e.key, "size": e.size, "durable_at": e.durable_at, "digest": e.digest,
                                 "blocks": [list(b) if b is not None else None for b in e.blocks]}) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    private.replace_from_temp(path)
 
 
 def load(path: Path, cache: Cache, taken: set[BlockRef]) -> dict[str, CleanEntry]:
     """The entries of the last clean umount, their blocks adopted by the cache; the file is gone after."""
     try:
-        lines = path.read_text().splitlines()
+        lines = private.read_file(path).decode().splitlines()
     except FileNotFoundError:
         return {}
     finally:

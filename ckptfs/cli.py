@@ -82,6 +82,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _umask(text: str) -> int:
+    try:
+        value = int(text, 8)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal umask (examples: 0077, 0022)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = lambda n: humanfriendly.format_size(n, binary=True)  # noqa: E731
     parser = _Parser(prog="ckptfs", description="A FUSE filesystem for AI training checkpoints.")
@@ -105,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"remembered (default {MountConfig.list_ttl:g}; 0: ask every time)")
     p.add_argument("--shm-dir", metavar="DIR",
                    help=f"the tmpfs that holds the RAM tier (default {MountConfig.shm_dir})")
+    p.add_argument("--allow-other", action="store_true",
+                   help="let other users use the mount (only as far as each file's mode allows); default: only you")
+    p.add_argument("--umask", type=_umask, metavar="OCTAL",
+                   help="for files and directories whose mode the store does not record: 0666/0777 less "
+                        f"this, owned by the mounting user (default {MountConfig.umask:04o}: only you)")
+    p.add_argument("--keep-ram-cache", action="store_true",
+                   help="leave the RAM tier in the shm dir at a clean umount (default: removed; the disk tier is kept)")
     p.add_argument("--foreground", action="store_true", help="serve in this process, logging to stderr")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default {MountConfig.log_level})")
@@ -182,6 +199,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "upload_concurrency": args.upload_concurrency,
         "list_ttl": args.list_ttl,
         "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
+        "umask": args.umask,
         "log_level": args.log_level,
     }
     config = MountConfig(
@@ -189,6 +207,8 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         store_url=args.store_url or f"file://{default_store_dir()}",
         cache_dir=os.path.abspath(args.cache_dir or default_cache_dir(mountpoint)),
         endpoint_url=args.endpoint_url,
+        allow_other=args.allow_other,
+        keep_ram_cache=args.keep_ram_cache,
         foreground=args.foreground and args.ready_fd is None,  # a person is watching the log
         **{k: v for k, v in options.items() if v is not None},
     )
@@ -273,6 +293,8 @@ def daemon_argv(config: MountConfig) -> list[str]:
             "--part-size", str(config.part_size), "--upload-concurrency", str(config.upload_concurrency),
             "--list-ttl", repr(config.list_ttl), "--shm-dir", config.shm_dir,
             "--log-level", config.log_level, "--foreground"]
+    argv += ["--umask", f"{config.umask:04o}"]
+    argv += ["--allow-other"] * config.allow_other + ["--keep-ram-cache"] * config.keep_ram_cache
     if config.endpoint_url:
         argv += ["--endpoint-url", config.endpoint_url]
     return argv

@@ -56,6 +56,10 @@ class MountConfig:
     # 0: ask the store every time.
     list_ttl: float = 5.0
     shm_dir: str = "/dev/shm"  # the tmpfs that holds the RAM tier (a container's may be small)
+    allow_other: bool = False  # let other users in (the kernel still checks each file's mode)
+    # Modes of what the store does not record (objects loaded from it): 0666/0777 less this.
+    umask: int = 0o077
+    keep_ram_cache: bool = False  # a clean umount leaves the RAM arena (else it is removed)
     log_level: str = "INFO"
     foreground: bool = False
 

@@ -26,7 +26,6 @@ import logging
 import os
 import select
 import socket
-import stat
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -36,7 +35,8 @@ from typing import Any
 import trio
 
 from ckptfs.config import control_socket_path
-from ckptfs.errors import CkptfsError, ControlError
+from ckptfs import private
+from ckptfs.errors import CkptfsError, ControlError, MountError
 
 log = logging.getLogger(__name__)
 
@@ -219,12 +219,11 @@ async def _is_listening(path: Path) -> bool:
 
 
 def _ensure_private_dir(directory: Path) -> None:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise ControlError(f"{directory} is not a directory owned by uid {os.geteuid()}; refusing to put the control socket there")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(directory, 0o700)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        private.ensure_dir(directory, "control socket directory")
+    except MountError as exc:
+        raise ControlError(str(exc)) from None
 
 
 # --- client -------------------------------------------------------------------

@@ -9,12 +9,12 @@ listing and hand them back to the uploader.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +23,9 @@ import humanfriendly
 import pyfuse3
 import trio
 
-from . import clean_index, control
+from . import clean_index, control, private
 from .background import BackgroundThreads
-from .cache import Cache
+from .cache import RAM, Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path
 from .errors import CkptfsError, FsError, MountError
 from .fetcher import Fetcher
@@ -48,30 +48,62 @@ def run(config: MountConfig, on_ready: Callable[[], None] | None = None) -> None
     Daemon(config).run(on_ready or (lambda: None))
 
 
-def ram_dir_for(cache_dir: Path, shm_dir: Path = Path("/dev/shm")) -> Path:
-    """The RAM tier's tmpfs directory: one per cache dir, so a remount finds its arena."""
-    name = "ckptfs-" + hashlib.sha256(str(cache_dir.resolve()).encode()).hexdigest()[:16]
-    return shm_dir / name if shm_dir.is_dir() else cache_dir / "ram"
-
-
 RAM_OWNER = "owner"  # in a RAM tier's directory: the cache dir it belongs to
+RAM_DIR_RECORD = "ram.dir"  # in the cache dir: which RAM tier directory is its own
+RAM_PREFIX = "ckptfs-"
+
+
+def recorded_ram_dir(cache_dir: Path) -> Path | None:
+    """The RAM tier directory a cache dir recorded at its last mount (None if none)."""
+    try:
+        return Path(os.fsdecode(private.read_file(Path(cache_dir) / RAM_DIR_RECORD, 4096)))
+    except FileNotFoundError:
+        return None
 
 
 def claim_ram_dir(cache_dir: Path, shm_dir: Path) -> Path:
-    """The RAM tier's directory, marked with its cache dir, after sweeping away the tmpfs arenas
-    of cache dirs that no longer exist: they would hold their RAM until reboot otherwise."""
-    ram_dir = ram_dir_for(cache_dir, shm_dir)
-    for other in ram_dir.parent.glob("ckptfs-*"):
-        try:
-            owner = Path((other / RAM_OWNER).read_text())
-        except OSError:
-            continue  # not ours to judge (no owner recorded)
-        if other != ram_dir and not owner.exists():
-            log.info("removing the RAM tier of %s (that cache dir is gone): %s", owner, other)
-            shutil.rmtree(other, ignore_errors=True)
-    ram_dir.mkdir(parents=True, exist_ok=True)
-    (ram_dir / RAM_OWNER).write_text(str(cache_dir))
+    """The RAM tier's directory under ``shm_dir``: the one this cache dir recorded if it is still
+    ours, so a remount after a crash finds its arena; otherwise a fresh one with a random name
+    (made 0700 and exclusively, so another user can neither guess nor pre-create it). Sweeps
+    away first the RAM tiers of cache dirs that no longer exist: they would hold their RAM
+    until reboot otherwise."""
+    if not shm_dir.is_dir():
+        return cache_dir / "ram"
+    private.check_shared_parent(shm_dir, "shm dir")
+    _sweep_ram_dirs(shm_dir)
+    recorded = recorded_ram_dir(cache_dir)
+    if (recorded is not None and recorded.parent == shm_dir and recorded.name.startswith(RAM_PREFIX)
+            and private.is_private_dir(recorded) and _ram_dir_owner(recorded) == cache_dir):
+        return recorded
+    if recorded is not None:
+        log.info("the RAM tier %s of the last mount is gone (a reboot?) or not usable: starting a fresh one", recorded)
+    ram_dir = Path(tempfile.mkdtemp(prefix=RAM_PREFIX, dir=shm_dir))
+    with os.fdopen(private.open_file(ram_dir / RAM_OWNER, os.O_WRONLY, new=True), "wb") as f:
+        f.write(os.fsencode(cache_dir))
+    private.write_file(cache_dir / RAM_DIR_RECORD, os.fsencode(ram_dir))
     return ram_dir
+
+
+def _ram_dir_owner(ram_dir: Path) -> Path | None:
+    """The cache dir a RAM tier directory of ours belongs to, read without following links."""
+    try:
+        return Path(os.fsdecode(private.read_file(ram_dir / RAM_OWNER, 4096)))
+    except (OSError, MountError):
+        return None
+
+
+def _sweep_ram_dirs(shm_dir: Path) -> None:
+    """Remove the RAM tiers whose cache dir is gone. Only directories of ours (owned by us, 0700,
+    not links) are looked into: nothing another user made there is ever read or logged."""
+    with os.scandir(shm_dir) as entries:
+        candidates = [Path(e.path) for e in entries if e.name.startswith(RAM_PREFIX)]
+    for ram_dir in candidates:
+        if not private.is_private_dir(ram_dir):
+            continue
+        owner = _ram_dir_owner(ram_dir)
+        if owner is not None and not owner.exists():
+            log.info("removing the RAM tier of %s (that cache dir is gone): %s", owner, ram_dir)
+            shutil.rmtree(ram_dir, ignore_errors=True)
 
 
 class Daemon:
@@ -84,7 +116,8 @@ class Daemon:
 
     def run(self, on_ready: Callable[[], None]) -> None:
         self._prepare_mountpoint()
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.cache_dir.parent.mkdir(parents=True, exist_ok=True)
+        private.ensure_dir(self.cache_dir, "cache dir")
         self._lock = self._lock_cache_dir()
         try:
             self.store = open_store(self.config.store_url, self.config.endpoint_url,
@@ -93,7 +126,8 @@ class Daemon:
             listing = list(self.store.list(""))
         except StoreError as exc:
             raise MountError(str(exc)) from exc
-        self.cache = Cache(self.cache_dir, claim_ram_dir(self.cache_dir, Path(self.config.shm_dir)), self.config.part_size,
+        self.ram_dir = claim_ram_dir(self.cache_dir, Path(self.config.shm_dir))
+        self.cache = Cache(self.cache_dir, self.ram_dir, self.config.part_size,
                            self.config.ram_cache, self.config.cache_size)
         self.journal = Journal(self.cache_dir / "journal", self.cache.ram_arena_id)
         pending, open_uploads = self.journal.replay()
@@ -106,11 +140,15 @@ class Daemon:
         self.uploader = Uploader(self.store, self.cache, self.journal, self.config.part_size,
                                  self.config.upload_concurrency)
         self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
+        covered = os.stat(self.mountpoint)  # the root looks like the directory it covers
         self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid(),
-                                   list_ttl=self.config.list_ttl)
+                                   list_ttl=self.config.list_ttl, umask=self.config.umask,
+                                   root=(covered.st_mode, covered.st_uid, covered.st_gid))
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
+        # default_permissions (in pyfuse3's defaults): the kernel checks every access against the
+        # modes, so other users, when allowed in at all, reach only what the modes let them.
         options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
-        if os.geteuid() == 0:
+        if self.config.allow_other:
             options.add("allow_other")
         try:
             pyfuse3.init(self.ops, self.mountpoint, options)
@@ -125,6 +163,7 @@ class Daemon:
             self.cache.close()
             self.store.close()
             log.info("unmounted %s", self.mountpoint)
+        self._drop_ram_tier()  # a clean stop only: after a crash the next mount needs it
 
     # -- start-up helpers ---------------------------------------------------------------
     def _prepare_mountpoint(self) -> None:
@@ -159,8 +198,23 @@ class Daemon:
                     raise
                 time.sleep(1)
 
+    def _drop_ram_tier(self) -> None:
+        """Give the RAM arena (and the weights in it) back to the node, unless asked to keep it or
+        the journal still needs blocks in it (uploads left pending by `umount --no-wait` or a
+        stop with the store down): those resume from it at the next mount."""
+        if self.config.keep_ram_cache or self.ram_dir.parent == self.cache_dir:
+            return
+        pending, _ = Journal(self.journal.path, self.cache.ram_arena_id).replay()
+        if any(ref is not None and ref[0] == RAM for op in pending for ref in op.blocks):
+            log.info("keeping the RAM tier %s: pending uploads have data there (the next mount resumes them)",
+                     self.ram_dir)
+            return
+        shutil.rmtree(self.ram_dir, ignore_errors=True)
+        (self.cache_dir / RAM_DIR_RECORD).unlink(missing_ok=True)
+        log.info("removed the RAM tier %s", self.ram_dir)
+
     def _lock_cache_dir(self):
-        lock = open(self.cache_dir / "lock", "w")
+        lock = open(private.open_file(self.cache_dir / "lock", os.O_RDWR | os.O_CREAT), "w")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import private
 from .cache import RAM, BlockRef
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,10 @@ class Journal:
         ops: dict[int, Op] = {}
         uploads: dict[str, tuple[str, str]] = {}
         arena_id = None
-        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
+        try:
+            lines = private.read_file(self.path).decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            lines = []
         for number, line in enumerate(lines, 1):
             try:
                 rec = json.loads(line)
@@ -157,20 +161,14 @@ class Journal:
         self.lines += 1
 
     def _rewrite(self, pending: list[Op], open_uploads: list[tuple[str, str, str]]) -> None:
-        tmp = self.path.with_suffix(".tmp")
         records = [{"t": "arena", "ram": self.ram_arena_id, "seq": self.next_seq - 1}]
         records += [op.to_record() for op in pending]
         records += [{"t": "mpu", "id": i, "key": k, "upload_id": u} for i, k, u in open_uploads]
-        with open(tmp, "w") as f:
+        with open(private.new_temp(self.path), "w") as f:
             f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        private.replace_from_temp(self.path)
         self.close()
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self.fd = private.open_file(self.path, os.O_WRONLY | os.O_APPEND)
         self.lines = len(records)

@@ -156,13 +156,17 @@ class Handle:
 
 class Namespace:
     def __init__(self, cache: Cache, journal: Journal, uploader: Uploader, fetcher: Fetcher, uid: int, gid: int,
-                 list_ttl: float | None = None):
+                 list_ttl: float | None = None, umask: int = 0o022, root: tuple[int, int, int] | None = None):
         self.cache = cache
         self.journal = journal
         self.uploader = uploader
         self.fetcher = fetcher
+        # Owner and modes of what the store does not say (loaded objects): the mounting user, and
+        # 0666/0777 less ``umask``; the root directory: (mode, uid, gid), as the mountpoint was.
         self.uid, self.gid = uid, gid
-        self.root = Node(ROOT_INODE, "", None, True, stat.S_IFDIR | 0o755, uid, gid)
+        self.file_mode, self.dir_mode = 0o666 & ~umask, 0o777 & ~umask
+        root_mode, root_uid, root_gid = root or (0o755, uid, gid)
+        self.root = Node(ROOT_INODE, "", None, True, stat.S_IFDIR | (root_mode & 0o7777), root_uid, root_gid)
         self.inodes: dict[int, Node] = {ROOT_INODE: self.root}
         self.handles: dict[int, Handle] = {}
         self.shadows: dict[int, Shadow] = {}  # by op seq; kept in the journal through compaction
@@ -1191,7 +1195,7 @@ class Namespace:
     # -- internals: tree ---------------------------------------------------------------------------
     def _add(self, parent: Node, name: str, is_dir: bool, mode: int | None = None, uid=None, gid=None) -> Node:
         if mode is None:
-            mode = stat.S_IFDIR | 0o755 if is_dir else stat.S_IFREG | 0o644
+            mode = stat.S_IFDIR | self.dir_mode if is_dir else stat.S_IFREG | self.file_mode
         node = Node(self._next_ino, name, parent, is_dir, mode, self.uid if uid is None else uid, self.gid if gid is None else gid)
         self._next_ino += 1
         self.inodes[node.ino] = node

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ckptfs.daemon import ram_dir_for
+from ckptfs.daemon import recorded_ram_dir
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 
@@ -92,4 +92,14 @@ class Mount:
                 pass
         if is_mounted(self.path):
             subprocess.run(["umount", "-l", str(self.path)], check=False)
-        shutil.rmtree(ram_dir_for(self.cache_dir), ignore_errors=True)  # the RAM tier's tmpfs arena
+        self.drop_ram_tier()
+
+    def ram_dir(self) -> Path | None:
+        """The RAM tier directory (tmpfs) this mount's cache dir recorded, if any."""
+        return recorded_ram_dir(self.cache_dir) if self.cache_dir.is_dir() else None
+
+    def drop_ram_tier(self) -> None:
+        """Remove the RAM tier's tmpfs arena, as a reboot does (it would outlive the test otherwise)."""
+        ram = self.ram_dir()
+        if ram is not None:
+            shutil.rmtree(ram, ignore_errors=True)

@@ -6,6 +6,7 @@ import errno
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,6 @@ import torch
 import xxhash
 
 from tests.checkpoints import assert_same, make_checkpoint
-from ckptfs.daemon import ram_dir_for
 from tests.mounting import Mount, is_mounted
 
 pytestmark = pytest.mark.timeout(300)
@@ -189,7 +189,7 @@ def test_errors_users_can_hit(store, mount_factory):
 def _reboot(m) -> None:
     """What a node reboot does to ckptfs: the daemon dies and tmpfs (the RAM tier) is emptied."""
     m.kill()
-    shutil.rmtree(ram_dir_for(m.cache_dir))
+    m.drop_ram_tier()
 
 
 def test_fsync_before_close_survives_crash_and_reboot(store, mount_factory):
@@ -327,9 +327,10 @@ def test_writers_larger_than_the_cache_flow_at_the_upload_rate(store, mount_fact
 
 def test_remount_keeps_the_clean_cache_and_checks_it(store, mount_factory):
     """A clean umount leaves the cached files for the next mount with the same cache dir: read
-    back without one GET. A cached copy that changed meanwhile (a corrupted arena slot) fails its
-    digest at the first open and is read from the store instead."""
-    m = mount_factory()
+    back without one GET (the RAM tier too, with --keep-ram-cache). A cached copy that changed
+    meanwhile (a corrupted arena slot) fails its digest at the first open and is read from the
+    store instead."""
+    m = mount_factory(extra=("--keep-ram-cache",))
     m.start()
     ckpt, ckpt2 = os.urandom(20 << 20), os.urandom(3 << 20)
     (m.path / "run").mkdir()
@@ -341,7 +342,7 @@ def test_remount_keeps_the_clean_cache_and_checks_it(store, mount_factory):
     assert (m.path / "run" / "optim.pt").read_bytes() == ckpt2
     assert m.status()["fetched_bytes"] == 0
     m.stop()
-    arena = ram_dir_for(m.cache_dir) / "ram.arena"
+    arena = m.ram_dir() / "ram.arena"
     with open(arena, "r+b") as f:  # every RAM slot the files used now holds other bytes
         f.write(os.urandom(32 << 20))
     m.start()
@@ -368,23 +369,22 @@ def test_remount_drops_cached_files_the_store_changed(store, mount_factory):
 
 
 def test_mount_sweeps_ram_tiers_of_deleted_cache_dirs(store, mount_factory, tmp_path):
-    """The RAM tier outlives its daemon on tmpfs (a remount restores from it). Once its cache dir
-    is deleted nothing would ever free it: the next mount removes it, and only it."""
+    """The RAM tier outlives its daemon on tmpfs (a remount after a crash restores from it). Once
+    its cache dir is deleted nothing would ever free it: the next mount removes it, and only it.
+    (RAM tiers that are not ours are never looked into: tests/test_security_files.py.)"""
+    shm = tmp_path / "shm"  # a private tmpfs stand-in: /dev/shm is shared with other tests
+    shm.mkdir()
     gone, kept = tmp_path / "deleted-cache", tmp_path / "kept-cache"
     kept.mkdir()
     orphans = []
     for cache_dir in (gone, kept):
-        ram = ram_dir_for(cache_dir)
-        ram.mkdir(parents=True)
+        ram = Path(tempfile.mkdtemp(prefix="ckptfs-", dir=shm))
         (ram / "ram.arena").write_bytes(b"\0" * 4096)
         (ram / "owner").write_text(str(cache_dir))
         orphans.append(ram)
-    try:
-        m = mount_factory().start()
-        assert not orphans[0].exists()
-        assert (orphans[1] / "ram.arena").exists()
-        assert (ram_dir_for(m.cache_dir) / "owner").read_text() == str(m.cache_dir)
-        m.stop()
-    finally:
-        for ram in orphans:
-            shutil.rmtree(ram, ignore_errors=True)
+    m = mount_factory(extra=("--shm-dir", str(shm))).start()
+    assert not orphans[0].exists()
+    assert (orphans[1] / "ram.arena").exists()
+    assert m.ram_dir().parent == shm
+    assert (m.ram_dir() / "owner").read_text() == str(m.cache_dir)
+    m.stop()
