@@ -10,10 +10,13 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from ckptfs import cli
 from ckptfs.config import control_socket_path
 from tests.faultproxy import FaultProxy, Rule, status
 from tests.mounting import Mount, ckptfs
@@ -270,3 +273,20 @@ def test_umount_no_wait_keeps_the_ram_tier_pending_uploads_need(s3_server, s3_bu
         finally:
             proxy.clear()
             m.cleanup()
+
+
+def test_fstab_options_map_to_the_flags(tmp_path):
+    """/etc/fstab: `allow_other`, `umask=0022`, `keep_ram_cache` reach `ckptfs mount` as flags."""
+    fake = tmp_path / "bin" / "ckptfs"  # stands in for the installed command: prints what it got
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    fake.chmod(0o755)
+    helper = Path(__file__).resolve().parent.parent / "mount" / "mount.ckptfs"
+    done = subprocess.run([sys.executable, str(helper), "local", "/mnt/ckpt", "-o",
+                           "allow_other,umask=0022,keep_ram_cache,_netdev"],
+                          capture_output=True, text=True, timeout=30, env={"PATH": str(fake.parent)})
+    assert done.returncode == 0, done.stderr
+    args = done.stdout.split()
+    assert args == ["mount", "/mnt/ckpt", "--allow-other", "--umask", "0022", "--keep-ram-cache"]
+    config = cli.mount_config(cli.build_parser().parse_args(args))
+    assert (config.allow_other, config.umask, config.keep_ram_cache) == (True, 0o022, True)
