@@ -204,7 +204,11 @@ class Daemon:
         stop with the store down): those resume from it at the next mount."""
         if self.config.keep_ram_cache or self.ram_dir.parent == self.cache_dir:
             return
-        pending, _ = Journal(self.journal.path, self.cache.ram_arena_id).replay()
+        try:
+            pending, _ = Journal(self.journal.path, self.cache.ram_arena_id).replay()
+        except (OSError, ValueError, KeyError, TypeError, MountError) as exc:
+            log.warning("keeping the RAM tier %s: cannot read the journal back (%s)", self.ram_dir, exc)
+            return
         if any(ref is not None and ref[0] == RAM for op in pending for ref in op.blocks):
             log.info("keeping the RAM tier %s: pending uploads have data there (the next mount resumes them)",
                      self.ram_dir)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ import pytest
 from ckptfs import cli
 from ckptfs.config import control_socket_path
 from tests.faultproxy import FaultProxy, Rule, status
-from tests.mounting import Mount, ckptfs
+from tests.mounting import Mount, ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -240,7 +242,13 @@ def test_clean_umount_removes_the_ram_tier_unless_kept(store, mount_factory, tmp
     assert m.ram_dir() == ram
     assert (m.path / "b.bin").read_bytes() == data
     assert m.status()["fetched_bytes"] == 0
-    m.stop()
+    m.sync()
+    os.kill(m.pid, signal.SIGTERM)  # a clean stop too
+    deadline = time.monotonic() + 60
+    while is_mounted(m.path) or Path(f"/proc/{m.pid}").exists():
+        assert time.monotonic() < deadline, "SIGTERM did not stop the daemon"
+        time.sleep(0.1)
+    m.pid = None
     assert os.listdir(shm) == []
 
 
