@@ -72,8 +72,11 @@ def claim_ram_dir(cache_dir: Path, shm_dir: Path) -> Path:
     private.check_shared_parent(shm_dir, "shm dir")
     _sweep_ram_dirs(shm_dir)
     recorded = recorded_ram_dir(cache_dir)
-    if (recorded is not None and recorded.parent == shm_dir and recorded.name.startswith(RAM_PREFIX)
+    if (recorded is not None and recorded.name.startswith(RAM_PREFIX)
             and private.is_private_dir(recorded) and _ram_dir_owner(recorded) == cache_dir):
+        if recorded.parent != shm_dir:  # --shm-dir changed: its blocks may be committed data, keep them
+            private.check_shared_parent(recorded.parent, "shm dir of the last mount")
+            log.warning("using the RAM tier %s of the last mount; --shm-dir applies after a clean umount", recorded)
         return recorded
     if recorded is not None:
         log.info("the RAM tier %s of the last mount is gone (a reboot?) or not usable: starting a fresh one", recorded)

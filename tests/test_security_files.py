@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +28,26 @@ from tests.mounting import Mount, ckptfs, is_mounted
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
+
+
+@pytest.fixture
+def reachable(store):
+    """(root, make): a directory the other user may traverse, and a factory of mounts under it.
+    Not under pytest's /tmp/pytest-of-root, which each pytest session starting on the node
+    (other suites run in parallel) chmods back to 0700, locking the other user out mid-test."""
+    root = Path(tempfile.mkdtemp(prefix="ckptfs-sec-", dir="/tmp"))
+    root.chmod(0o711)
+    made: list[Mount] = []
+
+    def make(*extra: str) -> Mount:
+        m = Mount(store.url, root / f"m{len(made)}", endpoint_url=store.endpoint, extra=extra)
+        made.append(m)
+        return m
+
+    yield root, make
+    for m in made:
+        m.cleanup()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def shm_dir(tmp_path: Path) -> Path:
@@ -55,12 +77,13 @@ def can_open(other_user, path: Path) -> str:
     return done.stdout.strip()
 
 
-def test_planted_shm_dir_and_symlinks_are_never_followed(store, mount_factory, tmp_path, other_user):
+def test_planted_shm_dir_and_symlinks_are_never_followed(reachable, tmp_path, other_user):
     """The attack of issue 14: the neighbour pre-creates the RAM tier's old, guessable directory in
     the shm dir, full of symlinks to root's files, plus look-alike RAM tiers of its own and a link
     to a root directory. The daemon writes nothing through them, reads and logs none of them, and
     the arena holding the weights is out of the neighbour's reach."""
-    shm = shm_dir(tmp_path)
+    root, make = reachable
+    shm = shm_dir(root)
     vault = tmp_path / "vault"  # root's own files, out of the neighbour's reach
     vault.mkdir(mode=0o700)
     secret = vault / "secret"
@@ -71,13 +94,11 @@ def test_planted_shm_dir_and_symlinks_are_never_followed(store, mount_factory, t
     root_ram_like = vault / "old-ram"  # shaped like a RAM tier of a cache dir that is gone
     root_ram_like.mkdir(mode=0o700)
     (root_ram_like / "owner").write_text(str(tmp_path / "no-such-cache"))
-    drop = tmp_path / "drop"  # where the neighbour wants root to create a file
+    drop = root / "drop"  # where the neighbour wants root to create a file
     drop.mkdir()
     drop.chmod(0o777)
-    other_user.reach(drop)
-    other_user.reach(shm)
 
-    m = mount_factory(extra=("--shm-dir", str(shm)))
+    m = make("--shm-dir", str(shm))
     guessable = shm / ("ckptfs-" + hashlib.sha256(str(m.cache_dir.resolve()).encode()).hexdigest()[:16])
     plant = other_user.python(
         "import os, sys\n"
@@ -172,9 +193,8 @@ def test_everything_the_daemon_creates_is_private(store, mount_factory, tmp_path
                 assert (kind, mode, uid) == (stat.S_IFREG, 0o600, 0), (name, oct(mode), uid)
 
 
-def test_other_users_are_kept_out_unless_allow_other(store, mount_factory, other_user):
-    m = mount_factory()
-    other_user.reach(m.path)  # the mountpoint itself, and the directories above it
+def test_other_users_are_kept_out_unless_allow_other(reachable, other_user):
+    m = reachable[1]()
     m.start()
     (m.path / "open.bin").write_bytes(b"for everyone")
     (m.path / "open.bin").chmod(0o644)
@@ -183,12 +203,11 @@ def test_other_users_are_kept_out_unless_allow_other(store, mount_factory, other
     m.stop()
 
 
-def test_with_allow_other_the_modes_decide_across_remounts(store, mount_factory, other_user):
+def test_with_allow_other_the_modes_decide_across_remounts(reachable, other_user):
     """With --allow-other the kernel checks each file's mode (default_permissions). The store does
     not record modes yet: after a remount a file comes back as --umask says, by default 0600 owned
     by the mounting user, so what was private stays private."""
-    m = mount_factory(extra=("--allow-other",))
-    other_user.reach(m.path)
+    m = reachable[1]("--allow-other")
     m.start()
     os.close(os.open(m.path / "private.bin", os.O_WRONLY | os.O_CREAT, 0o600))
     (m.path / "private.bin").write_bytes(b"weights")
