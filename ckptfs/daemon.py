@@ -119,6 +119,9 @@ class Daemon:
 
     def run(self, on_ready: Callable[[], None]) -> None:
         self._prepare_mountpoint()
+        given = Path(self.config.cache_dir).expanduser()
+        if given.is_symlink():  # whoever can make the link would choose where root writes
+            raise MountError(f"refusing the cache dir {given}: it is a symbolic link")
         self.cache_dir.parent.mkdir(parents=True, exist_ok=True)
         private.ensure_dir(self.cache_dir, "cache dir")
         self._lock = self._lock_cache_dir()

@@ -37,18 +37,24 @@ def ensure_dir(path: Path, what: str) -> None:
         pass
     except OSError as exc:
         raise MountError(f"cannot create the {what} {path}: {exc.strerror}") from None
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise MountError(f"refusing the {what} {path}: it is a symbolic link")
-    if not stat.S_ISDIR(st.st_mode):
-        raise MountError(f"refusing the {what} {path}: not a directory")
-    if not ours(st):
-        raise MountError(f"refusing the {what} {path}: owned by uid {st.st_uid}, not {os.geteuid()}")
-    if st.st_mode & 0o022:
-        raise MountError(f"refusing the {what} {path}: writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
-                         "use a directory only its owner can write")
-    if stat.S_IMODE(st.st_mode) != DIR_MODE:
-        os.chmod(path, DIR_MODE, follow_symlinks=False)
+    try:  # checked through an fd of the directory itself: nothing can swap it in between
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            kind = "it is a symbolic link" if os.path.islink(path) else "not a directory"
+            raise MountError(f"refusing the {what} {path}: {kind}") from None
+        raise MountError(f"cannot open the {what} {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not ours(st):
+            raise MountError(f"refusing the {what} {path}: owned by uid {st.st_uid}, not {os.geteuid()}")
+        if st.st_mode & 0o022:
+            raise MountError(f"refusing the {what} {path}: writable by other users "
+                             f"(mode {stat.S_IMODE(st.st_mode):04o}); use a directory only its owner can write")
+        if stat.S_IMODE(st.st_mode) != DIR_MODE:
+            os.fchmod(fd, DIR_MODE)
+    finally:
+        os.close(fd)
 
 
 def is_private_dir(path: Path) -> bool:

@@ -134,8 +134,8 @@ def test_planted_shm_dir_and_symlinks_are_never_followed(reachable, tmp_path, ot
 
 
 def test_cache_dir_or_shm_dir_another_user_controls_is_refused(store, tmp_path, other_user):
-    """A cache dir that is a link, or owned by someone else, and an shm dir others could swap
-    things in: one line, no mount."""
+    """A cache dir that is a link, owned by someone else or writable by others, and an shm dir
+    others could swap things in: one line, no mount, nothing written there."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
     theirs = tmp_path / "theirs"
@@ -144,7 +144,9 @@ def test_cache_dir_or_shm_dir_another_user_controls_is_refused(store, tmp_path, 
     loose_shm = tmp_path / "loose-shm"  # world-writable without the sticky bit
     loose_shm.mkdir()
     loose_shm.chmod(0o777)
+    (tmp_path / "link").symlink_to(elsewhere)
     cases = [
+        (["--cache-dir", str(tmp_path / "link")], "symbolic link"),
         (["--cache-dir", str(theirs)], "owned by uid"),
         (["--cache-dir", str(tmp_path / "loose")], "writable by other users"),
         (["--shm-dir", str(loose_shm)], "other users could replace"),
@@ -163,6 +165,8 @@ def test_cache_dir_or_shm_dir_another_user_controls_is_refused(store, tmp_path, 
             assert line.startswith("ckptfs: ") and "\n" not in line and message in line, done.stderr
         finally:
             m.cleanup()
+    # (the CLI opens its log file there before the daemon starts: that is the logging work's)
+    assert not {"journal", "lock", "disk.arena", "ram.dir"} & set(os.listdir(elsewhere))
 
 
 def test_everything_the_daemon_creates_is_private(store, mount_factory, tmp_path):
