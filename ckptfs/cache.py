@@ -196,8 +196,9 @@ class Cache:
 
     def __init__(self, cache_dir: Path, ram_dir: Path, block_size: int, ram_budget: int, disk_budget: int):
         self.block_size = block_size
-        private.ensure_dir(cache_dir, "cache dir")
-        private.ensure_dir(ram_dir, "RAM tier directory")
+        for directory, what in ((cache_dir, "cache dir"), (ram_dir, "RAM tier directory")):
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            private.ensure_dir(directory, what)
         self.tiers = (
             Tier(RAM, ram_dir / "ram.arena", block_size, ram_budget, mapped=True),
             Tier(DISK, cache_dir / "disk.arena", block_size, disk_budget, mapped=False),
