@@ -290,7 +290,7 @@ def test_part_waiting_for_an_abort_finds_the_upload_gone(store):
         thread.start()
         thread.join(0.3)
         assert thread.is_alive()  # waiting for the lock
-        store._drop_upload(d, uid)
+        store._drop_upload(uid)
     finally:
         os.close(index)
     thread.join(10)
