@@ -68,8 +68,10 @@ def _without_bytes(value: Any, depth: int = 0) -> Any:
         return value
     if isinstance(value, dict):
         return {k: _without_bytes(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_without_bytes(v, depth + 1) for v in value)
+    if isinstance(value, list):
+        return [_without_bytes(v, depth + 1) for v in value]
+    if isinstance(value, tuple):  # a named tuple becomes a plain one: its repr may change, never leak
+        return tuple(_without_bytes(v, depth + 1) for v in value)
     return value
 
 

@@ -251,3 +251,21 @@ def test_an_endpoint_password_is_never_printed(monkeypatch):
         assert "hunter22" not in str(exc.value) and "http://***@127.0.0.1:9" in str(exc.value)
     finally:
         store.close()
+
+
+def test_bytes_inside_containers_are_replaced_and_lines_survive(monkeypatch):
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "name body")
+
+    def emit() -> None:
+        log = logging.getLogger("ckptfs.x")
+        log.info("parts: %s %s", [b"CKPTFS-LOG-CANARY", (b"CKPTFS-LOG-CANARY", 1)], Pair("p", b"CKPTFS-LOG-CANARY"))
+        log.info("%(body)s", {"body": bytearray(b"CKPTFS-LOG-CANARY")})
+        log.info("%s %s", "one argument too few")
+
+    text = _logged("info", emit, monkeypatch)
+    assert "CKPTFS-LOG-CANARY" not in text
+    assert "parts: ['<17 bytes>', ('<17 bytes>', 1)] ('p', '<17 bytes>')" in text
+    assert "INFO ckptfs.x: <17 bytes>" in text
+    assert "could not be formatted" in text and "one argument too few" not in text
