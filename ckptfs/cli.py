@@ -20,7 +20,7 @@ from pathlib import Path
 
 import humanfriendly
 
-from ckptfs import control
+from ckptfs import control, logs
 from ckptfs.config import GiB, MiB, MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
 from ckptfs.errors import CkptfsError, MountError, UsageError
 from ckptfs.store.base import ObjectStore, StoreError
@@ -30,7 +30,7 @@ log = logging.getLogger("ckptfs")
 READY_TIMEOUT_S = 60.0  # how long `mount` waits for the detached daemon to serve
 UNMOUNT_WAIT_S = 60.0  # how long `umount` waits for the mount and the daemon to go
 S3_MIN_PART, S3_MAX_PART = 5 * MiB, 5 * GiB
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVELS = logs.LEVELS
 
 
 # --- parsing --------------------------------------------------------------------
@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave the RAM tier in the shm dir at a clean umount (default: removed; the disk tier is kept)")
     p.add_argument("--foreground", action="store_true", help="serve in this process, logging to stderr")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
-                   help=f"one of {', '.join(LOG_LEVELS)} (default {MountConfig.log_level})")
+                   help=f"one of {', '.join(LOG_LEVELS)} (default {MountConfig.log_level}); only TRACE "
+                        "adds the S3 libraries' lines, redacted: credentials, signatures and data never reach the log")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # set by `mount` for its detached daemon
     p.set_defaults(func=cmd_mount)
 
@@ -256,8 +257,7 @@ def _serve(config: MountConfig, ready_fd: int | None) -> int:
     """Run the daemon in this process. With ``ready_fd``, tell the parent `mount` how start-up went."""
     if ready_fd is not None:
         os.set_inheritable(ready_fd, False)  # helpers such as fusermount3 must not hold the pipe open
-    logging.basicConfig(level=config.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(config.log_level, sys.stderr)
     from ckptfs import daemon
 
     ready = False
@@ -308,15 +308,16 @@ def _spawn_daemon(config: MountConfig) -> int:
     env = dict(os.environ)
     here = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    log_fd = logs.open_log_file(log_path)  # 0600, no link followed, ours
     r, w = os.pipe()
     try:
-        with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ckptfs", *daemon_argv(config), "--ready-fd", str(w)],
-                pass_fds=(w,), start_new_session=True, cwd="/", env=env,
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptfs", *daemon_argv(config), "--ready-fd", str(w)],
+            pass_fds=(w,), start_new_session=True, cwd="/", env=env,
+            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd)
     finally:
         os.close(w)
+        os.close(log_fd)
     try:
         line = read_ready(r, READY_TIMEOUT_S)
     finally:

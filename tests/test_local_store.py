@@ -3,10 +3,14 @@ both stores): each byte is written once, in place; races between threads; crashe
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
+import logging
 import fcntl
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -290,7 +294,7 @@ def test_part_waiting_for_an_abort_finds_the_upload_gone(store):
         thread.start()
         thread.join(0.3)
         assert thread.is_alive()  # waiting for the lock
-        store._drop_upload(d, uid)
+        store._drop_upload(uid)
     finally:
         os.close(index)
     thread.join(10)
@@ -320,3 +324,176 @@ def test_upload_without_an_index_is_gone(store):
         store.complete_multipart("old.bin", uid, [PartInfo(1, "0123456789abcdef")])
     store.abort_multipart("old.bin", uid)
     assert store.list_multipart() == [] and not d.exists()
+
+
+# -- symbolic links planted in the store ---------------------------------------------------
+#
+# The daemon runs as root; users who can write into the store directory plant links there. No
+# link below the root is ever followed: not for reads, writes, listings, deletes, copies or
+# multipart uploads.
+
+
+@pytest.fixture
+def planted(tmp_path, store):
+    """An ``outside`` directory next to the store, with a root-only ``secret.bin``; links to it
+    in the store: ``secret.bin`` (to the file), ``outdir`` (to the directory), ``sub/parent``
+    (to the directory, one level down)."""
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o700)
+    (outside / "secret.bin").write_bytes(b"root only")
+    (outside / "secret.bin").chmod(0o600)
+    store.put("ok.bin", b"ok")
+    store.put("sub/", b"")
+    os.symlink(outside / "secret.bin", store.root / "secret.bin")
+    os.symlink(outside, store.root / "outdir")
+    os.symlink(outside, store.root / "sub" / "parent")
+    return outside
+
+
+def _outside_untouched(outside: Path) -> None:
+    assert sorted(os.listdir(outside)) == ["secret.bin"]
+    assert (outside / "secret.bin").read_bytes() == b"root only"
+
+
+def test_reads_never_follow_a_link(store, planted):
+    for key in ("secret.bin", "outdir/secret.bin", "sub/parent/secret.bin"):
+        with pytest.raises(NotFound):
+            store.get_range(key, 0, 100)
+        assert store.head(key) is None
+        with pytest.raises(NotFound):
+            store.copy(key, "stolen.bin")
+    for key in ("outdir/", "sub/parent/"):
+        assert store.head(key) is None
+        with pytest.raises(NotFound):
+            store.get_range(key, 0, 1)
+        assert store.list_dir(key).files == [] and not store.list_dir(key).exists
+        assert list(store.list(key)) == []
+    assert store.head("stolen.bin") is None
+    assert store.get_range("ok.bin", 0, 10) == b"ok"
+
+
+def test_listings_skip_links_with_one_warning_each(store, planted, caplog):
+    caplog.set_level(logging.WARNING, logger="ckptfs.store.local")
+    for _ in range(3):
+        assert [o.key for o in store.list()] == ["ok.bin", "sub/"]
+        top = store.list_dir("")
+        assert ([f.key for f in top.files], top.dirs) == (["ok.bin"], ["sub"])
+        assert store.list_dir("sub/").dirs == [] and store.list_dir("sub/").files == []
+    warned = [r.getMessage() for r in caplog.records if "symbolic link" in r.getMessage()]
+    assert sorted(warned) == sorted(f"local store {store.root}: {key!r} is a symbolic link: not shown, never followed"
+                                    for key in ("secret.bin", "outdir", "sub/parent"))
+
+
+def test_writes_never_land_outside(store, planted):
+    for key in ("outdir/new.bin", "sub/parent/new.bin", "outdir/deeper/new.bin"):
+        with pytest.raises(StoreError) as exc:
+            store.put(key, b"mine")
+        assert exc.value.errno == errno.ELOOP and "symbolic link" in str(exc.value)
+        with pytest.raises(StoreError):
+            store.copy("ok.bin", key)
+        with pytest.raises(StoreError):
+            store.put(key.rpartition("/")[0] + "/", b"")
+        uid = store.create_multipart(key)
+        part = store.upload_part(key, uid, 1, b"mine")
+        with pytest.raises(StoreError) as exc:
+            store.complete_multipart(key, uid, [part])
+        assert exc.value.errno == errno.ELOOP
+        store.abort_multipart(key, uid)
+    for key in ("outdir/secret.bin", "sub/parent/secret.bin", "outdir/", "sub/parent/"):
+        store.delete(key)  # nothing of ours there: a no-op
+    _outside_untouched(planted)
+    # A link where an object goes is replaced by the object; what it pointed to stays as it was.
+    store.put("secret.bin", b"mine")
+    assert not (store.root / "secret.bin").is_symlink()
+    assert store.get_range("secret.bin", 0, 10) == b"mine"
+    uid = store.create_multipart("secret2.bin")
+    os.symlink(planted / "secret.bin", store.root / "secret2.bin")
+    store.complete_multipart("secret2.bin", uid, [store.upload_part("secret2.bin", uid, 1, b"mine too")])
+    assert store.get_range("secret2.bin", 0, 10) == b"mine too"
+    _outside_untouched(planted)
+
+
+def test_links_inside_a_multipart_upload_are_not_followed(store, planted):
+    """Someone who can write into the store could plant links among an upload's own files."""
+    uid = store.create_multipart("k.bin")
+    d = _upload_dir(store, uid)
+    (d / "data").unlink()
+    os.symlink(planted / "secret.bin", d / "data")
+    with pytest.raises(StoreError) as exc:
+        store.upload_part("k.bin", uid, 1, b"x" * 100)
+    assert exc.value.errno == errno.ELOOP
+    os.symlink(planted / "secret.bin", d / "2.part")  # a part that goes to a file of its own
+    with pytest.raises(StoreError):
+        store.upload_part("k.bin", uid, 2, b"y" * 100)
+    store.abort_multipart("k.bin", uid)
+    assert not d.exists()
+    _outside_untouched(planted)
+    # The whole upload directory, or the uploads directory, swapped for a link.
+    uid = store.create_multipart("k.bin")
+    shutil.rmtree(_upload_dir(store, uid))
+    os.symlink(planted, _upload_dir(store, uid))
+    with pytest.raises(NotFound):
+        store.upload_part("k.bin", uid, 1, b"x")
+    assert store.list_multipart() == []
+    store.abort_multipart("k.bin", uid)
+    assert _upload_dir(store, uid).is_symlink()  # the link itself may stay; its target is untouched
+    _outside_untouched(planted)
+
+
+def test_a_linked_temp_dir_is_refused(store, planted):
+    tmp = store.root / TMP_DIR
+    shutil.rmtree(tmp)
+    os.symlink(planted, tmp)
+    fresh = LocalStore(store.root)
+    with pytest.raises(StoreError, match="symbolic link") as exc:
+        fresh.check()
+    assert exc.value.errno == errno.ELOOP
+    for call in (lambda: fresh.put("a.bin", b"x"), lambda: fresh.create_multipart("a.bin"),
+                 lambda: fresh.copy("ok.bin", "b.bin")):
+        with pytest.raises(StoreError):
+            call()
+    assert fresh.list_multipart() == []
+    _outside_untouched(planted)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two names atomically (renameat2 RENAME_EXCHANGE): neither is ever missing."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, bytes(a), at_fdcwd, bytes(b), rename_exchange) != 0:
+        raise OSError(ctypes.get_errno(), "renameat2")
+
+
+def test_a_component_swapped_for_a_link_mid_operation(store, planted):
+    """A user who can write into the store swaps a directory for a link to ``outside`` and back,
+    as fast as it can, while objects under it are written and read: nothing lands outside and no
+    read returns the outside bytes (a check-then-use walk would lose this race now and then)."""
+    store.put("swap/in.bin", b"inside")
+    (planted / "in.bin").write_bytes(b"root only")  # what a followed link would show
+    (planted / "in.bin").chmod(0o600)
+    link = store.root / "swap.link"
+    os.symlink(planted, link)
+    stop = threading.Event()
+
+    def swapper() -> None:
+        while not stop.is_set():
+            _exchange(store.root / "swap", link)
+
+    thread = threading.Thread(target=swapper)
+    thread.start()
+    seen, refused = [], 0
+    try:
+        for i in range(400):
+            try:
+                store.put(f"swap/new-{i}.bin", b"mine")
+            except StoreError as e:
+                assert e.errno in (errno.ELOOP, errno.ENOTDIR)  # ENOTDIR: swapped back between two looks
+                refused += 1
+            with contextlib.suppress(NotFound):
+                seen.append(store.get_range("swap/in.bin", 0, 100))
+    finally:
+        stop.set()
+        thread.join()
+    assert set(seen) == {b"inside"} and 0 < refused < 400  # both states were met
+    assert sorted(os.listdir(planted)) == ["in.bin", "secret.bin"]
+    assert (planted / "in.bin").read_bytes() == b"root only"

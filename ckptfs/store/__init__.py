@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from .base import MAX_KEY_BYTES, MAX_PARTS, NotFound, ObjectInfo, ObjectStore, PartInfo, StoreError
+from .base import redact_url as _redact
 
 __all__ = ["MAX_KEY_BYTES", "MAX_PARTS", "NotFound", "ObjectInfo", "ObjectStore", "PartInfo",
            "StoreError", "open_store"]
@@ -19,11 +20,6 @@ __all__ = ["MAX_KEY_BYTES", "MAX_PARTS", "NotFound", "ObjectInfo", "ObjectStore"
 # Loose on purpose: AWS wants 3-63 lowercase chars, but Swift, Ceph and MinIO allow more.
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}\Z")
 _USAGE = "use s3://bucket[/prefix] or file:///path"
-
-
-def _redact(url: str) -> str:
-    """The URL as it may be printed: drop any user:password@ part."""
-    return re.sub(r"//[^/@]*@", "//***@", url)
 
 
 def open_store(url: str | None, endpoint_url: str | None = None, max_connections: int = 16) -> ObjectStore:

@@ -10,6 +10,7 @@ marker (a zero-byte object, as S3 tools make for empty folders).
 from __future__ import annotations
 
 import errno
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +19,11 @@ from dataclasses import dataclass, field
 # last), keys of at most 1024 bytes, user metadata of at most 2 KiB.
 MAX_PARTS = 10_000
 MAX_KEY_BYTES = 1024
+
+
+def redact_url(url: str) -> str:
+    """The URL as it may be printed or logged: any user:password@ part masked."""
+    return re.sub(r"//[^/@]*@", "//***@", url)
 
 
 class StoreError(Exception):

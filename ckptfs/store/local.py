@@ -1,7 +1,7 @@
 """The local store: a plain directory (local disk, NFS, Lustre) holds one file per key.
 
 Objects appear only whole: every write goes to a temp file under ``ROOT/.ckptfs-tmp/``
-(same filesystem, so the final ``os.replace`` is atomic), is fsynced, then renamed into
+(same filesystem, so the final rename is atomic), is fsynced, then renamed into
 place and its directory fsynced. A key ending in ``/`` is a directory. User metadata
 lives in ``user.ckptfs.<name>`` xattrs.
 
@@ -10,6 +10,15 @@ the object: each part is written once, in place, at ``(number - 1) * P`` (P: the
 part but the last), and ``complete_multipart`` truncates that file and renames it into place.
 The multipart section of LocalStore says how parts are laid out and locked, and what a crash
 leaves.
+
+The daemon runs as root, and other users may be able to write into the store directory: no
+symbolic link below the root is ever followed. Every path is walked one component at a time,
+each directory opened with O_NOFOLLOW relative to its parent's descriptor (openat), and every
+file opened, created, renamed or removed relative to its directory's descriptor, so a link
+swapped in between a check and a use is not followed either. A link where an object would be
+is not an object: listings skip it (with a warning, once per key), reads find nothing, a write
+replaces the link itself, and a link where a directory must be fails the write (ELOOP). The
+root itself may be reached through links in the path the admin gave.
 """
 
 from __future__ import annotations
@@ -22,10 +31,11 @@ import logging
 import os
 import re
 import shutil
+import stat
 import struct
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,36 +54,63 @@ from .base import (
 log = logging.getLogger(__name__)
 
 TMP_DIR = ".ckptfs-tmp"
+UPLOADS = (TMP_DIR, "uploads")
 XATTR_PREFIX = "user.ckptfs."
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}\Z")
 _NO_XATTR = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 # Errors where trying again later may succeed (space freed, NFS server back).
 _TRANSIENT = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EINTR,
               errno.ETIMEDOUT, errno.ESTALE, errno.EBUSY}
+# Opening a name that is no object: a symbolic link (ELOOP), a socket (ENXIO).
+_NOT_AN_OBJECT = {errno.ELOOP, errno.ENXIO, errno.ENODEV}
 _COPY_CHUNK = 64 << 20
+_SMALL_FILE = 1 << 20  # the most read of an upload's ``key`` or ``metadata.json``
+_WARNED_LINKS_MAX = 10_000  # links remembered as already warned about (then forgotten at once)
+
+# Every open below the root: never through a symbolic link, never inherited by helpers.
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
 
 
-def _storable_entries(path: Path, top: bool) -> list[tuple[os.DirEntry, bool]]:
-    """The entries of a directory that are objects or prefixes: (entry, is_dir). Skips our own
-    temp dir at the top, names that are not UTF-8 (S3 keys are), sockets, fifos, broken links."""
-    out = []
-    for entry in os.scandir(path):
-        if top and entry.name == TMP_DIR:
-            continue
-        try:
-            entry.name.encode()
-            is_dir = entry.is_dir(follow_symlinks=False)
-            if is_dir or entry.is_file():
-                out.append((entry, is_dir))
-        except (UnicodeEncodeError, OSError):
-            continue
-    return out
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _subdir(parent: int, name: str, create: bool = False) -> int:
+    """A descriptor of the directory ``name`` in ``parent``, never through a symbolic link
+    (one there: ELOOP; a file: ENOTDIR). With ``create``, made if missing (and ``parent``
+    fsynced, so it survives a crash)."""
     try:
-        os.fsync(fd)
+        return os.open(name, _DIR, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    except NotADirectoryError:
+        # O_DIRECTORY|O_NOFOLLOW says ENOTDIR for a link too: tell the two apart for the message.
+        if stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), name) from None
+        raise
+    try:
+        os.mkdir(name, dir_fd=parent)
+        os.fsync(parent)
+    except FileExistsError:
+        pass  # made meanwhile: opened below with the same checks
+    return _subdir(parent, name)
+
+
+@contextlib.contextmanager
+def _closing(fd: int) -> Iterator[int]:
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_small(dir_fd: int, name: str) -> bytes:
+    """The content of a small file (at most _SMALL_FILE bytes) in ``dir_fd``, not through a link."""
+    fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
+    try:
+        chunks, size = [], 0
+        while size < _SMALL_FILE and (chunk := os.read(fd, _SMALL_FILE - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
     finally:
         os.close(fd)
 
@@ -174,9 +211,10 @@ def _write_records(index: int, records: dict[int, _Part | None]) -> None:
 
 
 @contextlib.contextmanager
-def _flocked(path: Path, how: int, create: bool = False) -> Iterator[int]:
-    """``path`` opened and flocked ``how`` (closing it releases the lock)."""
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+def _flocked(dir_fd: int, name: str, how: int, create: bool = False) -> Iterator[int]:
+    """``name`` in ``dir_fd`` opened (not through a link) and flocked ``how`` (closing it
+    releases the lock)."""
+    fd = os.open(name, os.O_RDWR | _NOFOLLOW | (os.O_CREAT if create else 0), 0o644, dir_fd=dir_fd)
     try:
         fcntl.flock(fd, how)
         yield fd
@@ -194,18 +232,18 @@ class LocalStore(ObjectStore):
     def __init__(self, root: Path | str):
         self.root = Path(os.path.abspath(root))
         self.url = self.root.as_uri()
-        self._tmp = self.root / TMP_DIR
-        self._uploads = self._tmp / "uploads"
         self._xattrs = True  # cleared the first time the filesystem refuses them
         self._slot_sizes: dict[str, int] = {}  # upload id -> P, once known (it never changes)
         self._begun: dict[str, dict[int, int]] = {}  # upload id -> {number: length} of parts begun here
         self._begun_lock = threading.Lock()
+        self._warned_links: set[str] = set()  # keys of links a listing skipped, warned about once
+        self._warned_lock = threading.Lock()
         self._ready = False
 
     # -- helpers ---------------------------------------------------------------
 
-    def _path(self, key: str) -> Path:
-        """The path for ``key``; ValueError for keys that would escape the root."""
+    def _parts(self, key: str) -> list[str]:
+        """The path components of ``key`` below the root; ValueError for keys that would escape it."""
         if not key or key.startswith("/") or "\0" in key:
             raise ValueError(f"invalid store key {key!r}")
         parts = key[:-1].split("/") if key.endswith("/") else key.split("/")
@@ -213,54 +251,134 @@ class LocalStore(ObjectStore):
             raise ValueError(f"invalid store key {key!r}: empty, '.' or '..' component")
         if parts[0] == TMP_DIR:
             raise ValueError(f"invalid store key {key!r}: {TMP_DIR} is reserved")
-        return self.root.joinpath(*parts)
+        return parts
+
+    def _open_dir(self, parts: Sequence[str], create: bool = False) -> int:
+        """A descriptor of the directory ROOT/parts..., each component opened relative to the
+        one before and never through a link (see the module doc). With ``create``: mkdir -p."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in parts:
+                child = _subdir(fd, name, create)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextlib.contextmanager
+    def _dir(self, parts: Sequence[str], create: bool = False) -> Iterator[int]:
+        fd = self._open_dir(parts, create)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _open_object(self, key: str, op: str) -> tuple[int, os.stat_result]:
+        """The regular file holding ``key``, opened read-only, and its stat; NotFound where there
+        is none (a directory, a link, anything else)."""
+        parts = self._parts(key)
+        try:
+            with self._dir(parts[:-1]) as d:
+                # O_NONBLOCK: opening a fifo someone put there must not hang; no effect on a file.
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=d)
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFound(f"local store {self.root}: no object {key!r}") from None
+        except OSError as e:
+            if e.errno in _NOT_AN_OBJECT:
+                raise NotFound(f"local store {self.root}: no object {key!r} ({self._why(e)})") from None
+            raise self._err(op, key, e) from None
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            raise self._err(op, key, e) from None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise NotFound(f"local store {self.root}: no object {key!r} (not a file)")
+        return fd, st
+
+    @staticmethod
+    def _why(e: OSError) -> str:
+        if e.errno == errno.ELOOP:
+            return f"{e.filename or 'a name on the way'} is a symbolic link (links in the store are never followed)"
+        return e.strerror or str(e)
 
     def _err(self, op: str, key: str, e: OSError) -> StoreError:
         code = e.errno or errno.EIO
-        return StoreError(f"local store {self.root}: {op} {key!r}: {e.strerror or e}",
+        return StoreError(f"local store {self.root}: {op} {key!r}: {self._why(e)}",
                           transient=code in _TRANSIENT, errno_=code)
+
+    def _skip_link(self, key: str) -> None:
+        """A listing met a symbolic link: it is not shown; say so once per key."""
+        with self._warned_lock:
+            if key in self._warned_links:
+                return
+            if len(self._warned_links) >= _WARNED_LINKS_MAX:
+                self._warned_links.clear()
+            self._warned_links.add(key)
+        log.warning("local store %s: %r is a symbolic link: not shown, never followed", self.root, key)
+
+    def _storable_entries(self, fd: int, rel: str) -> list[tuple[os.DirEntry, bool]]:
+        """The entries of the directory ``fd`` (key prefix ``rel``) that are objects or prefixes:
+        (entry, is_dir). Skips our own temp dir at the top, names that are not UTF-8 (S3 keys
+        are), sockets, fifos, and symbolic links (with a warning)."""
+        out = []
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if not rel and entry.name == TMP_DIR:
+                    continue
+                try:
+                    entry.name.encode()
+                    if entry.is_symlink():
+                        self._skip_link(rel + entry.name)
+                        continue
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    if is_dir or entry.is_file(follow_symlinks=False):
+                        out.append((entry, is_dir))
+                except (UnicodeEncodeError, OSError):
+                    continue
+        return out
+
+    def _file_stat(self, entry: os.DirEntry) -> os.stat_result | None:
+        """A listed file's stat (not through a link); None if it went or is no longer a file."""
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return st if stat.S_ISREG(st.st_mode) else None
 
     def _prepare(self) -> None:
         if not self._ready:
-            self._uploads.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.close(self._open_dir(UPLOADS, create=True))
             self._ready = True
 
-    def _tmpfile(self) -> tuple[int, Path]:
-        self._prepare()
-        path = self._tmp / f"{uuid.uuid4().hex}.tmp"
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), path
-
-    def _makedirs(self, path: Path) -> None:
-        """mkdir -p that fsyncs each parent it changes, so new dirs survive a crash."""
-        if path == self.root or path.is_dir():
-            return
-        self._makedirs(path.parent)
-        try:
-            path.mkdir()
-        except FileExistsError:
-            if not path.is_dir():
-                raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", str(path)) from None
-            return
-        _fsync_dir(path.parent)
-
-    def _publish(self, fd: int, tmp: Path, dest: Path) -> None:
-        """fsync the temp file, rename it over ``dest`` and make the rename durable."""
+    def _publish(self, fd: int, src_dir: int, src_name: str, dest: Sequence[str]) -> None:
+        """fsync the file ``fd`` (named ``src_name`` in ``src_dir``), rename it over the key
+        ``dest`` (its components) and make the rename durable. The rename replaces a link at
+        ``dest`` itself, never what it points to."""
         os.fsync(fd)
-        self._makedirs(dest.parent)
-        os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        with self._dir(dest[:-1], create=True) as d:
+            os.rename(src_name, dest[-1], src_dir_fd=src_dir, dst_dir_fd=d)
+            os.fsync(d)
 
-    def _publish_new(self, dest: Path, metadata: dict[str, str] | None, fill: Callable[[int], object]) -> None:
+    def _publish_new(self, dest: Sequence[str], metadata: dict[str, str] | None,
+                     fill: Callable[[int], object]) -> None:
         """A new object at ``dest``: a temp file that ``fill(fd)`` writes, then ``_publish``."""
-        fd, tmp = self._tmpfile()
-        try:
-            fill(fd)
-            self._set_metadata(fd, metadata)
-            self._publish(fd, tmp, dest)
-        finally:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+        self._prepare()
+        with self._dir((TMP_DIR,), create=True) as tmp_dir:
+            name = f"{uuid.uuid4().hex}.tmp"
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=tmp_dir)
+            try:
+                fill(fd)
+                self._set_metadata(fd, metadata)
+                self._publish(fd, tmp_dir, name, dest)
+            finally:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=tmp_dir)
 
     def _set_metadata(self, fd: int, metadata: dict[str, str] | None) -> None:
         for name, value in (metadata or {}).items():
@@ -274,12 +392,12 @@ class LocalStore(ObjectStore):
                 self._xattrs = False
                 log.debug("local store %s: no xattr support (%s): metadata is not kept", self.root, e.strerror)
 
-    def _get_metadata(self, path: Path | int) -> dict[str, str]:
+    def _get_metadata(self, fd: int) -> dict[str, str]:
         if not self._xattrs:
             return {}
         try:
-            names = [n for n in os.listxattr(path) if n.startswith(XATTR_PREFIX)]
-            return {n[len(XATTR_PREFIX):]: os.getxattr(path, n).decode() for n in names}
+            names = [n for n in os.listxattr(fd) if n.startswith(XATTR_PREFIX)]
+            return {n[len(XATTR_PREFIX):]: os.getxattr(fd, n).decode() for n in names}
         except OSError as e:
             if e.errno in _NO_XATTR:
                 return {}
@@ -296,34 +414,33 @@ class LocalStore(ObjectStore):
             raise StoreError(f"cannot create local store {self.root}: {e.strerror}", errno_=e.errno or errno.EIO) from None
         try:
             self._prepare()
-            fd, tmp = self._tmpfile()
-            os.close(fd)
-            tmp.unlink()
+            with self._dir((TMP_DIR,)) as tmp_dir:
+                name = f"{uuid.uuid4().hex}.tmp"
+                os.close(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=tmp_dir))
+                os.unlink(name, dir_fd=tmp_dir)
         except OSError as e:
-            raise StoreError(f"local store {self.root} is not writable: {e.strerror}", errno_=e.errno or errno.EIO) from None
+            raise StoreError(f"local store {self.root} is not writable: {self._why(e)}",
+                             errno_=e.errno or errno.EIO) from None
 
     def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
-        dest = self._path(key)
+        parts = self._parts(key)
         try:
             if key.endswith("/"):
-                self._makedirs(dest)
+                self._prepare()  # the root
+                os.close(self._open_dir(parts, create=True))
                 return
-            self._publish_new(dest, metadata, lambda fd: _pwrite_all(fd, data, 0))
+            self._publish_new(parts, metadata, lambda fd: _pwrite_all(fd, data, 0))
         except OSError as e:
             raise self._err("put", key, e) from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        path = self._path(key)
         if key.endswith("/"):
-            if path.is_dir():
+            try:
+                os.close(self._open_dir(self._parts(key)))
                 return b""
-            raise NotFound(f"local store {self.root}: no object {key!r}")
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            raise NotFound(f"local store {self.root}: no object {key!r}") from None
-        except OSError as e:
-            raise self._err("get", key, e) from None
+            except OSError:
+                raise NotFound(f"local store {self.root}: no object {key!r}") from None
+        fd, _ = self._open_object(key, "get")
         try:
             chunks = []
             while length > 0:
@@ -334,126 +451,141 @@ class LocalStore(ObjectStore):
                 start += len(chunk)
                 length -= len(chunk)
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        except IsADirectoryError:
-            raise NotFound(f"local store {self.root}: no object {key!r} (a directory)") from None
         except OSError as e:
             raise self._err("get", key, e) from None
         finally:
             os.close(fd)
 
     def head(self, key: str) -> ObjectInfo | None:
-        path = self._path(key)
+        # "a" and "a/" are different keys, as on S3: a directory is no object "a", a file no "a/".
+        if key.endswith("/"):
+            try:
+                with self._dir(self._parts(key)) as d:
+                    return ObjectInfo(key, 0, os.fstat(d).st_mtime)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            except OSError as e:
+                if e.errno in _NOT_AN_OBJECT:
+                    return None
+                raise self._err("head", key, e) from None
         try:
-            st = os.stat(path)
-            is_dir = os.path.isdir(path)
-            if is_dir != key.endswith("/"):
-                return None  # "a" and "a/" are different keys, as on S3
-            if is_dir:
-                return ObjectInfo(key, 0, st.st_mtime)
-            return ObjectInfo(key, st.st_size, st.st_mtime, self._get_metadata(path), _etag(st))
-        except (FileNotFoundError, NotADirectoryError):
+            fd, st = self._open_object(key, "head")
+        except NotFound:
             return None
+        try:
+            return ObjectInfo(key, st.st_size, st.st_mtime, self._get_metadata(fd), _etag(st))
         except OSError as e:
             raise self._err("head", key, e) from None
+        finally:
+            os.close(fd)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # Walk only the deepest directory the prefix fully names.
         base = prefix.rpartition("/")[0]
-        start = self._path(base + "/") if base else self.root
         rel = base + "/" if base else ""
+        parts = self._parts(rel) if rel else []
         try:
-            if rel and prefix == rel:  # the prefix names a directory: its marker comes first
-                try:
-                    st = os.stat(start)
-                except (FileNotFoundError, NotADirectoryError):
-                    return
-                yield ObjectInfo(rel, 0, st.st_mtime)
-            yield from self._walk(start, rel, prefix)
-        except OSError as e:
-            raise self._err("list", prefix, e) from None
-
-    def _walk(self, path: Path, rel: str, prefix: str) -> Iterator[ObjectInfo]:
-        """Yield the keys under ``path`` in S3 order (UTF-8 byte order of the whole key)."""
-        try:
-            entries = _storable_entries(path, top=not rel)
+            fd = self._open_dir(parts)
         except (FileNotFoundError, NotADirectoryError):
             return
+        except OSError as e:
+            if e.errno in _NOT_AN_OBJECT:
+                return
+            raise self._err("list", prefix, e) from None
+        try:
+            if rel and prefix == rel:  # the prefix names a directory: its marker comes first
+                yield ObjectInfo(rel, 0, os.fstat(fd).st_mtime)
+            yield from self._walk(fd, rel, prefix)
+        except OSError as e:
+            raise self._err("list", prefix, e) from None
+        finally:
+            os.close(fd)
+
+    def _walk(self, fd: int, rel: str, prefix: str) -> Iterator[ObjectInfo]:
+        """Yield the keys under the directory ``fd`` in S3 order (UTF-8 byte order of the whole key)."""
         items = []
-        for entry, is_dir in entries:
+        for entry, is_dir in self._storable_entries(fd, rel):
             key = rel + entry.name + ("/" if is_dir else "")
             if key.startswith(prefix):
                 items.append((key.encode(), key, is_dir, entry))
         items.sort()
         for _, key, is_dir, entry in items:
+            if not is_dir:
+                st = self._file_stat(entry)
+                if st is not None:  # else removed (or swapped for a link) while we walked
+                    yield ObjectInfo(key, st.st_size, st.st_mtime, etag=_etag(st))
+                continue
             try:
-                st = entry.stat()
-            except FileNotFoundError:
-                continue  # removed while we walked
-            yield ObjectInfo(key, 0 if is_dir else st.st_size, st.st_mtime, etag="" if is_dir else _etag(st))
-            if is_dir:
-                yield from self._walk(Path(entry.path), key, prefix)
+                sub = _subdir(fd, entry.name)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    self._skip_link(key[:-1])
+                if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    continue  # removed or swapped while we walked
+                raise
+            try:
+                yield ObjectInfo(key, 0, os.fstat(sub).st_mtime)
+                yield from self._walk(sub, key, prefix)
+            finally:
+                os.close(sub)
 
     def list_dir(self, prefix: str = "", limit: int | None = None) -> DirListing:
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"list_dir needs a directory prefix, not {prefix!r}")
-        path = self._path(prefix) if prefix else self.root
+        parts = self._parts(prefix) if prefix else []
         try:
-            entries = _storable_entries(path, top=not prefix)
+            with self._dir(parts) as fd:
+                items = []
+                for entry, is_dir in self._storable_entries(fd, prefix):
+                    items.append((entry.name.encode() + (b"/" if is_dir else b""), entry, is_dir))
+                items.sort(key=lambda item: item[0])  # S3 order: UTF-8 bytes of the key
+                files: list[ObjectInfo] = []
+                dirs: list[str] = []
+                for _, entry, is_dir in items:
+                    if limit is not None and len(files) + len(dirs) >= limit:
+                        break
+                    if is_dir:
+                        dirs.append(entry.name)
+                        continue
+                    try:
+                        st = self._file_stat(entry)
+                    except OSError as e:
+                        raise self._err("list", prefix + entry.name, e) from None
+                    if st is not None:  # else removed (or swapped for a link) while we listed
+                        files.append(ObjectInfo(prefix + entry.name, st.st_size, st.st_mtime, etag=_etag(st)))
+                return DirListing(files, dirs, True)
         except (FileNotFoundError, NotADirectoryError):
             return DirListing([], [], not prefix)
         except OSError as e:
+            if e.errno in _NOT_AN_OBJECT:
+                return DirListing([], [], not prefix)
             raise self._err("list", prefix, e) from None
-        items = []
-        for entry, is_dir in entries:
-            items.append((entry.name.encode() + (b"/" if is_dir else b""), entry, is_dir))
-        items.sort(key=lambda item: item[0])  # S3 order: UTF-8 bytes of the key
-        files: list[ObjectInfo] = []
-        dirs: list[str] = []
-        for _, entry, is_dir in items:
-            if limit is not None and len(files) + len(dirs) >= limit:
-                break
-            if is_dir:
-                dirs.append(entry.name)
-                continue
-            try:
-                st = entry.stat()
-            except FileNotFoundError:
-                continue  # removed while we listed
-            except OSError as e:
-                raise self._err("list", prefix + entry.name, e) from None
-            files.append(ObjectInfo(prefix + entry.name, st.st_size, st.st_mtime, etag=_etag(st)))
-        return DirListing(files, dirs, True)
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        parts = self._parts(key)
         try:
-            if key.endswith("/"):
-                os.rmdir(path)
-            else:
-                os.unlink(path)
+            with self._dir(parts[:-1]) as d:
+                if key.endswith("/"):
+                    os.rmdir(parts[-1], dir_fd=d)
+                else:
+                    os.unlink(parts[-1], dir_fd=d)  # a link there goes itself; its target stays
         except OSError as e:
-            # Absent is fine; so is a non-empty directory (it holds other keys), and
-            # "a" naming a directory (there is no object "a").
-            if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR):
+            # Absent is fine; so is a non-empty directory (it holds other keys), "a" naming a
+            # directory (there is no object "a"), and a link on the way (nothing of ours there).
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR,
+                               errno.ELOOP):
                 raise self._err("delete", key, e) from None
 
     def copy(self, src: str, dst: str) -> None:
-        src_path, dst_path = self._path(src), self._path(dst)
+        dst_parts = self._parts(dst)
         if src.endswith("/"):
-            if not src_path.is_dir():
+            if self.head(src) is None:
                 raise NotFound(f"local store {self.root}: no object {src!r}")
             self.put(dst, b"")
             return
+        sfd, _ = self._open_object(src, "copy")
         try:
-            sfd = os.open(src_path, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise NotFound(f"local store {self.root}: no object {src!r}") from None
-        except OSError as e:
-            raise self._err("copy", src, e) from None
-        try:
-            if os.path.isdir(src_path):
-                raise NotFound(f"local store {self.root}: no object {src!r} (a directory)")
-            self._publish_new(dst_path, self._get_metadata(sfd), lambda fd: _copy_range(sfd, 0, fd, 0))
+            self._publish_new(dst_parts, self._get_metadata(sfd), lambda fd: _copy_range(sfd, 0, fd, 0))
         except OSError as e:
             raise self._err("copy", f"{src} -> {dst}", e) from None
         finally:
@@ -471,47 +603,68 @@ class LocalStore(ObjectStore):
     # A record is written (and fdatasynced) only after its bytes are synced, and wiped (and
     # synced) before they are overwritten, under the part's lock: a record never names bytes that
     # are not there, whatever the crash. Parts hold the index flocked shared; complete and abort
-    # hold it exclusively, so they wait for parts being written.
+    # hold it exclusively, so they wait for parts being written. Like everything below the root,
+    # the upload's files are reached through the descriptor of its directory, never a link.
 
-    def _upload_dir(self, key: str, upload_id: str) -> Path:
-        """The upload's directory; NotFound if it does not exist or is for another key."""
-        d = self._uploads / upload_id
+    def _upload_dir(self, key: str, upload_id: str) -> int:
+        """A descriptor of the upload's directory (the caller closes it); NotFound if it does not
+        exist or is for another key."""
+        missing = NotFound(f"local store {self.root}: no upload {upload_id!r} for {key!r}")
+        if not _UPLOAD_ID.match(upload_id):
+            raise missing
         try:
-            if _UPLOAD_ID.match(upload_id) and (d / "key").read_text() == key:
+            d = self._open_dir((*UPLOADS, upload_id))
+        except (FileNotFoundError, NotADirectoryError):
+            raise missing from None
+        except OSError as e:
+            if e.errno in _NOT_AN_OBJECT:
+                raise missing from None
+            raise self._err("multipart", key, e) from None
+        try:
+            if _read_small(d, "key") == key.encode():
                 return d
         except (FileNotFoundError, NotADirectoryError):
             pass
         except OSError as e:
+            os.close(d)
+            if e.errno in _NOT_AN_OBJECT:
+                raise missing from None
             raise self._err("multipart", key, e) from None
-        raise NotFound(f"local store {self.root}: no upload {upload_id!r} for {key!r}")
+        os.close(d)
+        raise missing
 
     @contextlib.contextmanager
-    def _locked_upload(self, key: str, upload_id: str, how: int) -> Iterator[tuple[Path, int]]:
-        """The upload's directory and its index, flocked ``how``; NotFound if the upload is gone
-        or went (completed, aborted) while we waited for the lock."""
+    def _locked_upload(self, key: str, upload_id: str, how: int) -> Iterator[tuple[int, int]]:
+        """The upload's directory and its index (descriptors), the index flocked ``how``;
+        NotFound if the upload is gone or went (completed, aborted) while we waited for the lock."""
         d = self._upload_dir(key, upload_id)
         try:
-            index = os.open(d / "index", os.O_RDWR)
-        except FileNotFoundError:
-            raise self._gone(key, upload_id) from None
-        try:
-            fcntl.flock(index, how)
-            if os.fstat(index).st_nlink == 0:
-                raise self._gone(key, upload_id)
-            yield d, index
+            try:
+                index = os.open("index", os.O_RDWR | _NOFOLLOW, dir_fd=d)
+            except FileNotFoundError:
+                raise self._gone(key, upload_id) from None
+            try:
+                fcntl.flock(index, how)
+                if os.fstat(index).st_nlink == 0:
+                    raise self._gone(key, upload_id)
+                yield d, index
+            finally:
+                os.close(index)
         finally:
-            os.close(index)
+            os.close(d)
 
     def _gone(self, key: str, upload_id: str) -> NotFound:
         return NotFound(f"local store {self.root}: upload {upload_id!r} for {key!r} is gone")
 
-    def _drop_upload(self, d: Path, upload_id: str) -> None:
-        (d / "key").unlink(missing_ok=True)  # out of list_multipart first
-        shutil.rmtree(d, ignore_errors=True)
+    def _drop_upload(self, upload_id: str) -> None:
+        with contextlib.suppress(OSError), self._dir(UPLOADS) as uploads:
+            with contextlib.suppress(OSError), _closing(_subdir(uploads, upload_id)) as d:
+                os.unlink("key", dir_fd=d)  # out of list_multipart first
+            shutil.rmtree(upload_id, dir_fd=uploads, ignore_errors=True)  # never follows a link
         self._slot_sizes.pop(upload_id, None)
         self._begun.pop(upload_id, None)
 
-    def _slot_size(self, d: Path, upload_id: str, index: int, number: int, length: int) -> int | None:
+    def _slot_size(self, d: int, upload_id: str, index: int, number: int, length: int) -> int | None:
         """P, the size of every part but the last, or None while unknown. It is set, once, to the
         length of a part that must be a full one: part 1, or a part below another (begun here, or
         recorded). A part that may be the last, smaller one sets nothing: while P is unknown it
@@ -520,7 +673,7 @@ class LocalStore(ObjectStore):
         size = self._slot_sizes.get(upload_id)
         if size is not None:
             return size
-        with _flocked(d / "0.lock", fcntl.LOCK_EX, create=True):
+        with _flocked(d, "0.lock", fcntl.LOCK_EX, create=True):
             header = _unpack(_HEADER, os.pread(index, _RECORD, 0))
             if header is not None:
                 size = header[1]
@@ -540,25 +693,27 @@ class LocalStore(ObjectStore):
         return size
 
     def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
-        self._path(key)  # validate now, not at completion
+        self._parts(key)  # validate now, not at completion
         upload_id = uuid.uuid4().hex
         try:
             self._prepare()
             # Build the upload dir under a temp name, then rename: it appears whole, with its key.
-            tmp = self._tmp / f"{upload_id}.upload"
-            tmp.mkdir()
-            for name, content in (("key", key), ("metadata.json", json.dumps(metadata or {})),
-                                  ("data", ""), ("index", "")):
-                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    if content:
-                        _pwrite_all(fd, content.encode(), 0)
-                        os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-            _fsync_dir(tmp)
-            os.rename(tmp, self._uploads / upload_id)
-            _fsync_dir(self._uploads)  # parts are durable once stored: so must their upload be
+            with self._dir((TMP_DIR,), create=True) as tmp_dir, \
+                    _closing(_subdir(tmp_dir, "uploads", create=True)) as uploads:
+                tmp = f"{upload_id}.upload"
+                with _closing(_subdir(tmp_dir, tmp, create=True)) as u:
+                    for name, content in (("key", key), ("metadata.json", json.dumps(metadata or {})),
+                                          ("data", ""), ("index", "")):
+                        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=u)
+                        try:
+                            if content:
+                                _pwrite_all(fd, content.encode(), 0)
+                                os.fdatasync(fd)
+                        finally:
+                            os.close(fd)
+                    os.fsync(u)
+                os.rename(tmp, upload_id, src_dir_fd=tmp_dir, dst_dir_fd=uploads)
+                os.fsync(uploads)  # parts are durable once stored: so must their upload be
         except OSError as e:
             raise self._err("create_multipart", key, e) from None
         return upload_id
@@ -576,7 +731,7 @@ class LocalStore(ObjectStore):
         token = xxhash.xxh3_64_hexdigest(view)
         try:
             with self._locked_upload(key, upload_id, fcntl.LOCK_SH) as (d, index), \
-                    _flocked(d / f"{number}.lock", fcntl.LOCK_EX, create=True):
+                    _flocked(d, f"{number}.lock", fcntl.LOCK_EX, create=True):
                 size = self._slot_size(d, upload_id, index, number, len(view))
                 in_slot = size is not None and len(view) <= size
                 new = _Part(len(view), (number - 1) * size if in_slot else _OWN_FILE, token)
@@ -585,25 +740,26 @@ class LocalStore(ObjectStore):
                     return PartInfo(number, token)  # these very bytes are there already (a retry)
                 if old is not None:
                     _write_records(index, {number: None})  # a re-upload: no record over changing bytes
-                own = d / f"{number}.part"
-                fd = os.open(d / "data", os.O_WRONLY) if in_slot else \
-                    os.open(own, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                own = f"{number}.part"
+                fd = os.open("data", os.O_WRONLY | _NOFOLLOW, dir_fd=d) if in_slot else \
+                    os.open(own, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644, dir_fd=d)
                 try:
                     _pwrite_all(fd, view, new.offset if in_slot else 0)
                     os.fdatasync(fd)
                 finally:
                     os.close(fd)
                 if not in_slot:
-                    _fsync_dir(d)  # the file's name
+                    os.fsync(d)  # the file's name
                 elif old is not None and old.offset == _OWN_FILE:
-                    own.unlink(missing_ok=True)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(own, dir_fd=d)
                 _write_records(index, {number: new})
         except OSError as e:
             raise self._err("upload_part", key, e) from None
         return PartInfo(number, token)
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
-        dest = self._path(key)
+        dest = self._parts(key)
         numbers = [p.number for p in parts]
         if not parts or numbers != sorted(set(numbers)):
             raise StoreError(f"local store {self.root}: complete {key!r}: parts must be non-empty and ascending",
@@ -618,9 +774,9 @@ class LocalStore(ObjectStore):
                         raise StoreError(f"local store {self.root}: complete {key!r}: part {p.number} "
                                          f"with token {p.token!r} was not uploaded", errno_=errno.EINVAL)
                     chosen.append((p.number, part))
-                metadata = json.loads((d / "metadata.json").read_text())
+                metadata = json.loads(_read_small(d, "metadata.json"))
                 try:
-                    fd = os.open(d / "data", os.O_RDWR)
+                    fd = os.open("data", os.O_RDWR | _NOFOLLOW, dir_fd=d)
                 except FileNotFoundError:  # published just before a crash: only the cleanup was left
                     raise self._gone(key, upload_id) from None
                 try:
@@ -637,14 +793,14 @@ class LocalStore(ObjectStore):
                         self._complete_by_copy(d, fd, chosen, metadata, dest)
                 finally:
                     os.close(fd)
-                self._drop_upload(d, upload_id)
+                self._drop_upload(upload_id)
         except OSError as e:
             raise self._err("complete_multipart", key, e) from None
 
-    def _copy_part(self, d: Path, number: int, part: _Part, data: int, dst: int, dst_offset: int) -> None:
+    def _copy_part(self, d: int, number: int, part: _Part, data: int, dst: int, dst_offset: int) -> None:
         """Copy a part (from its slot in ``data`` or its own file) to ``dst`` at ``dst_offset``."""
         own = part.offset == _OWN_FILE
-        src = os.open(d / f"{number}.part", os.O_RDONLY) if own else data
+        src = os.open(f"{number}.part", os.O_RDONLY | _NOFOLLOW, dir_fd=d) if own else data
         try:
             copied = _copy_range(src, 0 if own else part.offset, dst, dst_offset, part.length)
         finally:
@@ -653,8 +809,9 @@ class LocalStore(ObjectStore):
         if copied != part.length:
             raise OSError(errno.EIO, f"part {number} has {copied} bytes, not {part.length}")
 
-    def _complete_in_place(self, d: Path, index: int, data: int, chosen: list[tuple[int, _Part]],
-                           recorded: dict[int, _Part], size: int, metadata: dict[str, str], dest: Path) -> None:
+    def _complete_in_place(self, d: int, index: int, data: int, chosen: list[tuple[int, _Part]],
+                           recorded: dict[int, _Part], size: int, metadata: dict[str, str],
+                           dest: Sequence[str]) -> None:
         """The data file becomes the object: copy in the parts kept in files of their own (at most
         a few: the last, or parts sent before P was known), cut it to size, rename it into place."""
         # Those copies and the truncation overwrite the slots of parts left out of the object:
@@ -669,10 +826,10 @@ class LocalStore(ObjectStore):
             offset += part.length
         os.ftruncate(data, size)
         self._set_metadata(data, metadata)
-        self._publish(data, d / "data", dest)
+        self._publish(data, d, "data", dest)
 
-    def _complete_by_copy(self, d: Path, data: int, chosen: list[tuple[int, _Part]],
-                          metadata: dict[str, str], dest: Path) -> None:
+    def _complete_by_copy(self, d: int, data: int, chosen: list[tuple[int, _Part]],
+                          metadata: dict[str, str], dest: Sequence[str]) -> None:
         """Parts not in the simple layout (sizes that vary, numbers with gaps): concatenate them
         into a new file."""
         def concatenate(fd: int) -> None:
@@ -689,24 +846,35 @@ class LocalStore(ObjectStore):
         except NotFound:
             return
         try:
-            with _flocked(d / "index", fcntl.LOCK_EX):  # waits for parts being written
-                self._drop_upload(d, upload_id)
+            with _flocked(d, "index", fcntl.LOCK_EX):  # waits for parts being written
+                self._drop_upload(upload_id)
         except FileNotFoundError:
-            self._drop_upload(d, upload_id)  # removed meanwhile, or an upload without an index
+            self._drop_upload(upload_id)  # removed meanwhile, or an upload without an index
         except OSError as e:
             raise self._err("abort_multipart", key, e) from None
+        finally:
+            os.close(d)
 
     def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+        try:
+            uploads = self._open_dir(UPLOADS)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR, *_NOT_AN_OBJECT):
+                return []
+            raise self._err("list_multipart", prefix, e) from None
         out = []
         try:
-            entries = list(os.scandir(self._uploads))
-        except FileNotFoundError:
-            return []
-        for entry in entries:
-            try:
-                key = Path(entry.path, "key").read_text()
-            except OSError:
-                continue  # being aborted or completed right now
-            if key.startswith(prefix):
-                out.append((key, entry.name))
+            with os.scandir(uploads) as entries:
+                names = [entry.name for entry in entries if _UPLOAD_ID.match(entry.name)]
+            for name in names:
+                try:
+                    with _closing(_subdir(uploads, name)) as d:
+                        key = _read_small(d, "key").decode()
+                except (OSError, UnicodeDecodeError):
+                    continue  # being aborted or completed right now
+                if key.startswith(prefix):
+                    out.append((key, name))
+        finally:
+            os.close(uploads)
         return sorted(out)
+

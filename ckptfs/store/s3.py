@@ -24,6 +24,7 @@ from .base import (
     ObjectStore,
     PartInfo,
     StoreError,
+    redact_url,
 )
 
 _TRANSIENT_CODES = {
@@ -100,12 +101,13 @@ class S3Store(ObjectStore):
         try:
             self._client = self._session.client("s3", endpoint_url=endpoint_url, config=self._config)
         except ValueError as e:  # botocore: "Invalid endpoint: ..."
-            raise StoreError(f"bad S3 endpoint URL {endpoint_url!r}: {_one_line(e)}", errno_=errno.EINVAL) from None
+            raise StoreError(f"bad S3 endpoint URL {redact_url(endpoint_url or '')!r}: {_one_line(redact_url(str(e)))}",
+                             errno_=errno.EINVAL) from None
         # CreateMultipartUpload is not idempotent: a retry after a lost answer makes a second
         # upload. It goes through a client that never retries, so the caller sees every attempt.
         self._client_once = self._session.client("s3", endpoint_url=endpoint_url, config=self._config.merge(
             Config(retries={"mode": "standard", "total_max_attempts": 1})))
-        self.endpoint = self._client.meta.endpoint_url
+        self.endpoint = redact_url(self._client.meta.endpoint_url)  # as printed: without a password
 
     # -- helpers ---------------------------------------------------------------
 
