@@ -20,7 +20,7 @@ from pathlib import Path
 
 import humanfriendly
 
-from ckptfs import control, logs
+from ckptfs import control, logs, private
 from ckptfs.config import GiB, MiB, MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
 from ckptfs.errors import CkptfsError, MountError, UsageError
 from ckptfs.store.base import ObjectStore, StoreError
@@ -302,7 +302,10 @@ def daemon_argv(config: MountConfig) -> list[str]:
 
 def _spawn_daemon(config: MountConfig) -> int:
     cache_dir = Path(config.cache_dir)
-    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if cache_dir.is_symlink():  # whoever can make the link would choose where root writes the log
+        raise MountError(f"refusing the cache dir {cache_dir}: it is a symbolic link")
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    private.ensure_dir(cache_dir, "cache dir")  # ours, 0700, before the log goes in it
     log_path = cache_dir / "ckptfs.log"
     # Run the same ckptfs code as this process, from / so the daemon pins no directory.
     env = dict(os.environ)

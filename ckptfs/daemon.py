@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -95,16 +96,28 @@ def _ram_dir_owner(ram_dir: Path) -> Path | None:
         return None
 
 
+def _fuse_mounts() -> list[Path]:
+    try:
+        lines = Path("/proc/self/mounts").read_text(errors="surrogateescape").splitlines()
+    except OSError:
+        return []
+    return [Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f[1]))
+            for f in (line.split() for line in lines) if len(f) >= 3 and f[2].startswith("fuse")]
+
+
 def _sweep_ram_dirs(shm_dir: Path) -> None:
     """Remove the RAM tiers whose cache dir is gone. Only directories of ours (owned by us, 0700,
     not links) are looked into: nothing another user made there is ever read or logged."""
     with os.scandir(shm_dir) as entries:
         candidates = [Path(e.path) for e in entries if e.name.startswith(RAM_PREFIX)]
+    fuse_mounts = _fuse_mounts()
     for ram_dir in candidates:
         if not private.is_private_dir(ram_dir):
             continue
         owner = _ram_dir_owner(ram_dir)
-        if owner is not None and not owner.exists():
+        if owner is None or any(m == owner or m in owner.parents for m in fuse_mounts):
+            continue  # never stat() into a FUSE mount: a stopped daemon there would hang our start-up
+        if not owner.exists():
             log.info("removing the RAM tier of %s (that cache dir is gone): %s", owner, ram_dir)
             shutil.rmtree(ram_dir, ignore_errors=True)
 
