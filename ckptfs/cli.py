@@ -23,6 +23,7 @@ import humanfriendly
 from ckptfs import control
 from ckptfs.config import GiB, MiB, MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
 from ckptfs.errors import CkptfsError, MountError, UsageError
+from ckptfs.paths import check_mount_paths
 from ckptfs.store.base import ObjectStore, StoreError
 
 log = logging.getLogger("ckptfs")
@@ -72,6 +73,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_SECONDS = 366 * 24 * 3600  # a year: longer waits overflow socket timeouts ('inf' among them)
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -79,6 +83,8 @@ def _seconds(text: str) -> float:
         value = -1.0
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} seconds is more than a year (at most {MAX_SECONDS})")
     return value
 
 
@@ -151,6 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreError as e:
         print(f"ckptfs: {_one_line(str(e))}", file=sys.stderr)
         return 1
+    except OSError as e:  # a path the checks could not foresee (/proc, a full disk): one line, not a traceback
+        where = f": {e.filename}" if e.filename is not None else ""
+        print(f"ckptfs: {_one_line(e.strerror or str(e))}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("ckptfs: interrupted", file=sys.stderr)
         return 130
@@ -165,6 +175,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         store = _open_store(config)
         try:
             _check_mountpoint(config.mountpoint)
+            check_mount_paths(config)
             store.check()
         finally:
             store.close()

@@ -32,6 +32,7 @@ from .fetcher import Fetcher
 from .fuse_ops import Operations
 from .journal import Journal
 from .namespace import Namespace
+from .paths import check_mount_paths
 from .store import open_store
 from .store.base import StoreError
 from .uploader import Uploader
@@ -84,6 +85,7 @@ class Daemon:
 
     def run(self, on_ready: Callable[[], None]) -> None:
         self._prepare_mountpoint()
+        check_mount_paths(self.config)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._lock = self._lock_cache_dir()
         try:
