@@ -16,7 +16,8 @@ hangs up (Ctrl-C), the handler is cancelled; one that must finish anyway shields
 itself (``trio.CancelScope(shield=True)``).
 
 Only the daemon's own (effective) uid and root may use the socket: the directory is
-0700, the socket 0600, and each peer is checked with SO_PEERCRED.
+0700, the socket 0600, and each peer is checked with SO_PEERCRED. The client finds the
+socket from the mount's owner in the mount table (``socket_of``).
 """
 
 from __future__ import annotations
