@@ -220,8 +220,12 @@ def _check_mountpoint(mountpoint: str) -> None:
         except CkptfsError:
             pass  # alive but not answering: still taken
         raise UsageError(f"{mountpoint} is already a ckptfs mount (see 'ckptfs status {mountpoint}')")
-    if not os.path.exists(mountpoint):
-        raise UsageError(f"mountpoint {mountpoint} does not exist")
+    try:
+        os.stat(mountpoint)
+    except FileNotFoundError:
+        raise UsageError(f"mountpoint {mountpoint} does not exist") from None
+    except OSError as e:  # EACCES on a parent, ELOOP, ENAMETOOLONG: not "does not exist"
+        raise UsageError(f"cannot reach mountpoint {mountpoint}: {e.strerror}") from None
     if not os.path.isdir(mountpoint):
         raise UsageError(f"mountpoint {mountpoint} is not a directory")
     try:

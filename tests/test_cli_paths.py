@@ -187,3 +187,34 @@ def test_paths_with_spaces_and_newlines(tmp_path):
         m.cleanup()
         if str(m.path) in ckptfs_mounts():  # (Mount.cleanup does not find a name with a newline)
             subprocess.run(["umount", "-l", str(m.path)], check=False)
+
+
+@pytest.mark.parametrize("mountpoint, needle", [
+    ("d", "cannot read mountpoint {mnt}: Permission denied"),  # d (0711): it can reach d, not list it
+    ("d/mnt", "cannot reach mountpoint {mnt}: Permission denied"),  # not "does not exist"
+])
+def test_a_mountpoint_the_user_cannot_read(mountpoint, needle, other_user, tmp_path):
+    other_user.reach(tmp_path)
+    (tmp_path / "d" / "mnt").mkdir(parents=True)
+    (tmp_path / "d").chmod(0o711 if mountpoint == "d" else 0o700)
+    mnt = tmp_path / mountpoint
+    done = other_user.ckptfs("mount", f"file://{tmp_path}/store", str(mnt), "--cache-dir", "/tmp/ckptfs-test-never-made")
+    assert_one_line_error(done, 2, needle.format(mnt=mnt))
+    assert str(mnt) not in ckptfs_mounts()
+    assert not Path("/tmp/ckptfs-test-never-made").exists()
+
+
+def test_root_does_not_unmount_another_users_mount_it_cannot_reach(roots_mount, monkeypatch, capsys):
+    """Root finds a user's daemon by that user's socket; where it finds none it says so rather than
+    taking the mount for a stale one and unmounting it (the user may have set XDG_RUNTIME_DIR).
+    (No user here may mount FUSE: root's mount stands in, with its owner read as another uid.)"""
+    from ckptfs import cli, control
+
+    monkeypatch.setattr(control, "mount_owner", lambda mountpoint: 2**31 - 7)  # a uid with no runtime dir
+    for args in (["status"], ["umount"]):
+        assert cli.main([*args, str(roots_mount.path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("ckptfs: cannot find the control socket of the ckptfs mount at") and err.count("\n") == 1, err
+    monkeypatch.undo()
+    assert str(roots_mount.path) in ckptfs_mounts()
+    assert roots_mount.status()["pid"] == roots_mount.pid
