@@ -185,6 +185,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def mount_config(args: argparse.Namespace) -> MountConfig:
+    for name, value in (("MOUNTPOINT", args.mountpoint), ("--cache-dir", args.cache_dir), ("--shm-dir", args.shm_dir)):
+        if value is not None and not value.strip():  # an unset shell variable: not "the current directory"
+            raise UsageError(f"{name} is empty")
     mountpoint = os.path.realpath(args.mountpoint)
     options = {
         "ram_cache": args.ram_cache,

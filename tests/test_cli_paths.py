@@ -131,6 +131,9 @@ def test_cache_dir_not_creatable_by_a_user(other_user, tmp_path):
     (["warmup", "{T}", "--timeout", "inf"], 2, "'inf' seconds is more than a year"),
     (["mount", "{T}/mnt", "--list-ttl", "1e400"], 2, "more than a year"),
     (["mount", "file:///tmp/a%00b", "{T}/mnt"], 2, "bad store URL"),
+    (["mount", ""], 2, "MOUNTPOINT is empty"),
+    (["mount", "{T}/mnt", "--cache-dir", ""], 2, "--cache-dir is empty"),
+    (["mount", "{T}/mnt", "--shm-dir", " "], 2, "--shm-dir is empty"),
     (["mount", "file://{T}/store", "{T}/mnt", "--cache-dir", "/proc/ckptfs-test"], 1, "/proc/ckptfs-test"),
     (["mount", "file://{T}/store", "{T}/mnt", "--cache-dir", "{T}/" + "a" * 300], 1, "File name too long"),
 ])
