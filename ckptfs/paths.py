@@ -20,7 +20,7 @@ from ckptfs.errors import UsageError
 def check_mount_paths(config: MountConfig) -> None:
     mountpoint = os.path.realpath(config.mountpoint)
     cache_dir = _check_apart("the cache dir", config.cache_dir, mountpoint)
-    _check_writable_dir("cache dir", config.cache_dir, "give --cache-dir a writable directory (it is created if missing)")
+    _check_writable_dir("the cache dir", config.cache_dir, "give --cache-dir a writable directory (it is created if missing)")
 
     shm_dir = config.shm_dir
     if shm_dir != MountConfig.shm_dir or os.path.lexists(shm_dir):  # a missing default: the RAM tier goes to the cache dir
@@ -65,10 +65,10 @@ def _check_writable_dir(what: str, path: str, advice: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         where = "is not a directory" if existing == path else f"cannot be created: {existing} is not a directory"
-        raise UsageError(f"the {what} {path} {where}; {advice}")
+        raise UsageError(f"{what} {path} {where}; {advice}")
     if not os.access(existing, os.W_OK | os.X_OK):
         verb = "is not writable" if existing == path else f"cannot be created in {existing}"
-        raise UsageError(f"the {what} {path} {verb} ({_why_not_writable(existing)}); {advice}")
+        raise UsageError(f"{what} {path} {verb} ({_why_not_writable(existing)}); {advice}")
 
 
 def _why_not_writable(path: str) -> str:
