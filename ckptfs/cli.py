@@ -23,6 +23,7 @@ import humanfriendly
 from ckptfs import control, logs, private
 from ckptfs.config import GiB, MiB, MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
 from ckptfs.errors import CkptfsError, MountError, UsageError
+from ckptfs.paths import check_mount_paths
 from ckptfs.store.base import ObjectStore, StoreError
 
 log = logging.getLogger("ckptfs")
@@ -72,6 +73,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_SECONDS = 366 * 24 * 3600  # a year: longer waits overflow socket timeouts ('inf' among them)
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -79,6 +83,8 @@ def _seconds(text: str) -> float:
         value = -1.0
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} seconds is more than a year (at most {MAX_SECONDS})")
     return value
 
 
@@ -169,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreError as e:
         print(f"ckptfs: {_one_line(str(e))}", file=sys.stderr)
         return 1
+    except OSError as e:  # a path the checks could not foresee (/proc, a full disk): one line, not a traceback
+        where = f": {e.filename}" if e.filename is not None else ""
+        print(f"ckptfs: {_one_line(e.strerror or str(e))}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("ckptfs: interrupted", file=sys.stderr)
         return 130
@@ -183,6 +193,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         store = _open_store(config)
         try:
             _check_mountpoint(config.mountpoint)
+            check_mount_paths(config)
             store.check()
         finally:
             store.close()
@@ -192,6 +203,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def mount_config(args: argparse.Namespace) -> MountConfig:
+    for name, value in (("MOUNTPOINT", args.mountpoint), ("--cache-dir", args.cache_dir), ("--shm-dir", args.shm_dir)):
+        if value is not None and not value.strip():  # an unset shell variable: not "the current directory"
+            raise UsageError(f"{name} is empty")
     mountpoint = os.path.realpath(args.mountpoint)
     options = {
         "ram_cache": args.ram_cache,
@@ -230,8 +244,12 @@ def _check_mountpoint(mountpoint: str) -> None:
         except CkptfsError:
             pass  # alive but not answering: still taken
         raise UsageError(f"{mountpoint} is already a ckptfs mount (see 'ckptfs status {mountpoint}')")
-    if not os.path.exists(mountpoint):
-        raise UsageError(f"mountpoint {mountpoint} does not exist")
+    try:
+        os.stat(mountpoint)
+    except FileNotFoundError:
+        raise UsageError(f"mountpoint {mountpoint} does not exist") from None
+    except OSError as e:  # EACCES on a parent, ELOOP, ENAMETOOLONG: not "does not exist"
+        raise UsageError(f"cannot reach mountpoint {mountpoint}: {e.strerror}") from None
     if not os.path.isdir(mountpoint):
         raise UsageError(f"mountpoint {mountpoint} is not a directory")
     try:

@@ -83,3 +83,27 @@ def ckptfs_mounts() -> set[str]:
         if len(fields) >= 3 and (fields[2] == "fuse.ckptfs" or (fields[2].startswith("fuse") and fields[0] == "ckptfs")):
             found.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]))  # \040 is a space
     return found
+
+
+def mount_owner(mountpoint: str) -> int | None:
+    """The uid that mounted the ckptfs filesystem at ``mountpoint`` (the user_id= option FUSE
+    records in /proc/self/mountinfo), or None if none is mounted there. Reads the mount table
+    only: never stat()s the mount, which a hung daemon would block."""
+    try:
+        text = Path("/proc/self/mountinfo").read_text(errors="surrogateescape")
+    except OSError:
+        return None
+    owner = None  # the last (topmost) mount there wins
+    for line in text.splitlines():  # ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        dash = fields.index("-", 6)
+        fstype, source, options = (fields[dash + 1:dash + 4] + ["", "", ""])[:3]
+        if not (fstype == "fuse.ckptfs" or (fstype.startswith("fuse") and source == "ckptfs")):
+            continue
+        if re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]) != mountpoint:
+            continue
+        found = re.search(r"(?:^|,)user_id=(\d+)(?:,|$)", options)
+        owner = int(found[1]) if found else 0  # (the kernel requires user_id= on FUSE mounts)
+    return owner

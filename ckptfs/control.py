@@ -16,7 +16,8 @@ hangs up (Ctrl-C), the handler is cancelled; one that must finish anyway shields
 itself (``trio.CancelScope(shield=True)``).
 
 Only the daemon's own (effective) uid and root may use the socket: the directory is
-0700, the socket 0600, and each peer is checked with SO_PEERCRED.
+0700, the socket 0600, and each peer is checked with SO_PEERCRED. The client finds the
+socket from the mount's owner in the mount table (``socket_of``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import select
 import socket
+import stat
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -34,8 +37,8 @@ from typing import Any
 
 import trio
 
-from ckptfs.config import control_socket_path
 from ckptfs import private
+from ckptfs.config import control_socket_path, mount_owner
 from ckptfs.errors import CkptfsError, ControlError, MountError
 
 log = logging.getLogger(__name__)
@@ -242,7 +245,41 @@ def call(
     Raises NoDaemon if nothing serves there, ControlError with the daemon's text otherwise.
     """
     mountpoint = os.path.abspath(mountpoint)
-    return call_socket(control_socket_path(mountpoint), cmd, args, on_progress, timeout, name=mountpoint)
+    return call_socket(socket_of(mountpoint), cmd, args, on_progress, timeout, name=mountpoint)
+
+
+def socket_of(mountpoint: str) -> Path:
+    """The control socket of the daemon serving ``mountpoint``, found from who mounted it (the
+    mount table's user_id=): each user's daemon keeps its socket in that user's runtime dir.
+
+    ControlError for another user's mount unless we are root: the daemon would refuse us anyway,
+    and nothing we could find in our own runtime dir is its socket.
+    """
+    me, owner = os.geteuid(), mount_owner(mountpoint)
+    if owner is None or owner == me:
+        return control_socket_path(mountpoint)
+    if me != 0:
+        raise ControlError(f"permission denied: the ckptfs mount at {mountpoint} belongs to {_user(owner)}; "
+                           "only that user or root may control it")
+    name = control_socket_path(mountpoint).name
+    # Where a daemon run by that user puts its socket (config.runtime_dir), in a directory only it owns.
+    for directory in (Path(f"/run/user/{owner}/ckptfs"), Path(f"/tmp/ckptfs-{owner}")):
+        try:
+            st = os.lstat(directory)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == owner and (directory / name).exists():
+            return directory / name
+    raise ControlError(f"cannot find the control socket of the ckptfs mount at {mountpoint} (mounted by "
+                       f"{_user(owner)}, who may have set XDG_RUNTIME_DIR): ask that user, or if its daemon "
+                       f"is gone, unmount it with 'umount -l {mountpoint}'")
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def call_socket(

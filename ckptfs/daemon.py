@@ -33,6 +33,7 @@ from .fetcher import Fetcher
 from .fuse_ops import Operations
 from .journal import Journal
 from .namespace import Namespace
+from .paths import check_mount_paths
 from .store import open_store
 from .store.base import StoreError
 from .uploader import Uploader
@@ -132,6 +133,7 @@ class Daemon:
 
     def run(self, on_ready: Callable[[], None]) -> None:
         self._prepare_mountpoint()
+        check_mount_paths(self.config)
         given = Path(self.config.cache_dir).expanduser()
         if given.is_symlink():  # whoever can make the link would choose where root writes
             raise MountError(f"refusing the cache dir {given}: it is a symbolic link")

@@ -36,7 +36,7 @@ def open_store(url: str | None, endpoint_url: str | None = None, max_connections
         if endpoint_url:
             raise StoreError("--endpoint-url needs an s3:// store URL", errno_=errno.EINVAL)
         parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/") or "\0" in unquote(parts.path):
             raise StoreError(f"bad store URL {_redact(url)!r}: a file URL needs an absolute path, "
                              "as in file:///path", errno_=errno.EINVAL)
         from .local import LocalStore

@@ -1,0 +1,95 @@
+"""Checks on the directories `ckptfs mount` is given, before anything is created or mounted.
+
+A cache dir, RAM dir or local store inside the mountpoint would be served by the mount itself:
+the daemon would wait on its own FUSE requests and `umount` would hang. A mountpoint inside the
+cache dir or the local store would hide or publish the daemon's own files. Each mistake is one
+UsageError that names the path and says what to do. The `mount` command runs these checks before
+it starts the daemon, and the daemon runs them again (a foreground mount, or anyone calling
+``daemon.run``). Nothing here looks inside a mount that is up.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ckptfs.config import MountConfig
+from ckptfs.errors import UsageError
+
+
+def check_mount_paths(config: MountConfig) -> None:
+    mountpoint = os.path.realpath(config.mountpoint)
+    cache_dir = _check_apart("the cache dir", config.cache_dir, mountpoint)
+    _check_writable_dir("the cache dir", config.cache_dir, "give --cache-dir a writable directory (it is created if missing)")
+
+    shm_dir = config.shm_dir
+    if shm_dir != MountConfig.shm_dir or os.path.lexists(shm_dir):  # a missing default: the RAM tier goes to the cache dir
+        _check_apart("--shm-dir", shm_dir, mountpoint)
+        if not os.path.isdir(shm_dir):
+            what = "does not exist" if not os.path.lexists(shm_dir) else "is not a directory"
+            raise UsageError(f"--shm-dir {shm_dir} {what}: give a tmpfs directory such as /dev/shm")
+        if not os.access(shm_dir, os.W_OK | os.X_OK):
+            raise UsageError(f"--shm-dir {shm_dir} is not writable ({_why_not_writable(shm_dir)}): "
+                             "give a tmpfs directory you can write to")
+
+    store_dir = _local_store_dir(config.store_url)
+    if store_dir is not None:
+        store_dir = _check_apart("the local store", store_dir, mountpoint)
+        if _inside(mountpoint, store_dir):
+            raise UsageError(f"mountpoint {mountpoint} is inside the local store {store_dir}: "
+                             "mount somewhere outside the store directory")
+        if _inside(cache_dir, store_dir) or _inside(store_dir, cache_dir):
+            raise UsageError(f"the cache dir {cache_dir} and the local store {store_dir} overlap: "
+                             "keep them in separate directories")
+    if _inside(mountpoint, cache_dir):
+        raise UsageError(f"mountpoint {mountpoint} is inside the cache dir {cache_dir}: "
+                         "mount somewhere outside the cache dir")
+
+
+def _check_apart(what: str, path: str | os.PathLike, mountpoint: str) -> str:
+    """``path`` resolved; UsageError if it is the mountpoint or inside it. The path as written is
+    compared first, so that resolving it never stat()s inside the mountpoint."""
+    written = os.path.abspath(path)
+    resolved = written if _inside(written, mountpoint) else os.path.realpath(written)
+    if _inside(resolved, mountpoint):
+        raise UsageError(f"{what} {written} is {'the mountpoint' if resolved == mountpoint else 'inside the mountpoint'} "
+                         f"{mountpoint}: the mount would wait on itself; put it outside the mount")
+    return resolved
+
+
+def _check_writable_dir(what: str, path: str, advice: str) -> None:
+    """UsageError unless ``path`` is a directory we may write in, or can be created as one."""
+    path = os.path.abspath(path)
+    existing = path
+    while not os.path.lexists(existing):  # (lexists is False, too, where a parent forbids search)
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is not a directory" if existing == path else f"cannot be created: {existing} is not a directory"
+        raise UsageError(f"{what} {path} {where}; {advice}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        verb = "is not writable" if existing == path else f"cannot be created in {existing}"
+        raise UsageError(f"{what} {path} {verb} ({_why_not_writable(existing)}); {advice}")
+
+
+def _why_not_writable(path: str) -> str:
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return "read-only filesystem" if read_only else "permission denied"
+
+
+def _local_store_dir(store_url: str) -> Path | None:
+    if not store_url.lower().startswith("file://"):
+        return None
+    from ckptfs.store import StoreError, open_store  # a file:// URL: no boto3 import
+
+    try:
+        return open_store(store_url).root  # type: ignore[attr-defined]
+    except StoreError:
+        return None  # a bad URL: reported where the store is opened
+
+
+def _inside(path: str, directory: str) -> bool:
+    """``path`` is ``directory`` or below it (both absolute, normalised)."""
+    return os.path.commonpath([path, directory]) == directory
