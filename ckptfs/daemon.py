@@ -23,9 +23,9 @@ import humanfriendly
 import pyfuse3
 import trio
 
-from . import clean_index, control
+from . import clean_index, control, limits
 from .background import BackgroundThreads
-from .cache import Cache
+from .cache import RAM, Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path
 from .errors import CkptfsError, FsError, MountError
 from .fetcher import Fetcher
@@ -95,6 +95,12 @@ class Daemon:
             raise MountError(str(exc)) from exc
         self.cache = Cache(self.cache_dir, claim_ram_dir(self.cache_dir, Path(self.config.shm_dir)), self.config.part_size,
                            self.config.ram_cache, self.config.cache_size)
+        ram = self.cache.tiers[RAM]
+        try:
+            limits.check_ram_room(self.config, ram.budget, ram.fd, ram.held_bytes())
+        except MountError:
+            self.cache.close()
+            raise
         self.journal = Journal(self.cache_dir / "journal", self.cache.ram_arena_id)
         pending, open_uploads = self.journal.replay()
         pending = self._adopt_blocks(pending)
