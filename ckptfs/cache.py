@@ -293,8 +293,8 @@ class Cache:
         for tier in (ram, disk) if only is None else (self.tiers[only],):
             if (slot := tier.take()) is not None:
                 if tier.mm is not None and not tier.back(slot):
-                    self._ram_full()
-                    tier.release(slot)  # retired with the others: on to the disk tier
+                    tier.release(slot)
+                    self._ram_full()  # (retires that slot too): on to the disk tier
                     continue
                 ref = (tier.index, slot)
                 self.refcounts[ref] = 1
