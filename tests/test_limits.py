@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckptfs import limits
+from ckptfs.cache import DISK, RAM, Cache
 from ckptfs.config import MiB, MountConfig
 from tests.mounting import Mount
 from tests.test_cli_args import assert_one_line_error, run_cli
@@ -109,6 +110,38 @@ def test_full_shm_falls_back_to_disk(tmp_path, small_shm, mounts):
     assert log.count("RAM tier shrunk from 32 MiB to 8 MiB") == 1, log
     m.stop()
     assert (tmp_path / "store" / "a").read_bytes() == data
+
+
+def test_a_full_tmpfs_is_an_errno_not_a_signal(tmp_path, small_shm, caplog):
+    """The cache itself: a RAM slot tmpfs cannot back is refused before anything touches it
+    (allocation, and the populate thread), and the tier shrinks to the slots it has."""
+    block = 8 * MiB
+    c = Cache(tmp_path / "cache", small_shm / "ram", block, 4 * block, 8 * block)
+    try:
+        ram = c.tiers[RAM]
+        first = c.try_alloc()
+        c.write(first, 0, b"\1" * block)
+        fill(small_shm / "other-users-file", leave=block + block // 2)  # room for one more slot
+        ahead, unbacked = ram.free[-1], ram.free[-2]  # (the free list is taken from its end)
+        assert ram.populate(ahead) is True
+        assert ram.populate(unbacked) is False  # an answer, not a SIGBUS
+        assert unbacked not in ram.touched
+        second = c.try_alloc()
+        assert second == (RAM, ahead)
+        c.write(second, 0, b"\2" * block)
+        third = c.try_alloc()  # the next RAM slot has no pages: the disk tier takes it
+        assert third[0] == DISK
+        assert ram.budget == 2 * block and ram.free == []
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+            f"the RAM tier's filesystem ({ram.path.parent}) cannot hold more (No space left on device): RAM tier "
+            "shrunk from 32 MiB to 16 MiB for this mount; the rest goes to the disk tier (free space there, "
+            "or remount with a smaller --ram-cache or another --shm-dir)"]
+        for ref in (first, second, third):
+            c.decref(ref)
+        assert sorted(ram.free) == sorted([first[1], ahead])  # the backed slots stay in use
+        assert c.try_alloc()[0] == RAM and c.try_alloc()[0] == RAM and c.try_alloc()[0] == DISK
+    finally:
+        c.close()
 
 
 def test_no_ram_tier(tmp_path, own_shm, mounts):
