@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import humanfriendly
 import trio
 
 from . import private
@@ -82,16 +83,60 @@ class Tier:
         if self.file_size:
             os.ftruncate(self.fd, self.file_size)
         self.mm = mmap.mmap(self.fd, self.file_size) if mapped and self.file_size else None
-        self.touched: set[int] = set()  # RAM slots known to have their pages
+        self.touched: set[int] = set()  # RAM slots known to have their pages (see back)
+        self.shrunk = False  # the filesystem ran out of room: unbacked slots are retired
+        self.backing_error = ""
 
-    def populate(self, slot: int) -> None:
+    def back(self, slot: int) -> bool:
+        """Make sure tmpfs holds pages for a RAM slot before anything touches it through the map.
+
+        A page tmpfs cannot supply (its size is reached: a container's 64 MiB /dev/shm, other
+        users' files) is a SIGBUS at the writer's memcpy, which kills the daemon; fallocate says
+        ENOSPC instead. False then: the caller retires the slot (``retire_unbacked``). A slot
+        backed once stays backed (RAM slots are never punched), so reuse costs a set lookup.
+        Also called from the populate thread: fallocate is idempotent, ``touched`` a set."""
+        if slot in self.touched:
+            return True
+        for _ in range(5):  # EINTR: tmpfs stops a long fallocate when a signal is pending
+            if _libc.fallocate(self.fd, _FALLOC_FL_KEEP_SIZE, ctypes.c_long(slot * self.block_size),
+                               ctypes.c_long(self.block_size)) == 0:
+                self.touched.add(slot)
+                return True
+            err = ctypes.get_errno()
+            if err != errno.EINTR:
+                break
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS):  # a filesystem that cannot tell: as before
+            self.touched.add(slot)
+            return True
+        self.backing_error = os.strerror(err)
+        return False
+
+    def retire_unbacked(self) -> int:
+        """The filesystem cannot back more slots: the free ones without pages can never be used
+        safely. They leave the budget for this mount (so do unbacked slots in use once they are
+        released). Returns the bytes the budget lost."""
+        keep = [s for s in self.free if s in self.touched]
+        lost = (len(self.free) - len(keep)) * self.block_size
+        self.free = keep
+        self.budget -= lost
+        self.shrunk = True
+        return lost
+
+    def populate(self, slot: int) -> bool:
         """Give a RAM slot its pages now (a background thread), not at the writer's first touch.
-        Harmless if the slot is taken meanwhile: the pages are made present, not changed."""
+        Harmless if the slot is taken meanwhile: the pages are made present, not changed.
+        False when the filesystem cannot back it (MADV_POPULATE_WRITE is not even tried)."""
+        if not self.back(slot):
+            return False
         try:
             self.mm.madvise(MADV_POPULATE_WRITE, slot * self.block_size, self.block_size)
-        except OSError as exc:  # kernels before 5.14
+        except OSError as exc:  # kernels before 5.14 (a populate failure is an error, never a signal)
             log.debug("cannot populate %s: %s", self.path, exc)
-        self.touched.add(slot)
+        return True
+
+    def held_bytes(self) -> int:
+        """What the arena file already takes on its filesystem (pages kept from the last mount)."""
+        return os.fstat(self.fd).st_blocks * 512
 
     def reset_free(self, used: set[int]) -> None:
         if self.mm is None and used:  # disk slots past the budget's are in use, not retired
@@ -163,10 +208,13 @@ class Tier:
     def release(self, slot: int) -> None:
         """A slot is free again. On disk, give its space back to the filesystem, so a full
         cache disk recovers as soon as data is uploaded (the RAM tier keeps its pages: reuse is free).
-        RAM slots past a shrunk budget are retired."""
+        RAM slots past a smaller budget than the last mount's, or unbacked once the filesystem
+        is full, are retired."""
         held = self.charged.pop(slot, 0)
         self.charged_bytes -= held
-        if slot < self.n_slots:
+        if self.shrunk and slot not in self.touched:
+            self.budget -= self.block_size  # (see retire_unbacked)
+        elif slot < self.n_slots:
             self.free.append(slot)
         if self.mm is None and held:
             self._punch(slot * self.block_size, held)
@@ -248,10 +296,12 @@ class Cache:
             self._evict(prefer_tier=RAM)
         for tier in (ram, disk) if only is None else (self.tiers[only],):
             if (slot := tier.take()) is not None:
+                if tier.mm is not None and not tier.back(slot):
+                    tier.release(slot)
+                    self._ram_full()  # (retires that slot too): on to the disk tier
+                    continue
                 ref = (tier.index, slot)
                 self.refcounts[ref] = 1
-                if tier.mm is not None:
-                    tier.touched.add(slot)
                 return ref
         if self._evict(prefer_tier=only) or (only is None and self.reclaim()):
             return self.try_alloc(only)
@@ -385,9 +435,21 @@ class Cache:
         copy.remote, copy.upload = dict(content.remote), content.upload
         return copy
 
+    def _ram_full(self) -> None:
+        """The RAM tier's filesystem has no room for a slot: shrink the tier to the slots it has
+        pages for, once, with one warning; allocation goes on in the disk tier."""
+        ram = self.tiers[RAM]
+        before = ram.budget
+        lost = ram.retire_unbacked()
+        if lost:
+            log.warning("the RAM tier's filesystem (%s) cannot hold more (%s): RAM tier shrunk from %s to %s "
+                        "for this mount; the rest goes to the disk tier (free space there, or remount with "
+                        "a smaller --ram-cache or another --shm-dir)", ram.path.parent, ram.backing_error,
+                        _fmt(before), _fmt(ram.budget))
+
     def expect_writes(self, nbytes: int) -> None:
         """A save of ``nbytes`` happened: keep that many free RAM slots touched for the next one."""
-        slots = min(-(-nbytes // self.block_size), self.tiers[RAM].n_slots)
+        slots = min(-(-nbytes // self.block_size), self.tiers[RAM].budget // self.block_size)
         if slots > self.populate_ahead:
             self.populate_ahead = slots
         self._populate_wanted.set()
@@ -408,7 +470,8 @@ class Cache:
             await self._populate_wanted.wait()
             self._populate_wanted = trio.Event()
             while (slot := self._next_untouched()) is not None:
-                await threads.run(self.tiers[RAM].populate, slot)
+                if not await threads.run(self.tiers[RAM].populate, slot):
+                    self._ram_full()
 
     def charged(self, ref: BlockRef) -> int:
         return self.tiers[ref[0]].charged.get(ref[1], 0)
@@ -424,6 +487,10 @@ class Cache:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+
+
+def _fmt(nbytes: int) -> str:
+    return humanfriendly.format_size(nbytes, binary=True)
 
 
 def _arena_id(path: Path) -> str:

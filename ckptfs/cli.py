@@ -20,8 +20,8 @@ from pathlib import Path
 
 import humanfriendly
 
-from ckptfs import control, logs, private
-from ckptfs.config import GiB, MiB, MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
+from ckptfs import control, limits, logs, private
+from ckptfs.config import MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
 from ckptfs.errors import CkptfsError, MountError, UsageError
 from ckptfs.paths import check_mount_paths
 from ckptfs.store.base import ObjectStore, StoreError
@@ -30,7 +30,6 @@ log = logging.getLogger("ckptfs")
 
 READY_TIMEOUT_S = 60.0  # how long `mount` waits for the detached daemon to serve
 UNMOUNT_WAIT_S = 60.0  # how long `umount` waits for the mount and the daemon to go
-S3_MIN_PART, S3_MAX_PART = 5 * MiB, 5 * GiB
 LOG_LEVELS = logs.LEVELS
 
 
@@ -194,9 +193,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
         try:
             _check_mountpoint(config.mountpoint)
             check_mount_paths(config)
+            _check_limits(config)
             store.check()
         finally:
             store.close()
+    else:
+        _check_limits(config)  # again: the machine may have changed (the paths: daemon.run checks them)
     if args.foreground:
         return _serve(config, args.ready_fd)
     return _spawn_daemon(config)
@@ -227,12 +229,12 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         foreground=args.foreground and args.ready_fd is None,  # a person is watching the log
         **{k: v for k, v in options.items() if v is not None},
     )
-    if config.part_size < 1:
-        raise UsageError("--part-size must be at least 1 byte")
-    if config.store_url.lower().startswith("s3://") and not S3_MIN_PART <= config.part_size <= S3_MAX_PART:
-        raise UsageError(f"--part-size {humanfriendly.format_size(config.part_size, binary=True)} is out of range: "
-                         "S3 parts must be between 5 MiB and 5 GiB")
     return config
+
+
+def _check_limits(config: MountConfig) -> None:
+    for warning in limits.check(config):  # (raises UsageError for what this machine cannot honour)
+        print(f"ckptfs: warning: {warning}", file=sys.stderr)
 
 
 def _check_mountpoint(mountpoint: str) -> None:

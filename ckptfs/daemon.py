@@ -24,7 +24,7 @@ import humanfriendly
 import pyfuse3
 import trio
 
-from . import clean_index, control, private
+from . import clean_index, control, limits, private
 from .background import BackgroundThreads
 from .cache import RAM, Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path
@@ -150,6 +150,12 @@ class Daemon:
         self.ram_dir = claim_ram_dir(self.cache_dir, Path(self.config.shm_dir))
         self.cache = Cache(self.cache_dir, self.ram_dir, self.config.part_size,
                            self.config.ram_cache, self.config.cache_size)
+        ram = self.cache.tiers[RAM]
+        try:
+            limits.check_ram_room(self.config, ram.budget, ram.fd, ram.held_bytes())
+        except MountError:
+            self.cache.close()
+            raise
         self.journal = Journal(self.cache_dir / "journal", self.cache.ram_arena_id)
         pending, open_uploads = self.journal.replay()
         pending = self._adopt_blocks(pending)

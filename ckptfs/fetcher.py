@@ -32,6 +32,9 @@ class Fetcher:
         self.store = store
         self.cache = cache
         self.threads = trio.CapacityLimiter(concurrency)
+        # Fetched blocks held in memory at once, GET to cache (one may wait for cache space):
+        # without it, many readers' read-ahead could hold any number of part-sized bodies.
+        self.bodies = trio.Semaphore(concurrency)
         self.inflight: dict[tuple[int, int], trio.Event] = {}
         self.fetched_bytes = 0
         self.read_ahead = concurrency  # blocks fetched ahead of a sequential reader
@@ -148,7 +151,8 @@ class Fetcher:
                 continue
             event = self.inflight[slot] = trio.Event()
             try:
-                await self._download(content, index)
+                async with self.bodies:
+                    await self._download(content, index)
             finally:
                 del self.inflight[slot]
                 event.set()
@@ -184,7 +188,7 @@ class Fetcher:
         whole block, the disk the pages of one, and RAM may get the shortest blocks."""
         ram, disk = self.cache.tiers
         lengths = sorted((in_pages(c.block_length(i)) for c in contents for i in range(len(c.blocks))), reverse=True)
-        return sum(lengths[:max(0, len(lengths) - ram.n_slots)]) <= disk.budget
+        return sum(lengths[:max(0, len(lengths) - ram.budget // self.cache.block_size)]) <= disk.budget
 
     async def _get_range(self, content: Content, start: int, length: int) -> bytes:
         """A ranged GET of ``content``, following its key when a rename moves the object.

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 import uuid
 from collections import deque
@@ -64,20 +65,33 @@ def part_size_for(size: int, base: int, max_parts: int = MAX_PARTS) -> int:
 class PartBuffers:
     """Request bodies for parts, reused: botocore takes bytes-like bodies, not views of the
     arena, and a fresh 8 MiB copy per part costs more here than the copy itself (first touch
-    of new memory, shared/notes/fuse.md). Never waits: with every buffer busy, a part gets a
-    fresh copy. Called from store threads (list.pop/append are atomic)."""
+    of new memory, shared/notes/fuse.md). A pool that grows on demand up to ``count`` buffers
+    (the parts in flight), so an idle daemon holds none and a busy one only as many as it used
+    at once (bytearray(n) writes n zeros: all its pages at once). Never waits: with every buffer
+    busy, a part gets a fresh copy. Called from store threads (the lock guards the count)."""
 
     def __init__(self, size: int, count: int):
         self.size = size
-        self._free = [bytearray(size) for _ in range(count)]  # touched at first use, then kept
+        self.count = count
+        self.made = 0
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def _take(self, length: int) -> bytearray | None:
+        if length != self.size:
+            return None
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self.made >= self.count:
+                return None
+            self.made += 1
+        return bytearray(self.size)  # first need: kept in the pool from now on
 
     @contextlib.contextmanager
     def body(self, length: int, fill: Callable[[memoryview], None]):
         """A buffer of ``length`` bytes that ``fill`` wrote, for the duration of one request."""
-        try:
-            buf = self._free.pop() if length == self.size else None
-        except IndexError:
-            buf = None
+        buf = self._take(length)
         if buf is None:
             body = bytearray(length)
             fill(memoryview(body))
@@ -87,7 +101,8 @@ class PartBuffers:
             fill(memoryview(buf))
             yield buf
         finally:
-            self._free.append(buf)
+            with self._lock:
+                self._free.append(buf)
 
 
 @dataclass(frozen=True)

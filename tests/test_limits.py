@@ -1,0 +1,229 @@
+"""Hardened for shared nodes (issue 14): the RAM tier never SIGBUSes, memory and threads are
+bounded by flags checked against the machine at mount. Real mounts; a 64 MiB tmpfs stands in
+for a container's /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptfs import limits
+from ckptfs.cache import DISK, RAM, Cache
+from ckptfs.config import MiB, MountConfig
+from tests.mounting import Mount
+from tests.test_cli_args import assert_one_line_error, run_cli
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+
+
+def tmpfs(path: Path, size: str):
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def small_shm(tmp_path: Path):
+    """A 64 MiB tmpfs: docker's and Kubernetes' default /dev/shm."""
+    yield from tmpfs(tmp_path / "shm", "64m")
+
+
+@pytest.fixture
+def own_shm(tmp_path: Path):
+    """A tmpfs of our own for the RAM tier, so the test neither sees nor touches the node's /dev/shm."""
+    yield from tmpfs(tmp_path / "shm", "1g")
+
+
+@pytest.fixture
+def mounts():
+    made: list[Mount] = []
+    yield made
+    for m in made:
+        m.cleanup()
+
+
+def local_mount(tmp_path: Path, made: list[Mount], name: str = "m", **kwargs) -> Mount:
+    m = Mount(f"file://{tmp_path / 'store'}", tmp_path / name, **kwargs)
+    made.append(m)
+    return m
+
+
+def fill(path: Path, leave: int) -> None:
+    """Take all but ``leave`` bytes of the filesystem of ``path``'s directory (another user's file)."""
+    st = os.statvfs(path.parent)
+    with open(path, "wb") as f:
+        f.write(b"\x5a" * max(st.f_bavail * st.f_frsize - leave, 0))
+
+
+def status_of(m: Mount) -> dict:
+    return m.status()
+
+
+def vm(pid: int, field: str) -> int:
+    """A /proc/PID/status field (VmRSS, VmHWM, RssAnon) in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+# -- the RAM tier on a small /dev/shm --------------------------------------------------------
+
+
+def test_ram_cache_larger_than_shm_is_refused(tmp_path, small_shm, mounts):
+    m = local_mount(tmp_path, mounts, ram_cache="1GiB", extra=("--shm-dir", str(small_shm)))
+    done = run_cli("mount", *m.args())
+    assert_one_line_error(done, 2, "--ram-cache 1 GiB", "64 MiB", "--shm-dir", "--shm-size")
+    assert not os.listdir(small_shm)  # refused before anything was created there
+
+
+def test_ram_cache_larger_than_free_shm_is_refused(tmp_path, small_shm, mounts):
+    fill(small_shm / "other-users-file", leave=16 * MiB)
+    m = local_mount(tmp_path, mounts, ram_cache="32MiB", extra=("--shm-dir", str(small_shm)))
+    done = run_cli("mount", *m.args())  # (fits the tmpfs's size, not what is free in it)
+    assert_one_line_error(done, 1, "--ram-cache 32 MiB", "free of 64 MiB", "--shm-dir")
+
+
+def test_full_shm_falls_back_to_disk(tmp_path, small_shm, mounts):
+    """/dev/shm fills up under a mounted daemon: writes go on in the disk tier, no SIGBUS."""
+    m = local_mount(tmp_path, mounts, ram_cache="32MiB", extra=("--shm-dir", str(small_shm))).start()
+    fill(small_shm / "other-users-file", leave=12 * MiB)  # room for one 8 MiB slot of the four
+    data = os.urandom(3 * 32 * MiB)
+    for name in ("a", "b"):  # the second save also meets the populate thread's ahead-of-time touch
+        with open(m.path / name, "wb") as f:
+            for i in range(0, len(data), MiB):
+                f.write(data[i : i + MiB])
+    status = status_of(m)  # the daemon is alive and answers
+    assert status["pid"] == m.pid
+    assert status["ram"]["budget"] == 8 * MiB  # shrunk to the slot it had pages for
+    for name in ("a", "b"):
+        assert (m.path / name).read_bytes() == data
+    m.sync()
+    log = (m.cache_dir / "ckptfs.log").read_text()
+    assert log.count("RAM tier shrunk from 32 MiB to 8 MiB") == 1, log
+    m.stop()
+    assert (tmp_path / "store" / "a").read_bytes() == data
+
+
+def test_a_full_tmpfs_is_an_errno_not_a_signal(tmp_path, small_shm, caplog):
+    """The cache itself: a RAM slot tmpfs cannot back is refused before anything touches it
+    (allocation, and the populate thread), and the tier shrinks to the slots it has."""
+    block = 8 * MiB
+    c = Cache(tmp_path / "cache", small_shm / "ram", block, 4 * block, 8 * block)
+    try:
+        ram = c.tiers[RAM]
+        first = c.try_alloc()
+        c.write(first, 0, b"\1" * block)
+        fill(small_shm / "other-users-file", leave=block + block // 2)  # room for one more slot
+        ahead, unbacked = ram.free[-1], ram.free[-2]  # (the free list is taken from its end)
+        assert ram.populate(ahead) is True
+        assert ram.populate(unbacked) is False  # an answer, not a SIGBUS
+        assert unbacked not in ram.touched
+        second = c.try_alloc()
+        assert second == (RAM, ahead)
+        c.write(second, 0, b"\2" * block)
+        third = c.try_alloc()  # the next RAM slot has no pages: the disk tier takes it
+        assert third[0] == DISK
+        assert ram.budget == 2 * block and ram.free == []
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+            f"the RAM tier's filesystem ({ram.path.parent}) cannot hold more (No space left on device): RAM tier "
+            "shrunk from 32 MiB to 16 MiB for this mount; the rest goes to the disk tier (free space there, "
+            "or remount with a smaller --ram-cache or another --shm-dir)"]
+        for ref in (first, second, third):
+            c.decref(ref)
+        assert sorted(ram.free) == sorted([first[1], ahead])  # the backed slots stay in use
+        assert c.try_alloc()[0] == RAM and c.try_alloc()[0] == RAM and c.try_alloc()[0] == DISK
+    finally:
+        c.close()
+
+
+def test_no_ram_tier(tmp_path, own_shm, mounts):
+    """--ram-cache 0: no RAM tier, everything in the disk tier."""
+    m = local_mount(tmp_path, mounts, ram_cache="0", extra=("--shm-dir", str(own_shm))).start()
+    data = os.urandom(20 * MiB + 5)
+    (m.path / "f").write_bytes(data)
+    status = status_of(m)
+    assert status["ram"]["budget"] == 0 and status["disk"]["used"] > 0
+    assert (m.path / "f").read_bytes() == data
+    m.stop()
+
+
+# -- flags checked against the machine -------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--cache-size", "0"], ["--cache-size 0 bytes", "cannot hold one part"]),
+    (["--ram-cache", "1MiB"], ["--ram-cache 1 MiB", "cannot hold one part", "0 for no RAM tier"]),
+    (["--ram-cache", "1PiB"], ["--ram-cache 1 PiB", "more than this machine's RAM"]),
+    (["--cache-size", "1EiB"], ["--cache-size 1 EiB", "more than the whole filesystem"]),
+    (["--upload-concurrency", "100000"], ["--upload-concurrency 100000 is too many", "at most 64"]),
+    (["--part-size", "6GiB"], ["--part-size 6 GiB is out of range"]),
+    (["--part-size", "1KiB"], ["--part-size 1 KiB is out of range"]),
+    (["--part-size", "5GiB", "--upload-concurrency", "64", "--ram-cache", "5GiB"],
+     ["--upload-concurrency 64 x --part-size 5 GiB = 320 GiB", "lower --part-size or --upload-concurrency"]),
+    (["--shm-dir", "/nonexistent/shm"], ["--shm-dir /nonexistent/shm does not exist"]),
+])
+def test_flag_limits(flags, needles, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    started = time.monotonic()
+    done = run_cli("mount", f"file://{tmp_path / 'store'}", str(mnt), "--cache-dir", str(tmp_path / "cache"), *flags)
+    assert_one_line_error(done, 2, *needles)
+    assert time.monotonic() - started < 60  # refused by the command itself, not a daemon start-up timeout
+    assert not (tmp_path / "cache").exists()  # no daemon was started
+
+
+def test_limits_scale_with_the_machine(monkeypatch, tmp_path):
+    """The same flags pass or fail with the machine's RAM (a container's cgroup limit, say)."""
+    config = MountConfig(mountpoint=str(tmp_path), store_url="file:///x", cache_dir=str(tmp_path / "c"),
+                         ram_cache=2 << 30, part_size=64 * MiB, upload_concurrency=16)
+    monkeypatch.setattr(limits, "machine_memory", lambda: 64 << 30)
+    limits.check(config)
+    monkeypatch.setattr(limits, "machine_memory", lambda: 3 << 30)  # 1 GiB of bodies > 3 GiB / 4
+    with pytest.raises(limits.UsageError, match="more than a quarter of this machine's 3 GiB"):
+        limits.check(config)
+    monkeypatch.setattr(limits, "machine_memory", lambda: 1 << 30)
+    config.upload_concurrency = 1
+    with pytest.raises(limits.UsageError, match="more than this machine's RAM"):
+        limits.check(config)
+
+
+# -- the daemon's memory ---------------------------------------------------------------------
+
+
+def test_rss_stays_under_the_formula(tmp_path, own_shm, mounts):
+    """Writing four times the RAM budget (and reading it back) keeps the daemon's peak RSS under
+    --ram-cache + (2 x concurrency + 4) x part size + the fixed overhead (docs/architecture.md)."""
+    ram, part, concurrency = 32 * MiB, 4 * MiB, 4
+    m = local_mount(tmp_path, mounts, ram_cache=str(ram), cache_size="1GiB",
+                    extra=("--part-size", str(part), "--upload-concurrency", str(concurrency),
+                           "--shm-dir", str(own_shm))).start()
+    data = os.urandom(4 * ram)
+    for name in ("a", "b"):
+        (m.path / name).write_bytes(data)
+    m.sync()
+    for name in ("a", "b"):
+        assert (m.path / name).read_bytes() == data
+    config = MountConfig(mountpoint="", store_url="", cache_dir="", ram_cache=ram, part_size=part,
+                         upload_concurrency=concurrency)
+    peak = vm(m.pid, "VmHWM")
+    assert peak <= limits.memory_bound(config), (peak, limits.memory_bound(config))
+
+
+def test_idle_rss_is_not_concurrency_times_part_size(tmp_path, own_shm, mounts):
+    """Part buffers are made when first needed: 8 x 256 MiB would be 2 GiB of zeros up front."""
+    part, concurrency = 256 * MiB, 8
+    m = local_mount(tmp_path, mounts, ram_cache=str(part),
+                    extra=("--part-size", str(part), "--upload-concurrency", str(concurrency),
+                           "--shm-dir", str(own_shm))).start()
+    (m.path / "small").write_bytes(b"x" * 4096)  # a small file: no part buffer
+    m.sync()
+    # (RssShmem is the RAM tier: the populate thread gives the next save's slot its pages.)
+    assert vm(m.pid, "RssAnon") < limits.FIXED_OVERHEAD < concurrency * part
