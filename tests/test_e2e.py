@@ -252,8 +252,11 @@ def small_cache_disk(tmp_path):
 
 def test_cache_disk_full_fails_the_writer_not_the_mount(tmp_path, small_cache_disk):
     store = tmp_path / "store"
-    m = Mount(f"file://{store}", tmp_path / "m", ram_cache="16MiB", cache_size="1GiB")
+    # The budget fits the filesystem (a larger one is refused at mount), but another file
+    # takes most of it, as a neighbour's would: the disk fills before the budget does.
+    m = Mount(f"file://{store}", tmp_path / "m", ram_cache="16MiB", cache_size="40MiB")
     m.cache_dir = small_cache_disk / "cache"
+    (small_cache_disk / "neighbour.bin").write_bytes(os.urandom(24 << 20))
     try:
         m.start()
         with pytest.raises(OSError) as info:
