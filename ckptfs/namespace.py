@@ -55,8 +55,11 @@ STORE_MTIME_SLACK_S = 2.0  # S3 dates have whole seconds; a node's clock may be 
 UNSEEN_GRACE_S = 10.0  # a file this mount made durable is dropped as gone only once a listing could show it
 NEGATIVE_CACHE_MAX = 65536  # names remembered as absent (then forgotten all at once)
 # How long a lookup or readdir waits for the store before it answers from what it knows (a store
-# that does not answer must not hang `ls`); shorter while the store is known to be failing.
-STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 10.0, 1.0
+# that does not answer must not hang `ls`, nor a create: the kernel looks the name up first);
+# shorter while the store is known to be failing (a refresh failed, or the shared StoreHealth
+# saw a failed or unanswered call). A listing that takes longer is dropped: the directory shows
+# what this mount knows, and is listed again after the TTL.
+STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 2.0, 0.5
 
 
 @dataclass
@@ -191,6 +194,7 @@ class Namespace:
         self._refreshing: dict[int, _Flight] = {}  # dir ino -> the listing in flight
         self._asking: dict[tuple[int, str], _Flight] = {}  # (dir ino, name) -> the store probe in flight
         self._store_failing = False  # a refresh failed: logged once until the store answers again
+        self.health = fetcher.health  # the daemon shares one StoreHealth with the uploader
 
     # -- building the tree ----------------------------------------------------------------
     def load(self, listing: Iterable[ObjectInfo], pending: list[Op],
@@ -667,7 +671,7 @@ class Namespace:
     async def _store_call(self, fn, *args):
         """``fn(*args)`` in a thread, given up (TimeoutError) if the store takes too long: the
         thread is left to finish on its own, and its answer is dropped."""
-        limit = STORE_ANSWER_FAILING_S if self._store_failing else STORE_ANSWER_S
+        limit = STORE_ANSWER_FAILING_S if self._store_failing or self.health.in_trouble() else STORE_ANSWER_S
         with trio.move_on_after(limit):
             return await trio.to_thread.run_sync(fn, *args, limiter=self.list_threads, abandon_on_cancel=True)
         raise TimeoutError(f"the store did not answer in {limit:g} s")
@@ -683,6 +687,7 @@ class Namespace:
         return names
 
     def _store_trouble(self, what: str, exc: Exception) -> None:
+        self.health.failed("", "", f"{what}: {exc}", reachable=not isinstance(exc, TimeoutError))
         if not self._store_failing:
             self._store_failing = True
             log.warning("%s: %s; showing what this mount knows (logged once until the store answers)",
