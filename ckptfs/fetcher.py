@@ -165,8 +165,7 @@ class Fetcher:
             except StoreError as exc:
                 if not exc.transient or attempt == READ_ATTEMPTS:
                     log.error("read of %s failed: %s", key, exc)
-                    self.health.failed("read", key, f"{_errno_name(exc.errno)}: {exc}",
-                                       reachable=not exc.transient)
+                    self.health.failed("read", key, f"{_errno_name(exc.errno)}: {exc}")
                     raise FsError(exc.errno, str(exc)) from exc
                 await trio.sleep(min(0.2 * 2 ** attempt, 5) * random.random())  # jittered backoff
                 continue
@@ -174,7 +173,7 @@ class Fetcher:
                 break
             if attempt == READ_ATTEMPTS:
                 message = f"{key}: short read from the store ({len(data)} of {length} bytes)"
-                self.health.failed("read", key, f"EIO: {message}", reachable=True)
+                self.health.failed("read", key, f"EIO: {message}")
                 raise FsError(errno.EIO, message)
         ref = await self.cache.alloc()
         self.cache.write(ref, 0, data)
@@ -214,7 +213,7 @@ class Fetcher:
                 while content.key == key and trio.current_time() < deadline:
                     await trio.sleep(0.05)
                 if content.key == key:
-                    self.health.failed("read", key, "EIO: gone from the store", reachable=True)
+                    self.health.failed("read", key, "EIO: gone from the store")
                     raise FsError(errno.EIO, f"{key} is gone from the store") from exc
                 log.info("%s moved to %s during a read: reading there", key, content.key)
                 key = content.key

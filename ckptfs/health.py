@@ -31,6 +31,7 @@ class StoreHealth:
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)  # {"time", "key", "message"}, oldest first
         self.failing_since: float | None = None  # wall time of the first failure since the last answer
         self.last_failure: dict | None = None
+        self.reachable: bool | None = None  # what the last failed attempt said about the endpoint
         self._attempts: dict[int, tuple[float, float, str, str]] = {}  # token -> (monotonic, wall, op, key)
         self._next_token = 0
 
@@ -45,20 +46,22 @@ class StoreHealth:
         with self._lock:
             self._attempts.pop(token, None)
 
-    def failed(self, op: str, key: str, reason: str, reachable: bool = False) -> None:
+    def failed(self, op: str, key: str, reason: str, reachable: bool | None = None) -> None:
         """A store call (or one attempt of it) failed: the store is in trouble from now on.
-        ``reachable``: the store answered, with an error (denied, refused), so it is up."""
+        ``reachable``: whether the store answered (with an error) or not at all (refused, reset,
+        timed out); None when the caller cannot tell (the state keeps what attempts said)."""
         now = time.time()
-        event = {"time": now, "key": key, "message": f"{op}: {reason}" if op else reason,
-                 "reachable": reachable}
+        event = {"time": now, "key": key, "message": f"{op}: {reason}" if op else reason}
         with self._lock:
             self.events.append(event)
             self.last_failure = event
+            if reachable is not None:
+                self.reachable = reachable
             first = self.failing_since is None
             if first:
                 self.failing_since = now
         if first:
-            log.warning("store trouble from now on: %s %s: %s", op, key, reason)
+            log.warning("store trouble from now on: %s%s", f"{key}: " if key else "", event["message"])
 
     def answered(self) -> None:
         """The store answered a call (an HTTP answer that is not a server error counts)."""
@@ -66,6 +69,7 @@ class StoreHealth:
             return
         with self._lock:
             since, self.failing_since = self.failing_since, None
+            self.reachable = None
         if since is not None:
             log.info("the store answers again (after %.0f s of trouble)", time.time() - since)
 
@@ -93,7 +97,7 @@ class StoreHealth:
             if self.failing_since is not None:
                 last = self.last_failure or {}
                 reason = f"{last.get('message', '')} ({last.get('key', '')})".strip()
-                state = "failing" if last.get("reachable") else "unreachable"
+                state = "unreachable" if self.reachable is False else "failing"
                 return {"state": state, "since": self.failing_since, "reason": reason, "waiting_calls": waiting}
             if stalled is not None:
                 _, wall, op, key = stalled

@@ -54,12 +54,13 @@ LIST_THREADS = 8  # listings and HEADs in flight (apart from data transfers)
 STORE_MTIME_SLACK_S = 2.0  # S3 dates have whole seconds; a node's clock may be a little off the store's
 UNSEEN_GRACE_S = 10.0  # a file this mount made durable is dropped as gone only once a listing could show it
 NEGATIVE_CACHE_MAX = 65536  # names remembered as absent (then forgotten all at once)
-# How long a lookup or readdir waits for the store before it answers from what it knows (a store
-# that does not answer must not hang `ls`, nor a create: the kernel looks the name up first);
-# shorter while the store is known to be failing (a refresh failed, or the shared StoreHealth
-# saw a failed or unanswered call). A listing that takes longer is dropped: the directory shows
-# what this mount knows, and is listed again after the TTL.
-STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 2.0, 0.5
+# How long a readdir waits for the store before it answers from what it knows (a store that does
+# not answer must not hang `ls`); shorter while the store is known to be failing (a refresh
+# failed, or the shared StoreHealth saw a failed or unanswered call).
+STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 10.0, 0.5
+# A lookup (and so every create: the kernel looks the name up first) waits at most this long;
+# then it answers from what this mount knows and the store counts as failing.
+LOOKUP_WAIT_S = 1.0
 
 
 @dataclass
@@ -416,7 +417,10 @@ class Namespace:
         listing is older than ``list_ttl`` (so known names follow changes and deletions too); a
         name still unknown is asked of the store itself, unless it was found absent less than
         ``list_ttl`` ago (``negative_ttl`` says for how much longer)."""
-        await self._catch_up(self._dir(parent_ino), name)
+        with trio.move_on_after(LOOKUP_WAIT_S) as waited:
+            await self._catch_up(self._dir(parent_ino), name)
+        if waited.cancelled_caught:
+            self._store_trouble(f"cannot look up {name}", TimeoutError(f"the store did not answer in {LOOKUP_WAIT_S:g} s"))
         return self.lookup(parent_ino, name)
 
     async def _catch_up(self, parent: Node, name: str) -> None:
@@ -687,11 +691,11 @@ class Namespace:
         return names
 
     def _store_trouble(self, what: str, exc: Exception) -> None:
-        self.health.failed("", "", f"{what}: {exc}", reachable=not isinstance(exc, TimeoutError))
+        self.health.failed("", "", f"{what}: {exc}", reachable=False if isinstance(exc, TimeoutError) else None)
         if not self._store_failing:
             self._store_failing = True
             log.warning("%s: %s; showing what this mount knows (logged once until the store answers)",
-                        what, exc, exc_info=not isinstance(exc, StoreError))
+                        what, exc, exc_info=not isinstance(exc, (StoreError, TimeoutError)))
         else:
             log.debug("%s: %s", what, exc)
 

@@ -608,7 +608,7 @@ class Uploader:
     def _record_error(self, key: str, exc: BaseException) -> None:
         message = str(exc)
         self.errors.append({"time": time.time(), "key": key, "message": message})
-        self.health.failed("", key, message, reachable=not getattr(exc, "transient", False))
+        self.health.failed("", key, message)
         if (key, message) not in self._logged_errors:  # once per key and reason, not per retry
             self._logged_errors.add((key, message))
             log.error("store error on %s (will retry): %s", key, message)

@@ -133,7 +133,8 @@ class S3Store(ObjectStore):
         self._health.attempt_ended(token)
         if caught_exception is not None:
             if isinstance(caught_exception, (bex.BotoCoreError, OSError)):
-                self._health.failed(op, key, f"cannot reach {self.endpoint}: {_reason(caught_exception)}")
+                self._health.failed(op, key, f"cannot reach {self.endpoint}: {_reason(caught_exception)}",
+                                    reachable=False)
             return
         status = response[0].status_code if response else 0
         if status >= 500 or status == 429:
