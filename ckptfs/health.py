@@ -61,10 +61,11 @@ class StoreHealth:
             if first:
                 self.failing_since = now
         if first:
-            log.warning("store trouble from now on: %s%s", f"{key}: " if key else "", event["message"])
+            # (what failed is logged where it failed, once per key and reason)
+            log.warning("store trouble: calls fail or go unanswered; data stays in the cache (see 'ckptfs status')")
 
     def answered(self) -> None:
-        """The store answered a call (an HTTP answer that is not a server error counts)."""
+        """A store call succeeded (or got an answer that is not an error, such as a 404 to a HEAD)."""
         if self.failing_since is None:
             return
         with self._lock:

@@ -60,7 +60,7 @@ NEGATIVE_CACHE_MAX = 65536  # names remembered as absent (then forgotten all at 
 STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 10.0, 0.5
 # A lookup (and so every create: the kernel looks the name up first) waits at most this long;
 # then it answers from what this mount knows and the store counts as failing.
-LOOKUP_WAIT_S = 1.0
+LOOKUP_WAIT_S = 1.5
 
 
 @dataclass

@@ -202,7 +202,7 @@ def test_creating_a_file_during_an_outage_answers_from_what_the_mount_knows(prox
     (m.path / "idle" / "new.txt").write_bytes(b"new")
     took = time.monotonic() - started
     print(f"\ncreate in an idle directory with the store blackholed: {took:.2f} s")
-    assert took < 3, f"the create took {took:.1f} s"  # (a lookup waits at most 1 s)
+    assert took < 3, f"the create took {took:.1f} s"  # (a lookup waits at most 1.5 s)
     started = time.monotonic()
     assert sorted(os.listdir(m.path / "idle")) == ["new.txt", "old.txt"]
     assert (m.path / "idle" / "old.txt").read_bytes() == b"old"

@@ -140,7 +140,7 @@ class S3Store(ObjectStore):
         if status >= 500 or status == 429:
             code = str(((response[1] or {}).get("Error") or {}).get("Code") or "")
             self._health.failed(op, key, f"HTTP {status} {code}".rstrip(), reachable=True)
-        elif status:
+        elif status < 400 or status in (404, 416):  # (404: a HEAD that misses; 416: a read past the end)
             self._health.answered()
 
     # -- helpers ---------------------------------------------------------------
