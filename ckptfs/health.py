@@ -97,7 +97,7 @@ class StoreHealth:
             waiting = len(self._attempts)
             if self.failing_since is not None:
                 last = self.last_failure or {}
-                reason = f"{last.get('message', '')} ({last.get('key', '')})".strip()
+                reason = last.get("message", "") + (f" ({last['key']})" if last.get("key") else "")
                 state = "unreachable" if self.reachable is False else "failing"
                 return {"state": state, "since": self.failing_since, "reason": reason, "waiting_calls": waiting}
             if stalled is not None:

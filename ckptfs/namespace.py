@@ -57,7 +57,7 @@ NEGATIVE_CACHE_MAX = 65536  # names remembered as absent (then forgotten all at 
 # How long a readdir waits for the store before it answers from what it knows (a store that does
 # not answer must not hang `ls`); shorter while the store is known to be failing (a refresh
 # failed, or the shared StoreHealth saw a failed or unanswered call).
-STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 10.0, 0.5
+STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 10.0, 0.25
 # A lookup (and so every create: the kernel looks the name up first) waits at most this long;
 # then it answers from what this mount knows and the store counts as failing.
 LOOKUP_WAIT_S = 1.5
@@ -700,6 +700,7 @@ class Namespace:
             log.debug("%s: %s", what, exc)
 
     def _store_answers(self) -> None:
+        self.health.answered()
         if self._store_failing:
             self._store_failing = False
             log.info("the store answers listings again")

@@ -111,6 +111,7 @@ def test_umount_with_the_store_down_gives_up_after_its_timeout_and_loses_nothing
     assert done.returncode != 0
     assert took < 4 + 15, f"umount --timeout 4 took {took:.1f} s"
     message = done.stderr.strip()
+    print(f"\numount --timeout 4 with the store blackholed: exit {done.returncode} after {took:.1f} s: {message}")
     assert len(message.splitlines()) == 1 and "Traceback" not in message, message
     assert "gave up after 4 s" in message and "2 files" in message, message
     assert "--no-wait" in message and "resume at the next mount" in message, message
