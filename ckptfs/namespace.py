@@ -691,8 +691,8 @@ class Namespace:
         return names
 
     def _store_trouble(self, what: str, exc: Exception) -> None:
-        self.health.failed("", "", f"{what}: {exc}", reachable=False if isinstance(exc, TimeoutError) else None)
-        if not self._store_failing:
+        if not self._store_failing:  # (once per episode: lookups must not flood the status's errors)
+            self.health.failed("", "", f"{what}: {exc}", reachable=False if isinstance(exc, TimeoutError) else None)
             self._store_failing = True
             log.warning("%s: %s; showing what this mount knows (logged once until the store answers)",
                         what, exc, exc_info=not isinstance(exc, (StoreError, TimeoutError)))

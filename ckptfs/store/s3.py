@@ -10,9 +10,9 @@ from __future__ import annotations
 import errno
 import re
 import threading
-from urllib.parse import unquote, urlsplit
 from collections.abc import Iterator
 from typing import Any, NoReturn
+from urllib.parse import unquote, urlsplit
 
 import boto3
 import botocore.exceptions as bex
