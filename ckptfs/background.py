@@ -8,11 +8,15 @@ free nothing changes; where they are not, the save goes first and the upload use
 
 Like ``trio.to_thread.run_sync`` (without abandoning), a call that has started always runs to
 completion before ``run`` returns or raises; a call cancelled before a thread took it never runs.
+Except at shutdown: after ``abandon()`` a cancelled caller no longer waits for its call (a store
+call may hang for minutes on a dead endpoint); the thread finishes on its own and its result is
+dropped. Whatever the call reads must then be guarded by a ``Gate`` its owner closes.
 """
 
 from __future__ import annotations
 
 import logging
+import contextlib
 import os
 import queue
 import threading
@@ -33,6 +37,14 @@ class BackgroundThreads:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live = self._idle = 0
+        self.abandoning = False
+        self._waiting: set[trio.Event] = set()  # callers shielded until their call ends
+
+    def abandon(self) -> None:
+        """Shutdown: callers cancelled from now on (or waiting already) stop waiting for their calls."""
+        self.abandoning = True
+        for done in self._waiting:
+            done.set()
 
     def _submit(self, job: Callable[[], None]) -> None:
         with self._lock:
@@ -86,8 +98,46 @@ class BackgroundThreads:
         except trio.Cancelled:
             with lock:
                 state["cancelled"] = not state["started"]
-            if not state["cancelled"]:
-                with trio.CancelScope(shield=True):
-                    await done.wait()  # it runs: the caller's data must outlive the call
+            if not state["cancelled"] and not self.abandoning:
+                self._waiting.add(done)
+                try:
+                    with trio.CancelScope(shield=True):
+                        await done.wait()  # it runs: the caller's data must outlive the call
+                finally:
+                    self._waiting.discard(done)
             raise
         return result[0].unwrap()
+
+
+class Closed(Exception):
+    """The resource behind a ``Gate`` was closed (shutdown): an abandoned call may not use it."""
+
+
+class Gate:
+    """Lets threads use a resource (the cache's memory and files) until ``close``, which waits
+    for the uses in progress (short copies) and refuses later ones."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._cond = threading.Condition()
+        self._users = 0
+        self._closed = False
+
+    @contextlib.contextmanager
+    def use(self):
+        with self._cond:
+            if self._closed:
+                raise Closed(f"{self.what} is closed (shutting down)")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._users -= 1
+                self._cond.notify_all()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            if not self._cond.wait_for(lambda: self._users == 0, timeout):
+                log.warning("%s: %d threads still using it at close", self.what, self._users)

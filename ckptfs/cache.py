@@ -27,8 +27,10 @@ import ctypes
 import ctypes.util
 import errno
 import logging
+import math
 import mmap
 import os
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -257,6 +259,10 @@ class Cache:
         self.clean: OrderedDict[object, tuple[Content, Callable[[], None]]] = OrderedDict()
         self._space = trio.Event()
         self.waiters = 0
+        # A writer waits for space at most this long without a block being freed (the store is
+        # down: nothing drains), then gets ENOSPC (--write-timeout; None: as long as it takes).
+        self.write_timeout: float | None = None
+        self._freed_at = 0.0  # time.monotonic() of the last block given back
         # Whether some holder of blocks will let go of them by itself (an upload in progress).
         # When none will, a writer waiting for space would wait forever: it gets ENOSPC instead.
         self.releases_pending: Callable[[], bool] = lambda: True
@@ -308,14 +314,24 @@ class Cache:
         return None
 
     async def alloc(self, only: int | None = None) -> BlockRef:
-        """A fresh block; waits while the tiers are full of data not yet uploaded."""
+        """A fresh block; waits while the tiers are full of data not yet uploaded, as long as
+        uploads free blocks: ENOSPC after ``write_timeout`` seconds without one freed."""
+        started = time.monotonic()
         while (ref := self.try_alloc(only)) is None:
             if not self.releases_pending():
                 raise OSError(errno.ENOSPC, "the cache is full of files still open for writing: "
                                             "raise --ram-cache/--cache-size or write fewer files at once")
+            left = math.inf
+            if self.write_timeout is not None:
+                left = max(started, self._freed_at) + self.write_timeout - time.monotonic()
+                if left <= 0:
+                    raise OSError(errno.ENOSPC, f"the cache is full of data not yet in the store and none "
+                                                f"was uploaded for {self.write_timeout:g} s (--write-timeout): "
+                                                "is the store down? see 'ckptfs status'")
             self.waiters += 1
             try:
-                await self._space.wait()
+                with trio.move_on_after(left):
+                    await self._space.wait()
             finally:
                 self.waiters -= 1
         return ref
@@ -336,6 +352,7 @@ class Cache:
             return
         del self.refcounts[ref]
         self.tiers[ref[0]].release(ref[1])
+        self._freed_at = time.monotonic()
         self._space.set()
         self._space = trio.Event()
 

@@ -24,12 +24,15 @@ from ckptfs import control, limits, logs, private
 from ckptfs.config import MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
 from ckptfs.errors import CkptfsError, MountError, UsageError
 from ckptfs.paths import check_mount_paths
+from ckptfs.health import describe as describe_health
 from ckptfs.store.base import ObjectStore, StoreError
 
 log = logging.getLogger("ckptfs")
 
 READY_TIMEOUT_S = 60.0  # how long `mount` waits for the detached daemon to serve
 UNMOUNT_WAIT_S = 60.0  # how long `umount` waits for the mount and the daemon to go
+UMOUNT_TIMEOUT_S = 300.0  # how long `umount` waits for uploads to drain (--timeout)
+PROGRESS_LINE_S = 10.0  # not on a terminal: a progress line this often
 LOG_LEVELS = logs.LEVELS
 
 
@@ -118,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how old a directory listing may get before its next use asks the store again, so "
                         "files other mounts made durable show up; also how long a missing name is "
                         f"remembered (default {MountConfig.list_ttl:g}; 0: ask every time)")
+    p.add_argument("--write-timeout", type=_seconds, metavar="SECONDS",
+                   help="how long a write waits for cache space while nothing gets uploaded (the store is "
+                        f"down) before it fails with ENOSPC (default {MountConfig.write_timeout:g})")
     p.add_argument("--shm-dir", metavar="DIR",
                    help=f"the tmpfs that holds the RAM tier (default {MountConfig.shm_dir})")
     p.add_argument("--allow-other", action="store_true",
@@ -156,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("umount", help="drain uploads (with progress), then unmount")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--timeout", type=_seconds, metavar="S", default=UMOUNT_TIMEOUT_S,
+                   help="give up draining after S seconds (exit 1, the mount stays; default "
+                        f"{UMOUNT_TIMEOUT_S:g})")
     p.add_argument("--no-wait", action="store_true", help="unmount without draining; pending uploads resume at the next mount")
     p.set_defaults(func=cmd_umount)
 
@@ -215,6 +224,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "part_size": args.part_size,
         "upload_concurrency": args.upload_concurrency,
         "list_ttl": args.list_ttl,
+        "write_timeout": args.write_timeout,
         "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
         "umask": args.umask,
         "log_level": args.log_level,
@@ -311,7 +321,8 @@ def daemon_argv(config: MountConfig) -> list[str]:
     argv = ["mount", config.store_url, config.mountpoint, "--cache-dir", config.cache_dir,
             "--ram-cache", str(config.ram_cache), "--cache-size", str(config.cache_size),
             "--part-size", str(config.part_size), "--upload-concurrency", str(config.upload_concurrency),
-            "--list-ttl", repr(config.list_ttl), "--shm-dir", config.shm_dir,
+            "--list-ttl", repr(config.list_ttl), "--write-timeout", repr(config.write_timeout),
+            "--shm-dir", config.shm_dir,
             "--log-level", config.log_level, "--foreground"]
     argv += ["--umask", f"{config.umask:04o}"]
     argv += ["--allow-other"] * config.allow_other + ["--keep-ram-cache"] * config.keep_ram_cache
@@ -445,7 +456,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
         return 0
     bar = ProgressBar("drain")
     try:
-        result = control.call(mountpoint, "umount", {"wait": not args.no_wait}, on_progress=bar)
+        # The daemon enforces the timeout; ours only guards against a hung daemon.
+        result = control.call(mountpoint, "umount", {"wait": not args.no_wait, "timeout": args.timeout},
+                              on_progress=bar, timeout=args.timeout + 30)
     finally:
         bar.close()
     _wait_gone(mountpoint, pid if isinstance(pid, int) else None, UNMOUNT_WAIT_S)
@@ -551,6 +564,7 @@ class ProgressBar:
         self.start = time.monotonic()
         self.last: dict | None = None
         self.bar = None
+        self.lined = self.start  # when the last progress line was printed (not on a terminal)
 
     def __call__(self, progress: dict) -> None:
         from tqdm import tqdm
@@ -564,6 +578,8 @@ class ProgressBar:
             done = max(total - int(progress.get("pending_bytes") or 0), 0)
             files = progress.get("pending_files", "?")
             postfix = f"{files} file{'' if files == 1 else 's'} left"
+            if progress.get("store") not in (None, "ok"):
+                postfix += f"; store {progress['store']}"
         if self.bar is None:
             self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc=self.desc,
                             file=sys.stderr, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
@@ -571,6 +587,9 @@ class ProgressBar:
         self.bar.n = done
         self.bar.set_postfix_str(postfix, refresh=False)
         self.bar.refresh()
+        if self.bar.disable and time.monotonic() - self.lined >= PROGRESS_LINE_S:  # a log, not a terminal
+            self.lined = time.monotonic()
+            print(f"ckptfs: {self.desc}: {_fmt(done)} of {_fmt(total)}, {postfix}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -611,6 +630,7 @@ def format_status(s: dict) -> str:
     for label, value in [
         ("mountpoint", get("mountpoint")),
         ("store", get("store")),
+        ("store state", describe_health(s["store_health"]) if isinstance(s.get("store_health"), dict) else None),
         ("cache dir", get("cache_dir")),
         ("daemon pid", get("pid")),
         ("uptime", humanfriendly.format_timespan(s["uptime_s"]) if isinstance(s.get("uptime_s"), (int, float)) else None),

@@ -55,6 +55,9 @@ class MountConfig:
     # (what other mounts made durable shows up), and a name found absent is not asked again.
     # 0: ask the store every time.
     list_ttl: float = 5.0
+    # Seconds a write waits for cache space while nothing is uploaded (the store is down)
+    # before it fails with ENOSPC.
+    write_timeout: float = 60.0
     shm_dir: str = "/dev/shm"  # the tmpfs that holds the RAM tier (a container's may be small)
     allow_other: bool = False  # let other users in (the kernel still checks each file's mode)
     # Modes of what the store does not record (objects loaded from it): 0666/0777 less this.

@@ -31,6 +31,7 @@ from .config import MountConfig, ckptfs_mounts, control_socket_path
 from .errors import CkptfsError, FsError, MountError
 from .fetcher import Fetcher
 from .fuse_ops import Operations
+from .health import StoreHealth, describe
 from .journal import Journal
 from .namespace import Namespace
 from .paths import check_mount_paths
@@ -171,6 +172,10 @@ class Daemon:
         self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid(),
                                    list_ttl=self.config.list_ttl, umask=self.config.umask,
                                    root=(covered.st_mode, covered.st_uid, covered.st_gid))
+        self.health = StoreHealth()  # one view of the store's trouble, fed by everything that calls it
+        self.uploader.health = self.fetcher.health = self.namespace.health = self.health
+        self.store.report_to(self.health)
+        self.cache.write_timeout = self.config.write_timeout
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
         # default_permissions (in pyfuse3's defaults): the kernel checks every access against the
         # modes, so other users, when allowed in at all, reach only what the modes let them.
@@ -186,6 +191,7 @@ class Daemon:
             self._save_clean_index()
         finally:
             pyfuse3.close(unmount=True)
+            self.uploader.close()  # store calls abandoned at shutdown may no longer read the cache
             self.journal.close()
             self.cache.close()
             self.store.close()
@@ -303,6 +309,9 @@ class Daemon:
             nursery.start_soon(self._when_serving, on_ready)
             nursery.start_soon(self._stopper)
             await pyfuse3.main()
+            # Shutdown: store calls in flight are abandoned, not awaited (a dead store would hold
+            # the mount for minutes); pending work stays in the journal (docs/architecture.md).
+            self.uploader.abandon_calls()
             nursery.cancel_scope.cancel()
 
     async def _when_serving(self, on_ready) -> None:
@@ -348,7 +357,8 @@ class Daemon:
             "fetched_bytes": self.fetcher.fetched_bytes,
             "page_cache_pushed_bytes": self.namespace.prefill.pushed_bytes,
             "page_cache_queued_files": self.namespace.prefill.queued_files,
-            "errors": list(up.errors),
+            "errors": self.health.errors(),
+            "store_health": self.health.status(),
             **self.namespace.status(),
         }
 
@@ -400,7 +410,18 @@ class Daemon:
 
     async def _umount(self, request: dict, progress) -> dict:
         if request.get("wait", True):
-            await self._drain(self.uploader.last_seq(), progress)
+            target, timeout = self.uploader.last_seq(), request.get("timeout")
+            with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
+                await self._drain(target, progress)
+            if scope.cancelled_caught:  # the mount stays: the caller decides whether to leave anyway
+                up = self.uploader
+                store = describe(self.health.status())
+                raise CkptfsError(
+                    f"gave up after {timeout:g} s: {up.pending_count(target)} files "
+                    f"({humanfriendly.format_size(up.pending_bytes(target), binary=True)}) not yet in the store "
+                    f"(store: {store}); {self.mountpoint} stays mounted. To unmount now: "
+                    f"'ckptfs umount --no-wait {self.mountpoint}' (pending uploads resume at the next mount "
+                    "with the same cache dir)")
         self.stop_requested.set()
         return {"pending_files": self.uploader.pending_count()}
 
@@ -413,7 +434,7 @@ class Daemon:
                 while True:
                     left = up.pending_bytes(target)
                     await progress({"pending_files": up.pending_count(target), "pending_bytes": left,
-                                    "total_bytes": max(total, left)})
+                                    "total_bytes": max(total, left), "store": describe(self.health.status())})
                     await trio.sleep(PROGRESS_INTERVAL_S)
             nursery.start_soon(report)
             await up.wait_durable(target)

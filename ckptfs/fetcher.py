@@ -19,6 +19,7 @@ import trio
 
 from .cache import Cache, Content, in_pages
 from .errors import FsError
+from .health import StoreHealth
 from .store.base import NotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Fetcher:
         self.fetched_bytes = 0
         self.read_ahead = concurrency  # blocks fetched ahead of a sequential reader
         self.nursery: trio.Nursery | None = None
+        self.health = StoreHealth()  # the daemon shares one with the uploader and the namespace
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Host the background read-ahead tasks."""
@@ -167,13 +169,16 @@ class Fetcher:
             except StoreError as exc:
                 if not exc.transient or attempt == READ_ATTEMPTS:
                     log.error("read of %s failed: %s", key, exc)
+                    self.health.failed("read", key, f"{_errno_name(exc.errno)}: {exc}")
                     raise FsError(exc.errno, str(exc)) from exc
                 await trio.sleep(min(0.2 * 2 ** attempt, 5) * random.random())  # jittered backoff
                 continue
             if len(data) == length:
                 break
             if attempt == READ_ATTEMPTS:
-                raise FsError(errno.EIO, f"{key}: short read from the store ({len(data)} of {length} bytes)")
+                message = f"{key}: short read from the store ({len(data)} of {length} bytes)"
+                self.health.failed("read", key, f"EIO: {message}")
+                raise FsError(errno.EIO, message)
         ref = await self.cache.alloc()
         self.cache.write(ref, 0, data)
         self.cache.fit(ref, length)
@@ -202,13 +207,17 @@ class Fetcher:
         deadline = None
         while True:
             try:
-                return await trio.to_thread.run_sync(self.store.get_range, key, start, length, limiter=self.threads)
+                # Abandoned when cancelled (shutdown, an interrupted reader): the thread touches no
+                # shared state, its answer is dropped; the limiter still counts it until it ends.
+                return await trio.to_thread.run_sync(self.store.get_range, key, start, length,
+                                                     limiter=self.threads, abandon_on_cancel=True)
             except NotFound as exc:
                 if deadline is None:
                     deadline = trio.current_time() + MOVE_WAIT
                 while content.key == key and trio.current_time() < deadline:
                     await trio.sleep(0.05)
                 if content.key == key:
+                    self.health.failed("read", key, "EIO: gone from the store")
                     raise FsError(errno.EIO, f"{key} is gone from the store") from exc
                 log.info("%s moved to %s during a read: reading there", key, content.key)
                 key = content.key
@@ -216,3 +225,7 @@ class Fetcher:
 
 def _fmt(n: int) -> str:
     return humanfriendly.format_size(n, binary=True)
+
+
+def _errno_name(number: int) -> str:
+    return errno.errorcode.get(number, str(number))

@@ -14,6 +14,7 @@ fsyncs for the node-reboot level. A torn last line (crash mid-append) is ignored
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -156,6 +157,8 @@ class Journal:
 
     # -- internals --------------------------------------------------------------------
     def _write(self, rec: dict) -> None:
+        if self.fd < 0:  # closed at shutdown: nothing may change the record of what is pending
+            raise OSError(errno.EBADF, f"journal {self.path} is closed")
         # One write() per record on an O_APPEND fd: a crash leaves at most a torn last line.
         os.write(self.fd, (json.dumps(rec, separators=(",", ":")) + "\n").encode())
         self.lines += 1

@@ -54,9 +54,13 @@ LIST_THREADS = 8  # listings and HEADs in flight (apart from data transfers)
 STORE_MTIME_SLACK_S = 2.0  # S3 dates have whole seconds; a node's clock may be a little off the store's
 UNSEEN_GRACE_S = 10.0  # a file this mount made durable is dropped as gone only once a listing could show it
 NEGATIVE_CACHE_MAX = 65536  # names remembered as absent (then forgotten all at once)
-# How long a lookup or readdir waits for the store before it answers from what it knows (a store
-# that does not answer must not hang `ls`); shorter while the store is known to be failing.
-STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 10.0, 1.0
+# How long a readdir waits for the store before it answers from what it knows (a store that does
+# not answer must not hang `ls`); shorter while the store is known to be failing (a refresh
+# failed, or the shared StoreHealth saw a failed or unanswered call).
+STORE_ANSWER_S, STORE_ANSWER_FAILING_S = 10.0, 0.25
+# A lookup (and so every create: the kernel looks the name up first) waits at most this long;
+# then it answers from what this mount knows and the store counts as failing.
+LOOKUP_WAIT_S = 1.5
 
 
 @dataclass
@@ -195,6 +199,7 @@ class Namespace:
         self._refreshing: dict[int, _Flight] = {}  # dir ino -> the listing in flight
         self._asking: dict[tuple[int, str], _Flight] = {}  # (dir ino, name) -> the store probe in flight
         self._store_failing = False  # a refresh failed: logged once until the store answers again
+        self.health = fetcher.health  # the daemon shares one StoreHealth with the uploader
 
     # -- building the tree ----------------------------------------------------------------
     def load(self, listing: Iterable[ObjectInfo], pending: list[Op],
@@ -416,7 +421,10 @@ class Namespace:
         listing is older than ``list_ttl`` (so known names follow changes and deletions too); a
         name still unknown is asked of the store itself, unless it was found absent less than
         ``list_ttl`` ago (``negative_ttl`` says for how much longer)."""
-        await self._catch_up(self._dir(parent_ino), name)
+        with trio.move_on_after(LOOKUP_WAIT_S) as waited:
+            await self._catch_up(self._dir(parent_ino), name)
+        if waited.cancelled_caught:
+            self._store_trouble(f"cannot look up {name}", TimeoutError(f"the store did not answer in {LOOKUP_WAIT_S:g} s"))
         return self.lookup(parent_ino, name)
 
     async def _catch_up(self, parent: Node, name: str) -> None:
@@ -671,7 +679,7 @@ class Namespace:
     async def _store_call(self, fn, *args):
         """``fn(*args)`` in a thread, given up (TimeoutError) if the store takes too long: the
         thread is left to finish on its own, and its answer is dropped."""
-        limit = STORE_ANSWER_FAILING_S if self._store_failing else STORE_ANSWER_S
+        limit = STORE_ANSWER_FAILING_S if self._store_failing or self.health.in_trouble() else STORE_ANSWER_S
         with trio.move_on_after(limit):
             return await trio.to_thread.run_sync(fn, *args, limiter=self.list_threads, abandon_on_cancel=True)
         raise TimeoutError(f"the store did not answer in {limit:g} s")
@@ -687,14 +695,16 @@ class Namespace:
         return names
 
     def _store_trouble(self, what: str, exc: Exception) -> None:
-        if not self._store_failing:
+        if not self._store_failing:  # (once per episode: lookups must not flood the status's errors)
+            self.health.failed("", "", f"{what}: {exc}", reachable=False if isinstance(exc, TimeoutError) else None)
             self._store_failing = True
             log.warning("%s: %s; showing what this mount knows (logged once until the store answers)",
-                        what, exc, exc_info=not isinstance(exc, StoreError))
+                        what, exc, exc_info=not isinstance(exc, (StoreError, TimeoutError)))
         else:
             log.debug("%s: %s", what, exc)
 
     def _store_answers(self) -> None:
+        self.health.answered()
         if self._store_failing:
             self._store_failing = False
             log.info("the store answers listings again")

@@ -44,8 +44,9 @@ import tenacity
 import trio
 import xxhash
 
-from .background import BackgroundThreads
+from .background import BackgroundThreads, Gate
 from .cache import BlockRef, Cache, Content
+from .health import StoreHealth
 from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
 from .store.base import MAX_PARTS, NotFound, ObjectStore, PartInfo, StoreError
 
@@ -178,6 +179,8 @@ class Uploader:
         self.part_slots = trio.Semaphore(concurrency)
         self.part_buffers = PartBuffers(part_size, concurrency)
         self.store_threads = BackgroundThreads(concurrency + 2, "ckptfs-store")
+        self.cache_gate = Gate("the cache")  # store threads copy parts out of the cache through it
+        self.health = StoreHealth()  # the daemon shares one with the fetcher and the namespace
         self.hash_threads = trio.CapacityLimiter(2)
         self.progress = trio.Event()  # set (and replaced) whenever an op is done
         self.new_work = trio.Event()
@@ -386,7 +389,7 @@ class Uploader:
             content = task.content
 
             def send() -> PartInfo:
-                with self.part_buffers.body(length, lambda out: content.read_into(start, out)) as body:
+                with self.part_buffers.body(length, lambda out: self._from_cache(content.read_into, start, out)) as body:
                     return self.store.upload_part(upload.key, upload.upload_id, number, body)
 
             try:
@@ -413,7 +416,7 @@ class Uploader:
                     upload, size = stream.upload, self.cache.block_size
 
                     def send() -> PartInfo:
-                        with self.part_buffers.body(size, lambda out: self.cache.read_into(ref, 0, out)) as body:
+                        with self.part_buffers.body(size, lambda out: self._from_cache(self.cache.read_into, ref, 0, out)) as body:
                             return self.store.upload_part(upload.key, upload.upload_id, index + 1, body)
 
                     try:
@@ -565,6 +568,23 @@ class Uploader:
         if upload.journal_id:
             self.journal.multipart_ended(upload.journal_id)
 
+    # -- shutdown ----------------------------------------------------------------------------
+    def abandon_calls(self) -> None:
+        """Shutdown begins: store calls in flight are no longer waited for (see background.py).
+        Safe because every store call is idempotent or journaled before it is made (a multipart
+        intent, a pending op): what an abandoned call does or not, the next mount redoes or sweeps."""
+        self.store_threads.abandon()
+
+    def close(self) -> None:
+        """Shutdown ends (the trio loop is gone): abandoned calls may no longer read the cache,
+        which is closed next. (They never touch the journal: only the trio loop writes it.)"""
+        self.cache_gate.close()
+
+    def _from_cache(self, read, *args) -> None:
+        """A copy out of the cache from a store thread, refused once shutdown closed the cache."""
+        with self.cache_gate.use():
+            read(*args)
+
     # -- helpers ---------------------------------------------------------------------------
     def _finish(self, task: Task) -> None:
         if task.content is not None:
@@ -596,11 +616,14 @@ class Uploader:
         )
         async for attempt in retrying:
             with attempt:
-                return await self.store_threads.run(fn, *args)
+                result = await self.store_threads.run(fn, *args)
+                self.health.answered()
+                return result
 
     def _record_error(self, key: str, exc: BaseException) -> None:
         message = str(exc)
         self.errors.append({"time": time.time(), "key": key, "message": message})
+        self.health.failed("", key, message)
         if (key, message) not in self._logged_errors:  # once per key and reason, not per retry
             self._logged_errors.add((key, message))
             log.error("store error on %s (will retry): %s", key, message)

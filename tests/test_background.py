@@ -74,3 +74,51 @@ def test_a_started_call_finishes_and_a_queued_one_never_runs_after_cancel():
         assert ran == ["slow"]
 
     trio.run(main)
+
+
+def test_after_abandon_a_cancelled_caller_stops_waiting_for_its_call():
+    threads = BackgroundThreads(2, "t")
+    release = threading.Event()
+    finished = []
+
+    def hangs():  # a store call on a dead endpoint
+        release.wait(10)
+        finished.append(True)
+
+    async def main():
+        with trio.move_on_after(5) as deadline:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(threads.run, hangs)  # already shielded when abandon comes
+                await trio.sleep(0.1)
+                started = trio.current_time()
+                threads.abandon()
+                nursery.cancel_scope.cancel()
+        assert not deadline.cancelled_caught
+        assert trio.current_time() - started < 1
+        assert finished == []  # still running, on its own
+        with trio.move_on_after(0.2):  # abandoning from the start: a later cancel does not wait either
+            await threads.run(hangs)
+        release.set()
+
+    trio.run(main)
+
+
+def test_a_gate_waits_for_uses_in_progress_and_refuses_later_ones():
+    gate = background.Gate("the cache")
+    inside, log = threading.Event(), []
+
+    def user():
+        with gate.use():
+            inside.set()
+            time.sleep(0.2)
+            log.append("copied")
+
+    thread = threading.Thread(target=user)
+    thread.start()
+    inside.wait(5)
+    gate.close()
+    assert log == ["copied"]  # close waited for the copy in progress
+    with pytest.raises(background.Closed, match="the cache is closed"):
+        with gate.use():
+            pass
+    thread.join()

@@ -6,6 +6,8 @@ reads; snapshots (committed Contents) must never change afterwards (copy on writ
 
 from __future__ import annotations
 
+import errno
+
 import os
 import random
 
@@ -366,6 +368,44 @@ def test_backpressure_waits_for_a_decref(tmp_path):
         assert got == [held[3]] and cache.waiters == 0
         for ref in held[:3] + got:
             cache.decref(ref)
+        assert_all_free(cache)
+
+    try:
+        trio.run(main)
+    finally:
+        cache.close()
+
+
+def test_a_writer_gets_enospc_after_write_timeout_with_nothing_freed(tmp_path):
+    cache = make_cache(tmp_path, ram_blocks=1, disk_blocks=1)
+    cache.write_timeout = 0.5
+
+    async def main():
+        held = [await cache.alloc() for _ in range(2)]
+        assert cache.try_alloc() is None  # full
+        got, failed = [], []
+
+        async def writer():
+            try:
+                got.append(await cache.alloc())
+            except OSError as exc:
+                failed.append((exc, trio.current_time() - started))
+
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            nursery.start_soon(writer)
+            await trio.sleep(0.4)
+            cache.incref(held[0])
+            cache.decref(held[0])  # still referenced: nothing freed
+            cache.decref(held[1])  # freed: one writer takes it, the other's timeout starts again
+        assert got == [held[1]] and len(failed) == 1
+        exc, waited = failed[0]
+        assert exc.errno == errno.ENOSPC and "--write-timeout" in str(exc)
+        assert 0.85 <= waited < 5, waited  # 0.4 s + a whole timeout after the block was freed
+        assert cache.waiters == 0
+        cache.decref(held[0])
+        cache.decref(got[0])
         assert_all_free(cache)
 
     try:

@@ -92,11 +92,11 @@ def test_mount_config_defaults_and_round_trip(empty_dir):
     config = cli.mount_config(cli.build_parser().parse_args([
         "mount", "s3://bucket/pre", str(empty_dir), "--cache-dir", "rel/cache", "--ram-cache", "512M",
         "--cache-size", "3GiB", "--endpoint-url", "http://h:9", "--part-size", "8MiB",
-        "--upload-concurrency", "3", "--list-ttl", "0.5", "--log-level", "debug",
+        "--upload-concurrency", "3", "--list-ttl", "0.5", "--write-timeout", "7.5", "--log-level", "debug",
         "--allow-other", "--umask", "022", "--keep-ram-cache"]))
     assert config.cache_dir == os.path.abspath("rel/cache") and config.ram_cache == 512 * MiB
     assert (config.allow_other, config.umask, config.keep_ram_cache) == (True, 0o022, True)
-    assert config.list_ttl == 0.5
+    assert config.list_ttl == 0.5 and config.write_timeout == 7.5
     # The detached daemon must rebuild exactly this config from its command line.
     rebuilt = cli.mount_config(cli.build_parser().parse_args(cli.daemon_argv(config) + ["--ready-fd", "9"]))
     assert rebuilt == config
@@ -122,14 +122,27 @@ def test_read_ready():
     os.close(w)
 
 
+def test_umount_timeout_default_and_progress_lines_off_a_terminal(monkeypatch, capsys):
+    assert cli.build_parser().parse_args(["umount", "/m"]).timeout == cli.UMOUNT_TIMEOUT_S
+    assert cli.build_parser().parse_args(["umount", "/m", "--timeout", "2"]).timeout == 2
+    monkeypatch.setattr(cli, "PROGRESS_LINE_S", 0)
+    bar = cli.ProgressBar("drain")  # stderr is not a terminal here: lines instead of a bar
+    bar({"pending_files": 2, "pending_bytes": 3 * MiB, "total_bytes": 4 * MiB,
+         "store": "unreachable since 12:00:01 (35 s): UploadPart a.bin: cannot reach http://h:9: read timeout"})
+    bar.close()
+    err = capsys.readouterr().err
+    assert "drain: 1 MiB of 4 MiB, 2 files left; store unreachable since 12:00:01" in err and "read timeout" in err, err
+
+
 def test_format_status_tolerates_anything():
     full = {"mountpoint": "/mnt/c", "store": "s3://b/p", "cache_dir": "/c", "pid": 42, "uptime_s": 3725,
             "part_size": 8 * MiB, "ram": {"used": MiB, "budget": 1 << 30}, "disk": {"used": 0, "budget": 16 << 30},
             "clean_bytes": 5, "pending": {"files": 2, "bytes": 3 * MiB},
             "uploading": {"parts_in_flight": 1, "bytes_in_flight": 8 * MiB}, "uploaded_bytes": 10 * MiB,
-            "durable_files": 7, "errors": [{"time": 0, "key": "a/b", "message": "503 Slow Down\nretrying"}]}
+            "durable_files": 7, "errors": [{"time": 0, "key": "a/b", "message": "503 Slow Down\nretrying"}],
+            "store_health": {"state": "unreachable", "since": 0, "reason": "PutObject: cannot reach h: timeout"}}
     text = cli.format_status(full)
-    for needle in ["s3://b/p", "1 hour, 2 minutes and 5 seconds", "1 MiB of 1 GiB", "2 files, 3 MiB",
+    for needle in ["store state:", "unreachable since", "PutObject: cannot reach h: timeout", "s3://b/p", "1 hour, 2 minutes and 5 seconds", "1 MiB of 1 GiB", "2 files, 3 MiB",
                    "errors:", "a/b: 503 Slow Down retrying"]:
         assert needle in text, text
     assert cli.format_status({}) == ""

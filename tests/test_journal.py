@@ -206,3 +206,17 @@ def test_arena_check_uses_the_compacted_id(path):
     j.close()
     assert [op.key for op in replay(path, arena="boot-1")[0]] == ["ram.bin"]
     assert replay(path, arena="boot-2")[0] == []
+
+
+def test_a_closed_journal_refuses_writes(path):
+    """At shutdown the journal is closed while abandoned store calls may still finish: nothing
+    after the close may change the record of what is pending."""
+    j = fresh(path)
+    j.append(put("a.bin"))
+    j.close()
+    with pytest.raises(OSError, match="is closed"):
+        j.done(1)
+    with pytest.raises(OSError, match="is closed"):
+        j.multipart_ended("1.1")
+    pending, _ = replay(path)
+    assert [op.key for op in pending] == ["a.bin"]

@@ -69,6 +69,10 @@ class ObjectStore(ABC):
 
     url: str  # printable location, never with credentials
 
+    def report_to(self, health) -> None:
+        """Report each request attempt to ``health`` (a StoreHealth) where the backend can see
+        them (S3: botocore's retries); others are reported by their callers."""
+
     @abstractmethod
     def check(self) -> None:
         """Fail with a clear one-line StoreError if the store cannot be used

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import errno
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any, NoReturn
+from urllib.parse import unquote, urlsplit
 
 import boto3
 import botocore.exceptions as bex
@@ -108,6 +110,40 @@ class S3Store(ObjectStore):
         self._client_once = self._session.client("s3", endpoint_url=endpoint_url, config=self._config.merge(
             Config(retries={"mode": "standard", "total_max_attempts": 1})))
         self.endpoint = redact_url(self._client.meta.endpoint_url)  # as printed: without a password
+        self._health = None
+        self._attempt = threading.local()  # (token, op, key) of this thread's HTTP attempt
+
+    def report_to(self, health) -> None:
+        """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage
+        shows from the first failed attempt, not once the last retry gave up."""
+        self._health = health
+        for client in (self._client, self._client_once):
+            client.meta.events.register("before-send.s3", self._attempt_starts)
+            client.meta.events.register("needs-retry.s3", self._attempt_ends)
+
+    def _attempt_starts(self, request, event_name: str, **_) -> None:
+        path = unquote(urlsplit(request.url).path).lstrip("/")  # (no query: no upload ids, no signatures)
+        if path.startswith(self.bucket + "/") or path == self.bucket:  # path-style addressing
+            path = path[len(self.bucket) + 1:]
+        key = path[len(self._base):] if path.startswith(self._base) else path
+        op = event_name.rsplit(".", 1)[-1]
+        self._attempt.current = (self._health.attempt_started(op, key), op, key)
+
+    def _attempt_ends(self, response=None, caught_exception=None, **_) -> None:
+        token, op, key = getattr(self._attempt, "current", (None, "", ""))
+        self._attempt.current = (None, "", "")
+        self._health.attempt_ended(token)
+        if caught_exception is not None:
+            if isinstance(caught_exception, (bex.BotoCoreError, OSError)):
+                self._health.failed(op, key, f"cannot reach {self.endpoint}: {_reason(caught_exception)}",
+                                    reachable=False)
+            return
+        status = response[0].status_code if response else 0
+        if status >= 500 or status == 429:
+            code = str(((response[1] or {}).get("Error") or {}).get("Code") or "")
+            self._health.failed(op, key, f"HTTP {status} {code}".rstrip(), reachable=True)
+        elif status < 400 or status in (404, 416):  # (404: a HEAD that misses; 416: a read past the end)
+            self._health.answered()
 
     # -- helpers ---------------------------------------------------------------
 

@@ -1,0 +1,263 @@
+"""A store outage, end to end: a real mount whose S3 endpoint is the fault proxy (tests/faultproxy.py)
+in front of the real Swift server. Stopping and the data path stay bounded while the store is down,
+``ckptfs status`` shows the trouble at once, and nothing committed is lost: once the store is back,
+a new mount with the same cache dir makes it durable."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.faultproxy import FaultProxy, Rule, blackhole, reset_mid_body, status
+from tests.mounting import Mount, ckptfs, is_mounted
+
+pytestmark = pytest.mark.timeout(240)
+
+PREFIX = "run"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def proxy(s3_server):
+    with FaultProxy(s3_server.endpoint) as p:
+        yield p
+
+
+@pytest.fixture
+def bucket_view(s3_server, s3_bucket):
+    client = s3_server.client()
+
+    def read(key: str) -> bytes:
+        return client.get_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}")["Body"].read()
+
+    read.open_uploads = lambda: client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    return read
+
+
+@pytest.fixture
+def make_mount(s3_bucket, proxy, tmp_path):
+    """Mounts of s3://bucket/run through the proxy (not started); cleaned up with the store back.
+    Their RAM tiers live in a tmpfs directory of their own (what other mounts on the machine leave
+    in /dev/shm is none of these tests' business)."""
+    made = []
+    shm = Path("/dev/shm") / f"ckptfs-outage-tests-{uuid.uuid4().hex[:8]}"
+    shm.mkdir(mode=0o700)
+
+    def make(name: str = "m", extra: tuple[str, ...] = (), **kwargs) -> Mount:
+        m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / name, endpoint_url=proxy.url,
+                  extra=("--shm-dir", str(shm), *extra), **kwargs)
+        made.append(m)
+        return m
+
+    yield make
+    proxy.clear()
+    for m in made:
+        m.cleanup()
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def write_files(m: Mount, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        (m.path / name).write_bytes(data)
+
+
+def wait_until(predicate, timeout: float, step: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    return predicate()
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # an exited daemon nobody reaped yet counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def recover(m: Mount, files: dict[str, bytes], read) -> None:
+    """Mount again with the store back: everything pending becomes durable, byte for byte."""
+    m.start()
+    m.sync(timeout=120)
+    for name, data in files.items():
+        assert read(name) == data, f"{name} differs in the store"
+        assert (m.path / name).read_bytes() == data
+    assert read.open_uploads() == []  # what the stopped daemon left open was swept
+
+
+def test_umount_with_the_store_down_gives_up_after_its_timeout_and_loses_nothing(proxy, make_mount, bucket_view):
+    m = make_mount().start()
+    proxy.add_rule(Rule(blackhole()))
+    files = {"model.bin": os.urandom(20 * MiB + 3), "latest": b"step-100\n"}
+    write_files(m, files)
+    started = time.monotonic()
+    done = ckptfs("umount", str(m.path), "--timeout", "4", check=False, timeout=120)
+    took = time.monotonic() - started
+    assert done.returncode != 0
+    assert took < 4 + 15, f"umount --timeout 4 took {took:.1f} s"
+    message = done.stderr.strip()
+    print(f"\numount --timeout 4 with the store blackholed: exit {done.returncode} after {took:.1f} s: {message}")
+    assert len(message.splitlines()) == 1 and "Traceback" not in message, message
+    assert "gave up after 4 s" in message and "2 files" in message, message
+    assert "--no-wait" in message and "resume at the next mount" in message, message
+    assert "store: not answering" in message or "store: unreachable" in message or "store: ok" in message, message
+    assert is_mounted(m.path) and m.status()["pending"]["files"] == 2  # still serving: the caller decides
+
+    started = time.monotonic()
+    pid = m.pid
+    done = ckptfs("umount", str(m.path), "--no-wait", timeout=60)
+    took = time.monotonic() - started
+    assert took < 15, f"umount --no-wait with the store down took {took:.1f} s"
+    assert gone(pid) and not is_mounted(m.path)
+    assert "2 pending uploads resume" in done.stderr
+    m.pid = None
+
+    proxy.clear()
+    recover(m, files, bucket_view)
+
+
+def test_sigterm_with_store_calls_hanging_stops_the_daemon_within_seconds(proxy, make_mount, bucket_view):
+    m = make_mount().start()
+    rule = proxy.add_rule(Rule(blackhole()))
+    files = {"a.bin": os.urandom(24 * MiB), "b.bin": os.urandom(9 * MiB), "c.txt": b"small" * 100}
+    write_files(m, files)
+    assert wait_until(lambda: rule.hits >= 3, 20), "no store call reached the blackhole"
+    pid = m.pid
+    started = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    assert wait_until(lambda: gone(pid) and not is_mounted(m.path), 30, step=0.05)
+    took = time.monotonic() - started
+    m.pid = None
+    print(f"\nSIGTERM with {rule.hits} store calls blackholed: daemon gone in {took:.2f} s")
+    assert took < 10, f"the daemon took {took:.1f} s to stop"
+    log = (m.cache_dir / "ckptfs.log").read_text()
+    assert "Traceback" not in log
+
+    proxy.clear()
+    recover(m, files, bucket_view)
+
+
+def test_a_full_cache_with_the_store_down_gives_enospc_within_write_timeout(proxy, make_mount, bucket_view):
+    m = make_mount(ram_cache="16MiB", cache_size="32MiB", extra=("--write-timeout", "3")).start()
+    proxy.add_rule(Rule(blackhole()))
+    committed = {"first.bin": os.urandom(16 * MiB)}
+    write_files(m, committed)
+    chunk = os.urandom(MiB)
+    fd = os.open(m.path / "second.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    written, blocked_at, failure = 0, None, None
+    started = time.monotonic()
+    try:
+        while written < 256 * MiB:
+            before = time.monotonic()
+            try:
+                os.write(fd, chunk)
+            except OSError as exc:
+                failure = exc
+                blocked_at = before
+                break
+            written += len(chunk)
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    took = time.monotonic() - started
+    assert failure is not None and failure.errno == errno.ENOSPC, failure
+    waited = time.monotonic() - blocked_at
+    print(f"\nENOSPC after {written // MiB} MiB; the blocked write waited {waited:.1f} s (write timeout 3 s)")
+    assert 2.5 < took and waited < 3 + 10, (took, waited)
+    assert written <= 48 * MiB  # the cache's whole budget, no more
+    st = m.status()
+    assert st["store_health"]["state"] != "ok", st["store_health"]
+
+    proxy.clear()
+    m.sync(timeout=120)
+    for name, data in committed.items():
+        assert bucket_view(name) == data
+        assert (m.path / name).read_bytes() == data
+
+
+def test_creating_a_file_during_an_outage_answers_from_what_the_mount_knows(proxy, make_mount):
+    m = make_mount(extra=("--list-ttl", "1")).start()
+    (m.path / "idle").mkdir()
+    (m.path / "idle" / "old.txt").write_bytes(b"old")
+    m.sync(timeout=60)
+    time.sleep(1.5)  # the directory's listing is due again: the next lookup in it would ask the store
+    proxy.add_rule(Rule(blackhole()))
+    started = time.monotonic()
+    (m.path / "idle" / "new.txt").write_bytes(b"new")
+    took = time.monotonic() - started
+    print(f"\ncreate in an idle directory with the store blackholed: {took:.2f} s")
+    assert took < 3, f"the create took {took:.1f} s"  # (a lookup waits at most 1.5 s)
+    started = time.monotonic()
+    assert sorted(os.listdir(m.path / "idle")) == ["new.txt", "old.txt"]
+    assert (m.path / "idle" / "old.txt").read_bytes() == b"old"
+    assert time.monotonic() - started < 3
+
+
+def test_status_shows_store_trouble_from_the_first_failed_call(proxy, make_mount):
+    m = make_mount().start()
+    # A connection reset on every PUT: botocore retries by itself; its first failed attempt shows.
+    rule = proxy.add_rule(Rule(reset_mid_body(), kind="put"))
+    started = time.monotonic()
+    (m.path / "reset.txt").write_bytes(b"x" * 1000)
+    assert wait_until(lambda: rule.hits >= 1, 10)
+    shown = wait_until(lambda: [e for e in m.status()["errors"] if e["key"] == "reset.txt"], 5)
+    took = time.monotonic() - started
+    assert shown, "status never showed the failed attempt"
+    assert took < 5, f"status showed it after {took:.1f} s"
+    st = m.status()
+    assert st["store_health"]["state"] == "unreachable", st["store_health"]
+    assert "PutObject" in shown[0]["message"] or "put" in shown[0]["message"], shown
+    text = ckptfs("status", str(m.path)).stdout
+    assert "store state:" in text and "unreachable since" in text, text
+    proxy.remove_rule(rule)
+    m.sync(timeout=120)
+    assert wait_until(lambda: m.status()["store_health"]["state"] == "ok", 10)
+
+    # A blackhole: no call fails before the client's read timeout, but an unanswered one shows.
+    rule = proxy.add_rule(Rule(blackhole()))
+    (m.path / "hang.txt").write_bytes(b"y" * 1000)
+    assert wait_until(lambda: rule.hits >= 1, 10)
+    first = time.monotonic()
+    state = wait_until(lambda: (s := m.status()["store_health"])["state"] != "ok" and s, 25)
+    assert state and state["state"] == "not answering" and "hang.txt" in state["reason"], state
+    print(f"\nblackholed call shown as {state['state']!r} after {time.monotonic() - first:.1f} s")
+    proxy.remove_rule(rule)
+
+
+def test_a_cold_read_that_fails_shows_in_status(proxy, make_mount):
+    writer = make_mount("w").start()
+    data = os.urandom(3 * MiB)
+    (writer.path / "ckpt.bin").write_bytes(data)
+    writer.stop()
+    reader = make_mount("r").start()  # an empty cache: every read goes to the store
+    rule = proxy.add_rule(Rule(status(503, "ServiceUnavailable", "down for maintenance"), kind="get"))
+    started = time.monotonic()
+    with pytest.raises(OSError) as caught:
+        (reader.path / "ckpt.bin").read_bytes()
+    took = time.monotonic() - started
+    print(f"\ncold read with every GET failing: EIO after {took:.1f} s ({rule.hits} GETs)")
+    assert caught.value.errno == errno.EIO
+    errors = reader.status()["errors"]
+    reads = [e for e in errors if e["key"] == "ckpt.bin" and e["message"].startswith("read: EIO")]
+    assert reads, errors
+    assert "ServiceUnavailable" in reads[-1]["message"]
+    assert reader.status()["store_health"]["state"] == "failing"
+    proxy.remove_rule(rule)
+    assert (reader.path / "ckpt.bin").read_bytes() == data
