@@ -37,13 +37,14 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tenacity
 import trio
 import xxhash
 
 from .background import BackgroundThreads
+from . import integrity
 from .cache import BlockRef, Cache, Content
 from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
 from .store.base import MAX_PARTS, NotFound, ObjectStore, PartInfo, StoreError
@@ -298,11 +299,11 @@ class Uploader:
             task.upload = Upload(*task.op.upload)
             task.parts = [None] * task.n_parts()
             for index, token in task.op.parts.items():
-                task.parts[index] = PartInfo(index + 1, token)
+                task.parts[index] = PartInfo(index + 1, token, task.op.hashes.get(index, ""))
                 task.bytes_sent += task.part_size
         if task.stream is not None:
             await self._adopt_stream(task)
-        if task.upload is None:  # not streamed: the whole file's hash goes in the metadata
+        if not task.xxh3 and not task.content.remote:  # the whole file's hash (not streamed: in the metadata)
             task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
         if task.multipart:
             await self._upload_parts(task)
@@ -345,7 +346,8 @@ class Uploader:
         if task.upload is None:
             # A rename may retarget the op while we work: the upload stays under this key.
             task.upload = await self._create_upload(task.op.key, {
-                "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size)})
+                "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size),
+                integrity.MANIFEST_META: integrity.ALGORITHM})
             task.parts = [None] * task.n_parts()
             task.bytes_sent = 0
         upload = task.upload
@@ -372,7 +374,8 @@ class Uploader:
 
             def send() -> PartInfo:
                 with self.part_buffers.body(length, lambda out: content.read_into(start, out)) as body:
-                    return self.store.upload_part(upload.key, upload.upload_id, number, body)
+                    digest = integrity.part_hash(body)  # sealed: what the manifest records
+                    return replace(self.store.upload_part(upload.key, upload.upload_id, number, body), xxh3=digest)
 
             try:
                 task.parts[number - 1] = await self._call(upload.key, send)
@@ -394,12 +397,15 @@ class Uploader:
                     async with stream.creating:
                         if stream.upload is None:
                             stream.upload = await self._create_upload(stream.key, {
-                                "ckptfs-part-size": str(self.part_size)})
+                                "ckptfs-part-size": str(self.part_size),
+                                integrity.MANIFEST_META: integrity.ALGORITHM})
                     upload, size = stream.upload, self.cache.block_size
 
                     def send() -> PartInfo:
                         with self.part_buffers.body(size, lambda out: self.cache.read_into(ref, 0, out)) as body:
-                            return self.store.upload_part(upload.key, upload.upload_id, index + 1, body)
+                            digest = integrity.part_hash(body)  # sealed: what the manifest records
+                            return replace(self.store.upload_part(upload.key, upload.upload_id, index + 1, body),
+                                           xxh3=digest)
 
                     try:
                         part = await self._call(upload.key, send)
@@ -457,25 +463,42 @@ class Uploader:
                     task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
                 await self._upload_parts(task)
             upload = task.upload
+            checksums = None if task.completed else self._checksums(task)
             try:
                 if not task.completed:
+                    # The manifest first: an object that is visible has its part checksums.
+                    # (Found already complete: the manifest was written before that completion.)
+                    if checksums is not None:
+                        await self._put_manifest(op.key, checksums)
                     await self._call(op.key, self.store.complete_multipart, op.key, upload.upload_id, task.parts)
             except NotFound:
                 # A retry after a completion whose answer was lost: the upload id is gone.
                 if not await self._is_complete(upload):
                     self._forget(upload)
                     task.upload = None
+                    if checksums is not None:  # (that upload never became an object)
+                        mkey = integrity.manifest_key(checksums.upload)
+                        await self._call(mkey, self.store.delete, mkey)
                     await self._publish(task)  # start over with a new upload
                     return
             self._forget(upload)
             task.upload = None
+            if task.content is not None and checksums is not None:
+                task.content.checksums = checksums  # reads of evicted blocks need no manifest GET
         elif op.kind == PUT:
             data = await trio.to_thread.run_sync(task.content.read, 0, op.size, limiter=self.hash_threads)
-            await self._call(op.key, self.store.put, op.key, data, {"xxh3": task.xxh3})
+            await self._call(op.key, self.store.put, op.key, data, {integrity.XXH3_META: task.xxh3})
             task.bytes_sent = op.size
             self.uploaded_bytes += op.size
+            task.content.checksums = integrity.Checksums.whole_file(op.size, task.xxh3)
         elif op.kind == DELETE:
+            # A multipart object's manifest goes with it (after it: never an object without one).
+            info = None if op.small else await self._call(op.key, self.store.head, op.key)
             await self._call(op.key, self.store.delete, op.key)
+            upload_id = info.metadata.get(integrity.UPLOAD_META) if info is not None else None
+            if upload_id and info.metadata.get(integrity.MANIFEST_META):
+                mkey = integrity.manifest_key(upload_id)
+                await self._call(mkey, self.store.delete, mkey)
         elif op.kind == MKDIR:
             await self._call(op.key, self.store.put, op.key, b"", {})
         elif op.kind == MOVE:
@@ -486,6 +509,21 @@ class Uploader:
                 if await self._call(op.key, self.store.head, op.key) is None:
                     log.warning("move %s -> %s: the source is not in the store", op.src, op.key)
             await self._call(op.src, self.store.delete, op.src)
+
+    # -- checksums ---------------------------------------------------------------------------
+    def _checksums(self, task: Task) -> integrity.Checksums | None:
+        """The manifest of a multipart put: every part's xxh3 (None if one is unknown: a part
+        resumed from the journal of an older version; the object then reads as unverified)."""
+        hashes = [part.xxh3 if part is not None else "" for part in task.parts]
+        if not all(hashes):
+            log.warning("%s: part checksums unknown (journal of an older version): no manifest", task.op.key)
+            return None
+        return integrity.Checksums(task.op.size, task.part_size, hashes, task.xxh3, task.upload.journal_id,
+                                   "manifest")
+
+    async def _put_manifest(self, key: str, checksums: integrity.Checksums) -> None:
+        mkey = integrity.manifest_key(checksums.upload)
+        await self._call(key, self.store.put, mkey, checksums.to_manifest(), {})
 
     # -- multipart bookkeeping ---------------------------------------------------------------
     async def _create_upload(self, key: str, metadata: dict[str, str]) -> Upload:
