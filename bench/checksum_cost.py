@@ -63,6 +63,13 @@ def main() -> None:
     data = bytearray(os.urandom(PART))
     gib = parts * PART / (1 << 30)
     print(f"{parts} parts of {PART >> 20} MiB ({gib:.2f} GiB) per checksum, one thread")
+    from ckptfs.integrity import Checksums, part_hash
+    checks = Checksums(parts * PART, PART, [part_hash(data)] * parts)
+    print(f"  {'ckptfs read check':30s}", end=" ")
+    cpu = time.process_time()
+    for i in range(parts):
+        checks.check(i * PART, data)
+    print(f"{(time.process_time() - cpu) / gib:6.3f} CPU s/GiB")
     for label, fn in candidates().items():
         if fn is None:
             print(f"  {label:30s} not available here (needs awscrt)")

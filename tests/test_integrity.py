@@ -217,3 +217,39 @@ def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, clie
     a.sync()
     assert manifests(client, s3_bucket) == {}
     assert os.listdir(a.path) == []  # the reserved prefix is never shown
+
+
+def test_request_cost_per_file(s3_server, s3_bucket, proxy, mounts, tmp_path):
+    """What the checksums cost in requests (docs/architecture.md, Integrity), counted at the proxy:
+    a multipart file: one PUT (its manifest) when written, one GET (the manifest) per mount that
+    reads it cold, a HEAD and a DELETE more when deleted; a one-PUT file: nothing; a rename: nothing."""
+    data = files()
+    w = mounts(tmp_path / "w", proxy.url)
+    for name, body in data.items():
+        (w.path / name).write_bytes(body)
+    w.sync()
+    assert proxy.count(kind="put") == 2  # small.bin and big.bin's manifest
+    assert len([r for r in proxy.requests if r.kind == "put" and "ckptfs-manifest" in r.path]) == 1
+    assert proxy.count(kind="upload_part") == 4 and proxy.count(kind="complete_multipart") == 1
+
+    proxy.reset_counts()
+    r = mounts(tmp_path / "r", proxy.url)
+    for name, body in data.items():
+        assert (r.path / name).read_bytes() == body
+    gets = [req.path for req in proxy.requests if req.kind == "get"]
+    assert len([p for p in gets if "ckptfs-manifest" in p]) == 1  # big.bin's, once
+    assert len([p for p in gets if p.endswith("/big.bin")]) == 4 and len([p for p in gets if p.endswith("/small.bin")]) == 1
+    assert proxy.count(kind="head") == 0
+
+    proxy.reset_counts()
+    os.rename(w.path / "big.bin", w.path / "moved.bin")
+    w.sync()
+    assert proxy.count(kind="copy") == 1 and proxy.count(kind="delete") == 1 and proxy.count(kind="put") == 0
+
+    proxy.reset_counts()
+    os.unlink(w.path / "moved.bin")
+    os.unlink(w.path / "small.bin")
+    w.sync()
+    assert proxy.count(kind="head") == 1  # moved.bin's (small.bin is known to be too small for a manifest)
+    deletes = [req.path for req in proxy.requests if req.kind == "delete"]
+    assert len(deletes) == 3 and len([p for p in deletes if "ckptfs-manifest" in p]) == 1
