@@ -187,6 +187,7 @@ class Fetcher:
                 break
             except IntegrityError as exc:
                 attempt += 1
+                content.checksums = None  # (a manifest bent on the wire is read again too)
                 self._mismatch(content, index, exc, final=attempt == VERIFY_ATTEMPTS)
         else:
             self._mismatch(content, index, IntegrityError("the object kept changing while read"), final=True)

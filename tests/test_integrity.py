@@ -10,9 +10,9 @@ import os
 import pytest
 import xxhash
 
-from ckptfs.integrity import Checksums, manifest_key
+from ckptfs.integrity import Checksums, IntegrityError, manifest_key
 from tests.faultproxy import FaultProxy, Rule, corrupt_request_body, corrupt_response_body
-from tests.mounting import Mount
+from tests.mounting import Mount, ckptfs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -97,12 +97,13 @@ def test_flipped_bytes_in_get_bodies_are_fetched_again_on_another_mount(s3_serve
     r = mounts(tmp_path / "r", proxy.url)
     rules = {name: proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=rf"/{name}$", count=2))
              for name in data}
+    rules["manifest"] = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"/\.ckptfs-manifest/", count=1))
     for name, body in data.items():
         assert (r.path / name).read_bytes() == body
-    assert [rule.hits for rule in rules.values()] == [2, 2]
+    assert [rule.hits for rule in rules.values()] == [2, 2, 1]
     status = r.status()
     assert status["integrity_errors"] == []
-    assert status["integrity_retries"] == 4
+    assert status["integrity_retries"] == 2 + 2 + 1  # each bent body: fetched again
     for name, body in data.items():
         assert os.getxattr(r.path / name, "user.ckptfs.verified") == b"yes"
         assert os.getxattr(r.path / name, "user.ckptfs.xxh3") == xxhash.xxh3_64_hexdigest(body).encode()
@@ -135,6 +136,8 @@ def test_every_get_body_bent_fails_the_read_with_eio_never_wrong_bytes(s3_server
     errors = r.status()["integrity_errors"]
     assert {e["key"] for e in errors} == set(data)
     assert all(e["message"].startswith("part ") and "recorded" in e["message"] for e in errors), errors
+    shown = ckptfs("status", str(r.path)).stdout
+    assert "integrity errors: " in shown and "big.bin: part " in shown and "small.bin: part 1 " in shown
     proxy.remove_rule(rule)  # the wire heals: nothing bad was cached, the same reads now succeed
     for name, body in data.items():
         assert (r.path / name).read_bytes() == body
@@ -253,3 +256,27 @@ def test_request_cost_per_file(s3_server, s3_bucket, proxy, mounts, tmp_path):
     assert proxy.count(kind="head") == 1  # moved.bin's (small.bin is known to be too small for a manifest)
     deletes = [req.path for req in proxy.requests if req.kind == "delete"]
     assert len(deletes) == 3 and len([p for p in deletes if "ckptfs-manifest" in p]) == 1
+
+
+def test_checksums_cover_whole_parts():
+    """Unit: which range a block's check needs, and what a check refuses."""
+    part = 8
+    data = bytes(range(20))
+    hashes = [xxhash.xxh3_64_hexdigest(data[i:i + part]) for i in range(0, len(data), part)]
+    checks = Checksums(len(data), part, hashes, xxhash.xxh3_64_hexdigest(data), "j-1", "manifest")
+    assert checks.span(8, 8) == (8, 8) and checks.span(16, 4) == (16, 4)  # block = part
+    assert checks.span(4, 4) == (0, 8) and checks.span(6, 4) == (0, 16)  # smaller blocks: whole parts
+    checks.check(0, data)
+    checks.check(16, data[16:])
+    bent = bytearray(data)
+    bent[9] ^= 1
+    with pytest.raises(IntegrityError, match="part 2 "):
+        checks.check(0, bent)
+    assert Checksums.from_manifest(checks.to_manifest(), len(data)) == checks
+    for raw, size in [(checks.to_manifest(), 21), (checks.to_manifest()[:-3], 20), (b"\xff{}", 20)]:
+        with pytest.raises(IntegrityError):
+            Checksums.from_manifest(raw, size)
+    whole = Checksums.whole_file(len(data), xxhash.xxh3_64_hexdigest(data))
+    assert whole.span(8, 8) == (0, 20)
+    whole.check(0, data)
+    assert not Checksums.unverified(20, "none").verified and Checksums.unverified(20, "none").span(8, 8) == (8, 8)
