@@ -1122,7 +1122,9 @@ class Namespace:
     # -- internals: commits and store ops --------------------------------------------------------
     def _commit(self, node: Node, content: Content, handle: Handle | None = None) -> None:
         try:
-            op = self._log(_put_op(node.key(), content))
+            op = _put_op(node.key(), content)
+            op.replaces = self._replaced_manifest(node)
+            op = self._log(op)
         except BaseException:
             content.drop_blocks()
             raise
@@ -1140,6 +1142,17 @@ class Namespace:
             stream, stamps, handle.stream = handle.stream, list(handle.staged.stamps), None
         self.uploader.submit(op, content, self._on_durable(node), stream, stamps)
         node.mtime_ns = node.ctime_ns = time.time_ns()
+
+    def _replaced_manifest(self, node: Node) -> str:
+        """The manifest a new version of ``node`` makes obsolete once it is in the store: the
+        durable version's upload id where known, "?" where it may have one (the uploader asks)."""
+        version = node.version
+        if version is None or version.seq is not None or version.content.key != node.key():
+            return ""
+        checks = version.content.checksums
+        if checks is not None:
+            return checks.upload if checks.source == "manifest" else ""
+        return "?" if version.content.size > min(self.cache.block_size, MIN_MULTIPART) else ""
 
     def _set_version(self, node: Node, content: Content, op: Op) -> None:
         old = node.version

@@ -200,8 +200,9 @@ def test_a_part_bent_on_upload_is_sent_again_and_the_object_matches_its_manifest
 
 
 def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, client, mounts, tmp_path):
-    """A rename of a durable file is a server-side copy: the copy names the same manifest. A
-    delete removes the object, then its manifest: no manifest outlives its objects."""
+    """A rename of a durable file is a server-side copy: the copy names the same manifest. An
+    overwrite removes the manifest of the object it replaced, a delete the manifest after the
+    object: no manifest outlives its objects."""
     data = files()
     a = mounts(tmp_path / "a", s3_server.endpoint)
     for name, body in data.items():
@@ -215,6 +216,17 @@ def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, clie
     assert (b.path / "moved.bin").read_bytes() == data["big.bin"]
     assert os.getxattr(b.path / "moved.bin", "user.ckptfs.verified") == b"yes"
     assert b.status()["unverified_reads"] == 0
+    # An overwrite replaces the manifest: by the mount that knows the old one (it wrote it) ...
+    (a.path / "moved.bin").write_bytes(os.urandom(17 * MiB))
+    a.sync()
+    assert len(manifests(client, s3_bucket)) == 1
+    assert_matches_its_manifest(client, s3_bucket, "moved.bin")
+    # ... and by one that never read it (it asks the store which manifest the old object names).
+    c = mounts(tmp_path / "c", s3_server.endpoint)
+    (c.path / "moved.bin").write_bytes(os.urandom(9 * MiB))
+    c.sync()
+    assert len(manifests(client, s3_bucket)) == 1
+    assert_matches_its_manifest(client, s3_bucket, "moved.bin")
     os.unlink(a.path / "moved.bin")
     os.unlink(a.path / "small.bin")
     a.sync()
