@@ -183,7 +183,8 @@ class Fetcher:
                 fresh = await self._checksums(content, metadata)
                 if fresh.span(start, length) != (begin, span):
                     continue  # first fetch of this object: the parts cover another range
-                await trio.to_thread.run_sync(fresh.check, begin, data, limiter=self.threads)
+                if fresh.verified:
+                    await trio.to_thread.run_sync(fresh.check, begin, data, limiter=self.threads)
                 break
             except IntegrityError as exc:
                 attempt += 1
