@@ -296,11 +296,11 @@ class Fetcher:
         key = content.key or ""
         if not final:
             self.integrity_retries += 1
-            self._log_once(key, f"retry {exc}", logging.WARNING,
+            self._log_once(key, f"retry block {index}", logging.WARNING,
                            "%s: bytes from the store do not match their checksum (%s); fetching again", key, exc)
             return
         self.integrity_errors.append({"time": time.time(), "key": key, "block": index, "message": str(exc)})
-        self._log_once(key, str(exc), logging.ERROR,
+        self._log_once(key, f"failed block {index}", logging.ERROR,
                        "%s: bytes from the store do not match their checksum (%s), %d fetches: read fails (EIO)",
                        key, exc, VERIFY_ATTEMPTS)
         raise FsError(errno.EIO, f"{key}: integrity check failed: {exc}")
