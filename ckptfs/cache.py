@@ -543,6 +543,7 @@ class Content:
         self.orphaned = False  # that upload was given up (a newer version replaced this one)
         self.durable_at = 0.0  # when it became durable (time.time()), for the clean cache index
         self.verify = ""  # cached blocks kept from the last mount: their digest, checked at first open
+        self.checksums: object | None = None  # integrity.Checksums of its object, once known
 
     def hold(self) -> Content:
         self.holders += 1

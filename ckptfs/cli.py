@@ -660,4 +660,12 @@ def format_status(s: dict) -> str:
         when = e.get("time")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else str(when or "")
         lines.append(f"  {when} {e.get('key', '')}: {_one_line(str(e.get('message', '')))}".rstrip())
+    integrity = s.get("integrity_errors")
+    if isinstance(integrity, list) and integrity:  # reads failed (EIO): store bytes never matched their checksum
+        lines.append(f"integrity errors: {len(integrity)} (reads failed: bytes from the store do not match their checksum)")
+        for e in integrity[-10:]:
+            e = e if isinstance(e, dict) else {"message": e}
+            when = e.get("time")
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else ""
+            lines.append(f"  {when} {e.get('key', '')}: {_one_line(str(e.get('message', '')))}".rstrip())
     return "\n".join(lines)

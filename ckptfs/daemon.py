@@ -359,6 +359,10 @@ class Daemon:
             "page_cache_queued_files": self.namespace.prefill.queued_files,
             "errors": self.health.errors(),
             "store_health": self.health.status(),
+            # Reads whose bytes never matched their checksum (EIO), and mismatches fetched again.
+            "integrity_errors": list(self.fetcher.integrity_errors),
+            "integrity_retries": self.fetcher.integrity_retries,
+            "unverified_reads": self.fetcher.unverified_reads,
             **self.namespace.status(),
         }
 

@@ -5,6 +5,13 @@ one starts the GET, the others wait on its event. Fetched blocks become part of
 the file's cached content, so the next read is local. A reader going through a
 file sequentially gets the next blocks fetched ahead, in parallel, in the background.
 ``warm`` (``ckptfs warmup``) fetches every missing block of a set of files the same way.
+
+Every fetched range is checked against its object's part checksums (``integrity``) before a
+byte enters the cache: the range is widened to whole parts, the checksums come from the GET's
+own metadata (a one-PUT file) or from the object's manifest (fetched once per version). A
+mismatch is fetched again (a fault on the wire); one that persists fails the read with EIO and
+is kept for ``ckptfs status`` (``integrity_errors``). Objects with no checksums (written by
+other tools) are read unchecked and say so (``user.ckptfs.verified``).
 """
 
 from __future__ import annotations
@@ -12,20 +19,26 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import humanfriendly
 import trio
 
+from . import integrity
 from .cache import Cache, Content, in_pages
 from .errors import FsError
 from .health import StoreHealth
+from .integrity import Checksums, IntegrityError
 from .store.base import NotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 
 READ_ATTEMPTS = 5  # a reader waits through short glitches, not through an outage
 MOVE_WAIT = 30.0  # how long a reader that got NotFound waits for content.key to follow a move
+VERIFY_ATTEMPTS = 3  # fetches of a range whose bytes do not match their checksum, before EIO
+MANIFEST_MAX = 4 << 20  # bytes of a manifest read at most (10,000 parts take about 200 KiB)
 
 
 class Fetcher:
@@ -41,6 +54,11 @@ class Fetcher:
         self.read_ahead = concurrency  # blocks fetched ahead of a sequential reader
         self.nursery: trio.Nursery | None = None
         self.health = StoreHealth()  # the daemon shares one with the uploader and the namespace
+        self.integrity_errors: deque[dict] = deque(maxlen=20)  # reads failed: bytes never matched
+        self.integrity_retries = 0  # ranges that did not match once and were fetched again
+        self.unverified_reads = 0  # ranges of objects with no checksums, read unchecked
+        self._logged: set[tuple[str, str]] = set()
+        self._manifests: dict[str, trio.Event] = {}  # manifest loads in flight, by upload id
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Host the background read-ahead tasks."""
@@ -160,12 +178,56 @@ class Fetcher:
                 event.set()
 
     async def _download(self, content: Content, index: int) -> None:
-        start = index * self.cache.block_size
-        length = content.block_length(index)
+        bs = self.cache.block_size
+        start, length = index * bs, content.block_length(index)
+        attempt = 0
+        for _ in range(2 * VERIFY_ATTEMPTS):  # (a changing object must not keep us here)
+            checks = content.checksums
+            begin, span = checks.span(start, length) if checks is not None else (start, length)
+            data, metadata = await self._get(content, begin, span)
+            try:
+                fresh = await self._checksums(content, metadata)
+                if fresh.span(start, length) != (begin, span):
+                    continue  # first fetch of this object: the parts cover another range
+                if fresh.verified:
+                    await trio.to_thread.run_sync(fresh.check, begin, data, limiter=self.threads)
+                break
+            except IntegrityError as exc:
+                attempt += 1
+                content.checksums = None  # (a manifest bent on the wire is read again too)
+                self._mismatch(content, index, exc, final=attempt == VERIFY_ATTEMPTS)
+        else:
+            self._mismatch(content, index, IntegrityError("the object kept changing while read"), final=True)
+        if not fresh.verified:
+            self.unverified_reads += 1
+        await self._attach(content, begin, data)
+
+    async def _attach(self, content: Content, begin: int, data: bytes) -> None:
+        """Put the blocks that ``data`` (checked bytes from ``begin``) covers whole into the cache."""
+        bs = self.cache.block_size
+        end = begin + len(data)
+        self.fetched_bytes += len(data)
+        for index in range(-(-begin // bs), len(content.blocks)):
+            lo, length = index * bs, content.block_length(index)
+            if lo + length > end:
+                break
+            if content.blocks[index] is not None:
+                continue
+            ref = await self.cache.alloc()
+            self.cache.write(ref, 0, memoryview(data)[lo - begin:lo - begin + length])
+            self.cache.fit(ref, length)
+            if content.blocks[index] is None and content.holders > 0:
+                content.blocks[index] = ref
+            else:  # raced, or the content was dropped meanwhile
+                self.cache.decref(ref)
+
+    async def _get(self, content: Content, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+        """Bytes [start, start + length) of ``content``'s object and the metadata of that answer,
+        through transient failures and short bodies (READ_ATTEMPTS)."""
         for attempt in range(1, READ_ATTEMPTS + 1):
             key = content.key
             try:
-                data = await self._get_range(content, start, length)
+                data, metadata = await self._get_range(content, start, length)
             except StoreError as exc:
                 if not exc.transient or attempt == READ_ATTEMPTS:
                     log.error("read of %s failed: %s", key, exc)
@@ -174,19 +236,91 @@ class Fetcher:
                 await trio.sleep(min(0.2 * 2 ** attempt, 5) * random.random())  # jittered backoff
                 continue
             if len(data) == length:
-                break
-            if attempt == READ_ATTEMPTS:
-                message = f"{key}: short read from the store ({len(data)} of {length} bytes)"
-                self.health.failed("read", key, f"EIO: {message}")
-                raise FsError(errno.EIO, message)
-        ref = await self.cache.alloc()
-        self.cache.write(ref, 0, data)
-        self.cache.fit(ref, length)
-        self.fetched_bytes += length
-        if content.blocks[index] is None and content.holders > 0:
-            content.blocks[index] = ref
-        else:  # raced, or the content was dropped meanwhile
-            self.cache.decref(ref)
+                return data, metadata
+        message = f"{key}: short read from the store ({len(data)} of {length} bytes)"
+        self.health.failed("read", key, f"EIO: {message}")
+        raise FsError(errno.EIO, message)
+
+    # -- integrity ---------------------------------------------------------------------------------
+    async def _checksums(self, content: Content, metadata: dict[str, str]) -> Checksums:
+        """The checksums of the object a GET answered from (its metadata says which), kept on
+        ``content``. Raises IntegrityError when the manifest it names is missing or unreadable."""
+        found = integrity.from_metadata(content.size, metadata)
+        current = content.checksums
+        if isinstance(found, Checksums):
+            if current != found:
+                if not found.verified:
+                    self._log_once(content.key or "", found.source, logging.INFO,
+                                   "%s: read unchecked: %s", content.key, found.source)
+                content.checksums = found
+            return found
+        if current is not None and current.source == "manifest" and current.upload == found:
+            return current
+        content.checksums = await self._manifest(content, found)
+        return content.checksums
+
+    async def _manifest(self, content: Content, upload: str) -> Checksums:
+        """The manifest of upload ``upload`` (one load at a time per upload; others wait for it)."""
+        while (event := self._manifests.get(upload)) is not None:
+            await event.wait()
+            current = content.checksums
+            if current is not None and current.source == "manifest" and current.upload == upload:
+                return current
+        event = self._manifests[upload] = trio.Event()
+        mkey = integrity.manifest_key(upload)
+        try:
+            for attempt in range(1, READ_ATTEMPTS + 1):
+                try:
+                    raw = await trio.to_thread.run_sync(self.store.get_range, mkey, 0, MANIFEST_MAX,
+                                                        limiter=self.threads, abandon_on_cancel=True)
+                    return Checksums.from_manifest(raw, content.size)
+                except NotFound:
+                    raise IntegrityError(f"its manifest {mkey} is missing from the store") from None
+                except StoreError as exc:
+                    if not exc.transient or attempt == READ_ATTEMPTS:
+                        raise FsError(exc.errno, f"{content.key}: cannot read its manifest: {exc}") from exc
+                    await trio.sleep(min(0.2 * 2 ** attempt, 5) * random.random())
+        finally:
+            del self._manifests[upload]
+            event.set()
+
+    async def checksums_of(self, content: Content) -> Checksums | None:
+        """What ``content``'s object is checked against (a HEAD, and its manifest, if not known
+        yet); None while it is not in the store. For the ``user.ckptfs.verified`` xattr."""
+        if content.checksums is not None or not content.in_store or not content.key:
+            return content.checksums
+        try:
+            info = await trio.to_thread.run_sync(self.store.head, content.key, limiter=self.threads,
+                                                 abandon_on_cancel=True)
+        except StoreError as exc:
+            raise FsError(exc.errno, str(exc)) from exc
+        if info is None:
+            return None
+        try:
+            return await self._checksums(content, info.metadata)
+        except IntegrityError as exc:
+            return Checksums.unverified(content.size, str(exc))
+
+    def _mismatch(self, content: Content, index: int, exc: IntegrityError, final: bool) -> None:
+        """Fetched bytes did not match: count, log once per key and part; EIO when ``final``."""
+        key = content.key or ""
+        if not final:
+            self.integrity_retries += 1
+            self._log_once(key, f"retry block {index}", logging.WARNING,
+                           "%s: bytes from the store do not match their checksum (%s); fetching again", key, exc)
+            return
+        self.integrity_errors.append({"time": time.time(), "key": key, "block": index, "message": str(exc)})
+        self._log_once(key, f"failed block {index}", logging.ERROR,
+                       "%s: bytes from the store do not match their checksum (%s), %d fetches: read fails (EIO)",
+                       key, exc, VERIFY_ATTEMPTS)
+        raise FsError(errno.EIO, f"{key}: integrity check failed: {exc}")
+
+    def _log_once(self, key: str, reason: str, level: int, msg: str, *args) -> None:
+        if (key, reason) not in self._logged:
+            if len(self._logged) > 10_000:
+                self._logged.clear()
+            self._logged.add((key, reason))
+            log.log(level, msg, *args)
 
     def _fits(self, contents: list[Content]) -> bool:
         """Whether the cache can hold all of ``contents`` at once, at worst: a RAM slot takes a
@@ -195,7 +329,7 @@ class Fetcher:
         lengths = sorted((in_pages(c.block_length(i)) for c in contents for i in range(len(c.blocks))), reverse=True)
         return sum(lengths[:max(0, len(lengths) - ram.budget // self.cache.block_size)]) <= disk.budget
 
-    async def _get_range(self, content: Content, start: int, length: int) -> bytes:
+    async def _get_range(self, content: Content, start: int, length: int) -> tuple[bytes, dict[str, str]]:
         """A ranged GET of ``content``, following its key when a rename moves the object.
 
         The server-side move of a rename (copy, then delete) may run under the GET, which then
@@ -209,7 +343,7 @@ class Fetcher:
             try:
                 # Abandoned when cancelled (shutdown, an interrupted reader): the thread touches no
                 # shared state, its answer is dropped; the limiter still counts it until it ends.
-                return await trio.to_thread.run_sync(self.store.get_range, key, start, length,
+                return await trio.to_thread.run_sync(self.store.get_range_meta, key, start, length,
                                                      limiter=self.threads, abandon_on_cancel=True)
             except NotFound as exc:
                 if deadline is None:

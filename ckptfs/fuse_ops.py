@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 ENTRY_TIMEOUT = 1.0  # seconds the kernel may cache names and attributes
 NEGATIVE_TIMEOUT_MAX = 3600.0  # seconds the kernel may remember a name as absent, at most
 STATE_XATTR = b"user.ckptfs.state"
+VERIFIED_XATTR = b"user.ckptfs.verified"  # yes / no / pending: are reads from the store checked
+XXH3_XATTR = b"user.ckptfs.xxh3"  # the whole file's recorded xxh3-64, where the store has one
 
 
 def _errno_boundary(handler):
@@ -231,12 +233,18 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if name == STATE_XATTR:
             return self.ns.state(inode).encode()
+        if name in (VERIFIED_XATTR, XXH3_XATTR) and not self.ns.node(inode).is_dir:
+            verified, xxh3 = await self.ns.verification(inode)
+            value = verified if name == VERIFIED_XATTR else xxh3
+            if value:
+                return value.encode()
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
     @_errno_boundary
     async def listxattr(self, inode, ctx):
-        self.ns.node(inode)
-        return [STATE_XATTR]
+        if self.ns.node(inode).is_dir:
+            return [STATE_XATTR]
+        return [STATE_XATTR, VERIFIED_XATTR, XXH3_XATTR]
 
     async def setxattr(self, inode, name, value, ctx):
         raise pyfuse3.FUSEError(errno.ENOTSUP)

@@ -42,6 +42,10 @@ class Op:
     # upload holding them ([key, upload_id, journal_id]) and their tokens by block index.
     upload: list[str] | None = None
     parts: dict[int, str] = field(default_factory=dict)
+    hashes: dict[int, str] = field(default_factory=dict)  # their xxh3 (for the manifest)
+    small: bool = False  # DELETE of an object known to have no manifest (no HEAD needed)
+    # PUT over an object whose manifest then goes: its upload id, "?" (HEAD the key first) or ""
+    replaces: str = ""
 
     def to_record(self) -> dict:
         rec = {"t": "op", "seq": self.seq, "kind": self.kind, "key": self.key}
@@ -53,14 +57,20 @@ class Op:
             if self.upload:
                 rec["upload"] = list(self.upload)
                 rec["parts"] = {str(i): token for i, token in self.parts.items()}
+                rec["hashes"] = {str(i): h for i, h in self.hashes.items()}
+        if self.kind == DELETE and self.small:
+            rec["small"] = True
+        if self.kind == PUT and self.replaces:
+            rec["replaces"] = self.replaces
         return rec
 
     @classmethod
     def from_record(cls, rec: dict) -> Op:
         blocks = [tuple(b) if b is not None else None for b in rec.get("blocks", [])]
         parts = {int(i): token for i, token in rec.get("parts", {}).items()}
+        hashes = {int(i): h for i, h in rec.get("hashes", {}).items()}
         return cls(rec["kind"], rec["key"], rec.get("src", ""), rec.get("size", 0), blocks, rec["seq"],
-                   rec.get("upload"), parts)
+                   rec.get("upload"), parts, hashes, bool(rec.get("small", False)), rec.get("replaces", ""))
 
 
 class Journal:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import trio
 
+from . import integrity
 from .cache import DISK, RAM, Cache, Content, StagedFile
 from .clean_index import CleanEntry, cached_digest
 from .errors import FsError
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
 MAX_NAME_BYTES = 255
+MIN_MULTIPART = 5 << 20  # S3's smallest part: a multipart object is larger
 RESERVED_PREFIX = ".ckptfs-"  # the local store's own files live under this at its root
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 CHECKPOINT_GAP_S = 60.0  # shards committed closer together than this belong to one save
@@ -208,6 +210,8 @@ class Namespace:
         blocks the last mount left cached, kept for the files the store still holds unchanged."""
         clean = dict(clean or {})
         for info in listing:
+            if integrity.is_reserved(info.key):
+                continue  # checksum manifests, not files
             parts = _split_key(info.key)
             if parts is None:
                 log.warning("not shown: store key %r cannot be a path on the mount", info.key)
@@ -307,7 +311,8 @@ class Namespace:
             parent = self._ensure_dir(parts[:-1])
             content = Content(self.cache, op.size, list(op.blocks))
             if op.upload:  # parts evicted before the crash: readable once the upload completes
-                content.remote = {index: PartInfo(index + 1, token) for index, token in op.parts.items()}
+                content.remote = {index: PartInfo(index + 1, token, op.hashes.get(index, ""))
+                                  for index, token in op.parts.items()}
                 content.upload = Upload(*op.upload)
             if parent is not None and (node is None or not node.is_dir):
                 node = node or self._add(parent, parts[-1], is_dir=False)
@@ -389,6 +394,22 @@ class Namespace:
         if node.version is None:
             return "writing"
         return "pending" if node.version.seq is not None else "durable"
+
+    async def verification(self, ino: int) -> tuple[str, str]:
+        """user.ckptfs.verified and user.ckptfs.xxh3: whether the bytes read from the store are
+        checked ("yes"; "no" for an object with no checksums, e.g. put by another tool; "pending"
+        before the file is in the store) and the whole file's recorded xxh3 ("" if none)."""
+        node = self.node(ino)
+        if node.is_dir or node.version is None or node.version.seq is not None:
+            return ("pending" if not node.is_dir else ""), ""
+        content = node.version.content.hold()
+        try:
+            checks = await self.fetcher.checksums_of(content)
+        finally:
+            content.release()
+        if checks is None:
+            return "pending", ""
+        return ("yes" if checks.verified else "no"), checks.xxh3
 
     # -- refresh from the store: what other mounts made durable ------------------------------------
     # The tree is the store's listing at mount time plus this mount's own changes. Other mounts
@@ -729,7 +750,7 @@ class Namespace:
             raise FsError(errno.ENOTDIR)
         if node.children:
             raise FsError(errno.ENOTEMPTY)
-        self._log(Op(DELETE, node.key()))
+        self._log(Op(DELETE, node.key(), small=True))
         self._detach(node)
         self._touch(parent)
 
@@ -1011,7 +1032,8 @@ class Namespace:
         node = self._child(parent, name)
         if node.is_dir:
             raise FsError(errno.EISDIR)
-        self._log(Op(DELETE, node.key()))
+        # No S3 multipart object (one with a manifest to delete too) is this small: no HEAD first.
+        self._log(Op(DELETE, node.key(), small=node.size() <= min(self.cache.block_size, MIN_MULTIPART)))
         self._detach(node)
         self._touch(parent)
 
@@ -1114,7 +1136,9 @@ class Namespace:
     # -- internals: commits and store ops --------------------------------------------------------
     def _commit(self, node: Node, content: Content, handle: Handle | None = None) -> None:
         try:
-            op = self._log(_put_op(node.key(), content))
+            op = _put_op(node.key(), content)
+            op.replaces = self._replaced_manifest(node)
+            op = self._log(op)
         except BaseException:
             content.drop_blocks()
             raise
@@ -1132,6 +1156,17 @@ class Namespace:
             stream, stamps, handle.stream = handle.stream, list(handle.staged.stamps), None
         self.uploader.submit(op, content, self._on_durable(node), stream, stamps)
         node.mtime_ns = node.ctime_ns = time.time_ns()
+
+    def _replaced_manifest(self, node: Node) -> str:
+        """The manifest a new version of ``node`` makes obsolete once it is in the store: the
+        durable version's upload id where known, "?" where it may have one (the uploader asks)."""
+        version = node.version
+        if version is None or version.seq is not None or version.content.key != node.key():
+            return ""
+        checks = version.content.checksums
+        if checks is not None:
+            return checks.upload if checks.source == "manifest" else ""
+        return "?" if version.content.size > min(self.cache.block_size, MIN_MULTIPART) else ""
 
     def _set_version(self, node: Node, content: Content, op: Op) -> None:
         old = node.version
@@ -1372,6 +1407,7 @@ def _put_op(key: str, content: Content) -> Op:
         upload = content.upload
         op.upload = [upload.key, upload.upload_id, upload.journal_id]
         op.parts = {index: part.token for index, part in content.remote.items()}
+        op.hashes = {index: part.xxh3 for index, part in content.remote.items() if part.xxh3}
     return op
 
 

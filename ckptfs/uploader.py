@@ -38,12 +38,13 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tenacity
 import trio
 import xxhash
 
+from . import integrity
 from .background import BackgroundThreads, Gate
 from .cache import BlockRef, Cache, Content
 from .health import StoreHealth
@@ -236,6 +237,7 @@ class Uploader:
         if task is None or task.publishing or task.op.upload:
             return False  # (evicted parts cannot move to another key's upload: a move follows)
         task.op.key = key
+        task.op.replaces = ""  # (the old key's object goes with its delete, manifest and all)
         self.journal.retarget(seq, key)
         return True
 
@@ -316,11 +318,11 @@ class Uploader:
             task.upload = Upload(*task.op.upload)
             task.parts = [None] * task.n_parts()
             for index, token in task.op.parts.items():
-                task.parts[index] = PartInfo(index + 1, token)
+                task.parts[index] = PartInfo(index + 1, token, task.op.hashes.get(index, ""))
                 task.bytes_sent += task.part_size
         if task.stream is not None:
             await self._adopt_stream(task)
-        if task.upload is None:  # not streamed: the whole file's hash goes in the metadata
+        if not task.xxh3 and not task.content.remote:  # the whole file's hash (not streamed: in the metadata)
             task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
         if task.multipart:
             await self._upload_parts(task)
@@ -363,7 +365,8 @@ class Uploader:
         if task.upload is None:
             # A rename may retarget the op while we work: the upload stays under this key.
             task.upload = await self._create_upload(task.op.key, {
-                "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size)})
+                "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size),
+                integrity.MANIFEST_META: integrity.ALGORITHM})
             task.parts = [None] * task.n_parts()
             task.bytes_sent = 0
         upload = task.upload
@@ -390,7 +393,8 @@ class Uploader:
 
             def send() -> PartInfo:
                 with self.part_buffers.body(length, lambda out: self._from_cache(content.read_into, start, out)) as body:
-                    return self.store.upload_part(upload.key, upload.upload_id, number, body)
+                    digest = integrity.part_hash(body)  # sealed: what the manifest records
+                    return replace(self.store.upload_part(upload.key, upload.upload_id, number, body), xxh3=digest)
 
             try:
                 task.parts[number - 1] = await self._call(upload.key, send)
@@ -412,12 +416,15 @@ class Uploader:
                     async with stream.creating:
                         if stream.upload is None:
                             stream.upload = await self._create_upload(stream.key, {
-                                "ckptfs-part-size": str(self.part_size)})
+                                "ckptfs-part-size": str(self.part_size),
+                                integrity.MANIFEST_META: integrity.ALGORITHM})
                     upload, size = stream.upload, self.cache.block_size
 
                     def send() -> PartInfo:
                         with self.part_buffers.body(size, lambda out: self._from_cache(self.cache.read_into, ref, 0, out)) as body:
-                            return self.store.upload_part(upload.key, upload.upload_id, index + 1, body)
+                            digest = integrity.part_hash(body)  # sealed: what the manifest records
+                            return replace(self.store.upload_part(upload.key, upload.upload_id, index + 1, body),
+                                           xxh3=digest)
 
                     try:
                         part = await self._call(upload.key, send)
@@ -466,34 +473,21 @@ class Uploader:
 
     async def _publish(self, task: Task) -> None:
         op = task.op
-        if op.kind == PUT and task.multipart:
-            if task.upload is None or task.upload.key != op.key:  # retargeted after the upload began
-                if task.upload is not None:
-                    await self._abort(task.upload)
-                    task.upload = None
-                if not task.xxh3:
-                    task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
-                await self._upload_parts(task)
-            upload = task.upload
-            try:
-                if not task.completed:
-                    await self._call(op.key, self.store.complete_multipart, op.key, upload.upload_id, task.parts)
-            except NotFound:
-                # A retry after a completion whose answer was lost: the upload id is gone.
-                if not await self._is_complete(upload):
-                    self._forget(upload)
-                    task.upload = None
-                    await self._publish(task)  # start over with a new upload
-                    return
-            self._forget(upload)
-            task.upload = None
-        elif op.kind == PUT:
-            data = await trio.to_thread.run_sync(task.content.read, 0, op.size, limiter=self.hash_threads)
-            await self._call(op.key, self.store.put, op.key, data, {"xxh3": task.xxh3})
-            task.bytes_sent = op.size
-            self.uploaded_bytes += op.size
+        if op.kind == PUT:
+            replaced = await self._replaced_manifest(task)
+            if task.multipart:
+                await self._publish_multipart(task)
+            else:
+                await self._publish_one(task)
+            if replaced:  # the object it replaced is gone: so is the need for its manifest
+                await self._drop_manifest(op.key, replaced)
         elif op.kind == DELETE:
+            # A multipart object's manifest goes with it (after it: never an object without one).
+            info = None if op.small else await self._call(op.key, self.store.head, op.key)
             await self._call(op.key, self.store.delete, op.key)
+            upload_id = info.metadata.get(integrity.UPLOAD_META) if info is not None else None
+            if upload_id and info.metadata.get(integrity.MANIFEST_META):
+                await self._drop_manifest(op.key, upload_id)
         elif op.kind == MKDIR:
             await self._call(op.key, self.store.put, op.key, b"", {})
         elif op.kind == MOVE:
@@ -504,6 +498,81 @@ class Uploader:
                 if await self._call(op.key, self.store.head, op.key) is None:
                     log.warning("move %s -> %s: the source is not in the store", op.src, op.key)
             await self._call(op.src, self.store.delete, op.src)
+
+    async def _publish_multipart(self, task: Task) -> None:
+        op = task.op
+        if task.upload is None or task.upload.key != op.key:  # retargeted after the upload began
+            if task.upload is not None:
+                await self._abort(task.upload)
+                task.upload = None
+            if not task.xxh3:
+                task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
+            await self._upload_parts(task)
+        upload = task.upload
+        checksums = None if task.completed else self._checksums(task)
+        try:
+            if not task.completed:
+                # The manifest first: an object that is visible has its part checksums.
+                # (Found already complete: the manifest was written before that completion.)
+                if checksums is not None:
+                    await self._put_manifest(op.key, checksums)
+                await self._call(op.key, self.store.complete_multipart, op.key, upload.upload_id, task.parts)
+        except NotFound:
+            # A retry after a completion whose answer was lost: the upload id is gone.
+            if not await self._is_complete(upload):
+                self._forget(upload)
+                task.upload = None
+                if checksums is not None:  # (that upload never became an object)
+                    await self._drop_manifest(op.key, checksums.upload)
+                await self._publish_multipart(task)  # start over with a new upload
+                return
+        self._forget(upload)
+        task.upload = None
+        if task.content is not None and checksums is not None:
+            task.content.checksums = checksums  # reads of evicted blocks need no manifest GET
+
+    async def _publish_one(self, task: Task) -> None:
+        op = task.op
+        data = await trio.to_thread.run_sync(task.content.read, 0, op.size, limiter=self.hash_threads)
+        await self._call(op.key, self.store.put, op.key, data, {integrity.XXH3_META: task.xxh3})
+        task.bytes_sent = op.size
+        self.uploaded_bytes += op.size
+        task.content.checksums = integrity.Checksums.whole_file(op.size, task.xxh3)
+
+    # -- checksums ---------------------------------------------------------------------------
+    def _checksums(self, task: Task) -> integrity.Checksums | None:
+        """The manifest of a multipart put: every part's xxh3 (None if one is unknown: a part
+        resumed from the journal of an older version; the object then reads as unverified)."""
+        hashes = [part.xxh3 if part is not None else "" for part in task.parts]
+        if not all(hashes):
+            log.warning("%s: part checksums unknown (journal of an older version): no manifest", task.op.key)
+            return None
+        return integrity.Checksums(task.op.size, task.part_size, hashes, task.xxh3, task.upload.journal_id,
+                                   "manifest")
+
+    async def _put_manifest(self, key: str, checksums: integrity.Checksums) -> None:
+        mkey = integrity.manifest_key(checksums.upload)
+        await self._call(key, self.store.put, mkey, checksums.to_manifest(), {})
+
+    async def _drop_manifest(self, key: str, upload_id: str) -> None:
+        """Delete the manifest of an object that is gone (a few tries: an orphan is harmless)."""
+        mkey = integrity.manifest_key(upload_id)
+        try:
+            await self._call(key, self.store.delete, mkey, attempts=5)
+        except StoreError as exc:
+            log.warning("could not delete %s (the manifest of a replaced or deleted %s): %s", mkey, key, exc)
+
+    async def _replaced_manifest(self, task: Task) -> str:
+        """The upload id of the manifest the put's object replaces ("" if none). The namespace
+        knows it, or says "?": then the object in the store now tells (a HEAD)."""
+        if task.op.replaces != "?":
+            return task.op.replaces
+        info = await self._call(task.op.key, self.store.head, task.op.key)
+        if info is None or not info.metadata.get(integrity.MANIFEST_META):
+            return ""
+        upload_id = info.metadata.get(integrity.UPLOAD_META, "")
+        # (replayed after our own completion: that manifest is this put's own)
+        return "" if task.upload is not None and upload_id == task.upload.journal_id else upload_id
 
     # -- multipart bookkeeping ---------------------------------------------------------------
     async def _create_upload(self, key: str, metadata: dict[str, str]) -> Upload:

@@ -178,7 +178,8 @@ class S3StoreView:
     def keys(self) -> set[str]:
         out = set()
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
-            out |= {o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", []) if not o["Key"].endswith("/")}
+            out |= {o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", [])
+                    if not o["Key"].endswith("/") and not o["Key"][len(self.prefix) + 1:].startswith(".ckptfs-")}
         return out
 
     def multipart_uploads(self) -> list:

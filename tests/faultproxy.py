@@ -17,7 +17,7 @@ complete_multipart, abort, head, list, delete, copy) and counted per (method, ki
 first rule that matches it (method, path regex, query substring, kind, header regexes; within its count,
 probability and time window) decides what happens; with none, it is forwarded as is.
 Actions: ``status(code, s3_code)``, ``delay(seconds)``, ``reset_mid_body()``,
-``drop_response()``, ``blackhole()``, ``corrupt_request_body()``.
+``drop_response()``, ``blackhole()``, ``corrupt_request_body()``, ``corrupt_response_body()``.
 """
 
 from __future__ import annotations
@@ -77,6 +77,12 @@ def blackhole() -> Action:
 def corrupt_request_body() -> Action:
     """Flip a byte in the middle of the request body (length kept), then forward."""
     return Action("corrupt_request_body")
+
+
+def corrupt_response_body() -> Action:
+    """Forward, then flip a byte in the middle of the response body (length and headers kept):
+    a bit error the transport did not catch, as a client sees it over plain http."""
+    return Action("corrupt_response_body")
 
 
 @dataclass(eq=False)
@@ -320,7 +326,7 @@ class _Handler(socketserver.BaseRequestHandler):
             _reset(sock)  # nothing to cut in half: the server acted, the client hears a reset
             return False
         sock.sendall(b"".join(head) + b"\r\n")
-        if _copy(body, sock, length, cut=cut):
+        if _copy(body, sock, length, corrupt=action.name == "corrupt_response_body" and not no_body, cut=cut):
             _reset(sock)
             return False
         framed = no_body or "content-length" in headers or _chunked(headers)

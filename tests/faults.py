@@ -118,6 +118,9 @@ class FaultyStore(ObjectStore):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self._call("get_range", key, self.inner.get_range, key, start, length)
 
+    def get_range_meta(self, key: str, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+        return self._call("get_range", key, self.inner.get_range_meta, key, start, length)
+
     def head(self, key: str) -> ObjectInfo | None:
         return self._call("head", key, self.inner.head, key)
 

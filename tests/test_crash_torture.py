@@ -47,6 +47,7 @@ import pytest
 import xxhash
 
 from ckptfs.config import MountConfig
+from ckptfs.integrity import Checksums, IntegrityError, is_reserved, manifest_key
 from tests import crash_writer
 from tests.mounting import Mount
 
@@ -114,7 +115,8 @@ class Store:
         out = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
             for o in page.get("Contents", []):
-                out[o["Key"][len(self.prefix) + 1:]] = {"size": o["Size"], "etag": o["ETag"]}
+                if not is_reserved(o["Key"][len(self.prefix) + 1:]):  # (checksum manifests)
+                    out[o["Key"][len(self.prefix) + 1:]] = {"size": o["Size"], "etag": o["ETag"]}
         return out
 
     def get(self, key: str) -> tuple[bytes, dict] | None:
@@ -209,6 +211,15 @@ class Trial:
                           f"xxh3 {xxh(data)}, expected one of {allowed}")
             if meta.get("xxh3") not in (None, xxh(data)):
                 self.fail(f"{phase}: {key!r} carries xxh3 metadata {meta.get('xxh3')} but its bytes hash to {xxh(data)}")
+            if meta.get("ckptfs-manifest"):  # a visible multipart object has its part checksums
+                manifest = self.store.get(manifest_key(meta["ckptfs-upload"]))
+                if manifest is None and self.store.exists(key):
+                    self.fail(f"{phase}: {key!r} is in the store without its manifest")
+                if manifest is not None:
+                    try:
+                        Checksums.from_manifest(manifest[0], len(data)).check(0, data)
+                    except IntegrityError as exc:
+                        self.fail(f"{phase}: {key!r} does not match its manifest: {exc}")
         for key, info in self.known.items():  # earlier trials' objects must stay (bar the pointer)
             if key in ("latest", "latest.tmp") or key.endswith("/"):
                 continue
@@ -552,7 +563,8 @@ def test_rename_while_the_multipart_upload_is_being_created(s3_server, s3_bucket
             assert time.monotonic() - started < 15, "the upload stalled"
             client = s3_server.client()
             assert client.get_object(Bucket=s3_bucket, Key="run/ckpt")["Body"].read() == data
-            keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
+            keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
+                    if not is_reserved(o["Key"].removeprefix("run/"))]  # (checksum manifests)
             assert keys == ["run/ckpt"]
             deadline = time.monotonic() + 10  # aborts run in the background
             while (uploads := client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])) \

@@ -18,6 +18,7 @@ from tests.faultproxy import (
     blackhole,
     classify,
     corrupt_request_body,
+    corrupt_response_body,
     delay,
     drop_response,
     reset_mid_body,
@@ -240,3 +241,17 @@ def test_corrupt_signed_payload_is_refused_by_the_server(s3_server, s3_bucket, p
     assert proxy.requests[-1].headers["x-amz-content-sha256"] not in ("UNSIGNED-PAYLOAD", "")
     client.put_object(Bucket=s3_bucket, Key="bent", Body=data)
     assert s3_server.client().get_object(Bucket=s3_bucket, Key="bent")["Body"].read() == data
+
+
+def test_corrupt_response_body_flips_one_byte_unseen_by_the_client(s3_server, s3_bucket, proxy):
+    """What tests/test_integrity.py relies on: a GET body bent on the wire reaches boto3 as
+    a normal answer (same length, no error): only a checksum of the bytes can tell."""
+    data = os.urandom(1 << 20)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="obj", Body=data)
+    client = _client(s3_server, proxy)
+    rule = proxy.add_rule(Rule(corrupt_response_body(), kind="get", count=1))
+    got = client.get_object(Bucket=s3_bucket, Key="obj", Range="bytes=0-524287")["Body"].read()
+    assert rule.hits == 1 and len(got) == 1 << 19
+    diff = [i for i in range(len(got)) if got[i] != data[i]]
+    assert diff == [1 << 18]  # the middle byte, flipped
+    assert client.get_object(Bucket=s3_bucket, Key="obj")["Body"].read() == data  # count=1: then intact

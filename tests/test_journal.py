@@ -220,3 +220,18 @@ def test_a_closed_journal_refuses_writes(path):
         j.multipart_ended("1.1")
     pending, _ = replay(path)
     assert [op.key for op in pending] == ["a.bin"]
+
+
+def test_evicted_parts_keep_their_checksums_and_deletes_their_hint(path):
+    """A put whose parts live only in the store names their tokens and xxh3 (the manifest written
+    when a restart completes that upload needs them); a delete says whether a HEAD is needed."""
+    j = fresh(path)
+    op = put("big.bin", 30, [None, (DISK, 1)])
+    op.upload, op.parts, op.hashes = ["big.bin", "up-1", "j-1"], {0: "etag0"}, {0: "0123456789abcdef"}
+    ops = [j.append(op), j.append(Op(DELETE, "small.bin", small=True)), j.append(Op(DELETE, "any.bin"))]
+    j.close()
+    pending, _ = replay(path)
+    assert pending == ops
+    assert pending[0].hashes == {0: "0123456789abcdef"} and [p.small for p in pending[1:]] == [True, False]
+    fresh(path).close()  # compaction keeps them too
+    assert replay(path)[0] == ops

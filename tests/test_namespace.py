@@ -23,6 +23,7 @@ from ckptfs import namespace
 from ckptfs.cache import Cache
 from ckptfs.errors import FsError
 from ckptfs.fetcher import Fetcher
+from ckptfs.integrity import is_reserved
 from ckptfs.journal import Journal
 from ckptfs.namespace import RENAME_NOREPLACE, ROOT_INODE, Namespace
 from ckptfs.store.base import ObjectInfo
@@ -159,13 +160,15 @@ async def sync(m: Mount) -> None:
 
 
 def store_files(store) -> dict[str, bytes]:
+    """The files in the store (checksum manifests are not files)."""
     inner = store.inner if isinstance(store, FaultyStore) else store
-    return {o.key: inner.get_range(o.key, 0, o.size) for o in inner.list("") if not o.key.endswith("/")}
+    return {o.key: inner.get_range(o.key, 0, o.size) for o in inner.list("")
+            if not o.key.endswith("/") and not is_reserved(o.key)}
 
 
 def store_keys(store) -> set[str]:
     inner = store.inner if isinstance(store, FaultyStore) else store
-    return {o.key for o in inner.list("")}
+    return {o.key for o in inner.list("") if not is_reserved(o.key)}
 
 
 def assert_xxh3(store, key: str, data: bytes) -> None:

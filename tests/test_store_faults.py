@@ -65,7 +65,8 @@ class StoreView:
         out = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=PREFIX + "/"):
             out |= {o["Key"][len(PREFIX) + 1:]: o["Size"] for o in page.get("Contents", [])
-                    if not o["Key"].endswith("/")}  # directory markers are not files
+                    if not o["Key"].endswith("/")  # directory markers are not files
+                    and not o["Key"][len(PREFIX) + 1:].startswith(".ckptfs-")}  # nor checksum manifests
         return out
 
     def open_uploads(self) -> list:

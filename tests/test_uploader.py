@@ -16,6 +16,7 @@ import trio
 import xxhash
 
 from ckptfs.cache import Cache, Content, StagedFile
+from ckptfs.integrity import Checksums
 from ckptfs.journal import PUT, Journal, Op
 from ckptfs.store import open_store
 from ckptfs.store.base import MAX_PARTS
@@ -105,7 +106,7 @@ class Env:
         assert info.metadata.get("xxh3") == xxhash.xxh3_64(data).hexdigest()
 
     def keys(self) -> set[str]:
-        return {o.key for o in self.inner.list("")}
+        return {o.key for o in self.inner.list("") if not o.key.startswith(".ckptfs-manifest/")}
 
     def assert_journal_empty(self):
         assert Journal(self.journal_path, self.cache.ram_arena_id).replay() == ([], [])
@@ -144,14 +145,26 @@ def test_small_and_multipart_files(env):
             await up.wait_durable(up.last_seq())
             assert up.pending_count() == 0 and up.pending_bytes() == 0
             assert up.durable_files == 4
-        assert env.store.count("put") == 3
+        assert env.store.count("put") == 3 + 1  # and the multipart file's manifest
         assert env.store.count("upload_part") == 6
         assert env.store.count("complete_multipart") == 1
+        # The manifest is written before the object appears.
+        manifest = [i for i, (verb, key) in enumerate(env.store.calls) if key.startswith(".ckptfs-manifest/")]
+        complete = env.store.calls.index(("complete_multipart", "dir/multi.bin"))
+        assert len(manifest) == 1 and manifest[0] < complete
 
     trio.run(main)
     for key, data in files.items():
         env.assert_object(key, data)
-    assert env.inner.head("dir/multi.bin").metadata["ckptfs-part-size"] == str(BS)
+    meta = env.inner.head("dir/multi.bin").metadata
+    assert meta["ckptfs-part-size"] == str(BS)
+    # Every part's xxh3 and the whole file's, in the manifest the object's metadata names.
+    assert meta["ckptfs-manifest"] == "xxh3-64"
+    raw = env.inner.get_range(".ckptfs-manifest/" + meta["ckptfs-upload"], 0, 1 << 20)
+    checks = Checksums.from_manifest(raw, len(files["dir/multi.bin"]))
+    data = files["dir/multi.bin"]
+    assert checks.parts == [xxhash.xxh3_64_hexdigest(data[i:i + BS]) for i in range(0, len(data), BS)]
+    assert checks.xxh3 == xxhash.xxh3_64_hexdigest(data) and checks.part_size == BS
     assert env.inner.list_multipart() == []
     assert env.cache.refcounts == {}  # published: the uploader released the contents
     env.assert_journal_empty()
@@ -191,7 +204,8 @@ def test_ordered_publish(env):
             await up.wait_durable(up.last_seq())
 
     trio.run(main)
-    publishes = [c for c in env.store.calls if c[0] in ("put", "complete_multipart")]
+    publishes = [c for c in env.store.calls if c[0] in ("put", "complete_multipart")
+                 and not c[1].startswith(".ckptfs-manifest/")]
     assert publishes == [("put", "first.bin"), ("put", "second.bin"), ("complete_multipart", "third.bin")]
     for key, data in [("first.bin", first), ("second.bin", second), ("third.bin", third)]:
         env.assert_object(key, data)
@@ -287,7 +301,7 @@ def test_retarget_before_publish(env):
 def test_transient_failures_are_retried(env):
     big, small = blob(4 * BS, 5), blob(100, 6)
     env.store.fail("upload_part", 3)
-    env.store.fail("put", 2)
+    env.store.fail("put", 2, key="small.bin")
 
     async def main():
         async with running(env) as up:
@@ -299,7 +313,7 @@ def test_transient_failures_are_retried(env):
     env.assert_object("big.bin", big)
     env.assert_object("small.bin", small)
     assert env.store.count("upload_part") == 4 + 3
-    assert env.store.count("put") == 1 + 2
+    assert env.store.count("put", "small.bin") == 1 + 2
     errors = list(env.up.errors)
     assert len(errors) == 5
     assert sorted(e["key"] for e in errors) == ["big.bin"] * 3 + ["small.bin"] * 2

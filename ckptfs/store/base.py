@@ -62,6 +62,7 @@ class DirListing:
 class PartInfo:
     number: int  # 1-based, as in S3
     token: str   # what complete_multipart needs back (the ETag on S3)
+    xxh3: str = ""  # ckptfs's checksum of the part's bytes (for the manifest), "" where unknown
 
 
 class ObjectStore(ABC):
@@ -85,6 +86,14 @@ class ObjectStore(ABC):
     @abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Bytes [start, start+length) of the object (shorter at its end). NotFound if absent."""
+
+    def get_range_meta(self, key: str, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+        """``get_range`` and the object's user metadata as the same answer saw it (stores
+        whose GET carries the metadata override this with one request)."""
+        info = self.head(key)
+        if info is None:
+            raise NotFound(f"get {key}: no such key")
+        return self.get_range(key, start, length), info.metadata
 
     @abstractmethod
     def head(self, key: str) -> ObjectInfo | None:

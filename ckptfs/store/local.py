@@ -434,14 +434,22 @@ class LocalStore(ObjectStore):
             raise self._err("put", key, e) from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._get(key, start, length, False)[0]
+
+    def get_range_meta(self, key: str, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+        return self._get(key, start, length, True)
+
+    def _get(self, key: str, start: int, length: int, meta: bool) -> tuple[bytes, dict[str, str]]:
+        """Bytes of one open of the object, and (``meta``) its metadata from that same open."""
         if key.endswith("/"):
             try:
                 os.close(self._open_dir(self._parts(key)))
-                return b""
+                return b"", {}
             except OSError:
                 raise NotFound(f"local store {self.root}: no object {key!r}") from None
         fd, _ = self._open_object(key, "get")
         try:
+            metadata = self._get_metadata(fd) if meta else {}
             chunks = []
             while length > 0:
                 chunk = os.pread(fd, length, start)
@@ -450,7 +458,7 @@ class LocalStore(ObjectStore):
                 chunks.append(chunk)
                 start += len(chunk)
                 length -= len(chunk)
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), metadata
         except OSError as e:
             raise self._err("get", key, e) from None
         finally:

@@ -234,10 +234,15 @@ class S3Store(ObjectStore):
         self._call("put", key, "put_object", Key=self._key(key), Body=_as_bytes(data), Metadata=metadata or {})
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
+        return self.get_range_meta(key, start, length)[0]
+
+    def get_range_meta(self, key: str, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+        """One ranged GET: the bytes and the object's user metadata from its answer."""
         if length <= 0:
-            if self.head(key) is None:
+            info = self.head(key)
+            if info is None:
                 raise NotFound(f"get s3://{self.bucket}/{self._base}{key}: no such key")
-            return b""
+            return b"", info.metadata
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
                                            Range=f"bytes={start}-{start + length - 1}")
@@ -245,13 +250,14 @@ class S3Store(ObjectStore):
             try:
                 # StreamingBody.read (not the raw stream its context manager hands out) turns
                 # a reset or a short body into a botocore error, which we map below.
-                return body.read()
+                return body.read(), dict(resp.get("Metadata", {}))
             finally:
                 body.close()
         except bex.ClientError as e:
             # 416: the object exists but starts before `start` (or is empty): nothing to read.
             if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
-                return b""
+                info = self.head(key)
+                return b"", info.metadata if info is not None else {}
             self._fail("get", key, e)
         except (bex.BotoCoreError, OSError) as e:
             self._fail("get", key, e)

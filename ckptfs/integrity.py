@@ -1,0 +1,128 @@
+"""Checksums of objects in the store: what a mount checks every fetched byte against.
+
+Every part ckptfs uploads is hashed (xxh3-64) when it is sealed. Where they live:
+
+- A file sent in one PUT (at most one part) carries the xxh3 of its bytes as object metadata
+  ``xxh3``: its one "part" is the whole file.
+- A multipart object (streamed or not) cannot carry its part list in its metadata: that is fixed
+  when the upload is created, before the parts exist. Its part checksums go in a *manifest*, a
+  small JSON object ``.ckptfs-manifest/<upload id>`` under the reserved top-level prefix (hidden
+  from the mount), PUT before CompleteMultipartUpload: an object that is visible has its
+  manifest. The object's metadata says so (``ckptfs-manifest``) and names the upload
+  (``ckptfs-upload``), so the manifest is found from any GET or HEAD of the object, and a
+  server-side copy (rename) keeps pointing at it.
+
+A reader learns which applies from the metadata of its first GET of the object (no extra
+request for a one-PUT file, one GET of the manifest for a multipart one) and then checks each
+range it fetches, in whole parts, before a byte enters the cache. An object with neither
+(written by another tool or an older ckptfs) is read unchecked and reported as unverified.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import xxhash
+
+MANIFEST_PREFIX = ".ckptfs-manifest/"  # under namespace.RESERVED_PREFIX: never a path on the mount
+MANIFEST_META = "ckptfs-manifest"  # object metadata: "xxh3-64" when a manifest was written for it
+UPLOAD_META = "ckptfs-upload"  # object metadata: the upload's journal id, which names the manifest
+XXH3_META = "xxh3"  # object metadata of a one-PUT file: xxh3-64 of all its bytes
+ALGORITHM = "xxh3-64"
+# A whole-file checksum alone is checked only for objects this small (the read must fetch it
+# whole): larger objects with no part list (an older ckptfs's multipart uploads) read unchecked.
+WHOLE_FILE_CHECK_MAX = 64 << 20
+
+
+def part_hash(data) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def manifest_key(upload: str) -> str:
+    return MANIFEST_PREFIX + upload
+
+
+def is_reserved(key: str) -> bool:
+    return key.startswith(MANIFEST_PREFIX)
+
+
+class IntegrityError(Exception):
+    """Fetched bytes do not match their recorded checksum."""
+
+
+@dataclass(frozen=True)
+class Checksums:
+    """What a version's bytes are checked against: ``parts[i]`` covers bytes
+    [i * part_size, (i + 1) * part_size). ``parts`` empty: nothing recorded (unverified)."""
+
+    size: int
+    part_size: int
+    parts: list[str] = field(default_factory=list)
+    xxh3: str = ""  # the whole file's, where known
+    upload: str = ""  # the upload it was recorded for ("" for a one-PUT file)
+    source: str = ""  # "metadata", "manifest", or why it is unverified
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.parts)
+
+    def span(self, start: int, length: int) -> tuple[int, int]:
+        """The byte range of whole parts covering [start, start + length)."""
+        if not self.verified:
+            return start, length
+        first = start // self.part_size
+        last = (start + max(length, 1) - 1) // self.part_size
+        begin = first * self.part_size
+        return begin, min((last + 1) * self.part_size, self.size) - begin
+
+    def check(self, start: int, data) -> None:
+        """Raise IntegrityError unless ``data`` (whole parts from ``start``) matches."""
+        if not self.verified:
+            return
+        view = memoryview(data)
+        for offset in range(0, len(view), self.part_size):
+            index = (start + offset) // self.part_size
+            got = part_hash(view[offset:offset + self.part_size])
+            if index >= len(self.parts) or got != self.parts[index]:
+                raise IntegrityError(f"part {index + 1} (bytes {start + offset}-"
+                                     f"{start + offset + len(view[offset:offset + self.part_size]) - 1}) "
+                                     f"has xxh3 {got}, recorded {self.parts[index] if index < len(self.parts) else 'none'}")
+
+    def to_manifest(self) -> bytes:
+        return json.dumps({"format": 1, "algorithm": ALGORITHM, "size": self.size, "part_size": self.part_size,
+                           "xxh3": self.xxh3, "upload": self.upload, "parts": self.parts},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def from_manifest(cls, raw: bytes, size: int) -> Checksums:
+        """Parse a manifest; a malformed one, or one for another size, raises IntegrityError."""
+        try:
+            rec = json.loads(raw)
+            parts, part_size = [str(p) for p in rec["parts"]], int(rec["part_size"])
+            ok = rec.get("algorithm") == ALGORITHM and int(rec["size"]) == size and part_size > 0 \
+                and len(parts) == max(1, -(-size // part_size))
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise IntegrityError(f"manifest unreadable or not for an object of {size} bytes")
+        return cls(size, part_size, parts, str(rec.get("xxh3", "")), str(rec.get("upload", "")), "manifest")
+
+    @classmethod
+    def unverified(cls, size: int, why: str) -> Checksums:
+        return cls(size, size or 1, [], "", "", why)
+
+    @classmethod
+    def whole_file(cls, size: int, xxh3: str) -> Checksums:
+        return cls(size, max(size, 1), [xxh3], xxh3, "", "metadata")
+
+
+def from_metadata(size: int, metadata: dict[str, str]) -> Checksums | str:
+    """The checksums an object's metadata gives, or the manifest upload id to fetch."""
+    if metadata.get(MANIFEST_META) == ALGORITHM and metadata.get(UPLOAD_META):
+        return metadata[UPLOAD_META]
+    if metadata.get(XXH3_META) and size <= WHOLE_FILE_CHECK_MAX:
+        return Checksums.whole_file(size, metadata[XXH3_META])
+    if metadata.get(XXH3_META):
+        return Checksums.unverified(size, "only a whole-file checksum, too large to check per read")
+    return Checksums.unverified(size, "no checksum recorded (not written by this ckptfs version)")
