@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-timeout", type=_seconds, metavar="SECONDS",
                    help="how long a write waits for cache space while nothing gets uploaded (the store is "
                         f"down) before it fails with ENOSPC (default {MountConfig.write_timeout:g})")
+    p.add_argument("--read-timeout", type=_seconds, metavar="SECONDS",
+                   help="how long a read of data not in the cache waits while the store fails or does not "
+                        f"answer before it fails with EIO (default {MountConfig.read_timeout:g})")
     p.add_argument("--shm-dir", metavar="DIR",
                    help=f"the tmpfs that holds the RAM tier (default {MountConfig.shm_dir})")
     p.add_argument("--allow-other", action="store_true",
@@ -225,6 +228,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "upload_concurrency": args.upload_concurrency,
         "list_ttl": args.list_ttl,
         "write_timeout": args.write_timeout,
+        "read_timeout": args.read_timeout,
         "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
         "umask": args.umask,
         "log_level": args.log_level,
@@ -322,6 +326,7 @@ def daemon_argv(config: MountConfig) -> list[str]:
             "--ram-cache", str(config.ram_cache), "--cache-size", str(config.cache_size),
             "--part-size", str(config.part_size), "--upload-concurrency", str(config.upload_concurrency),
             "--list-ttl", repr(config.list_ttl), "--write-timeout", repr(config.write_timeout),
+            "--read-timeout", repr(config.read_timeout),
             "--shm-dir", config.shm_dir,
             "--log-level", config.log_level, "--foreground"]
     argv += ["--umask", f"{config.umask:04o}"]

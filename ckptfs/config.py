@@ -58,6 +58,9 @@ class MountConfig:
     # Seconds a write waits for cache space while nothing is uploaded (the store is down)
     # before it fails with ENOSPC.
     write_timeout: float = 60.0
+    # Seconds a read of data not in the cache waits while the store is in trouble (failing or
+    # not answering) before it fails with EIO. A store that answers, however slowly, never trips it.
+    read_timeout: float = 60.0
     shm_dir: str = "/dev/shm"  # the tmpfs that holds the RAM tier (a container's may be small)
     allow_other: bool = False  # let other users in (the kernel still checks each file's mode)
     # Modes of what the store does not record (objects loaded from it): 0666/0777 less this.

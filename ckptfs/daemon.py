@@ -176,6 +176,7 @@ class Daemon:
         self.uploader.health = self.fetcher.health = self.namespace.health = self.health
         self.store.report_to(self.health)
         self.cache.write_timeout = self.config.write_timeout
+        self.fetcher.read_timeout = self.config.read_timeout
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
         # default_permissions (in pyfuse3's defaults): the kernel checks every access against the
         # modes, so other users, when allowed in at all, reach only what the modes let them.

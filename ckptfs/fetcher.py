@@ -54,6 +54,7 @@ class Fetcher:
         self.read_ahead = concurrency  # blocks fetched ahead of a sequential reader
         self.nursery: trio.Nursery | None = None
         self.health = StoreHealth()  # the daemon shares one with the uploader and the namespace
+        self.read_timeout: float | None = None  # see MountConfig.read_timeout; None: wait for the store
         self.integrity_errors: deque[dict] = deque(maxlen=20)  # reads failed: bytes never matched
         self.integrity_retries = 0  # ranges that did not match once and were fetched again
         self.unverified_reads = 0  # ranges of objects with no checksums, read unchecked
@@ -172,10 +173,40 @@ class Fetcher:
             event = self.inflight[slot] = trio.Event()
             try:
                 async with self.bodies:
-                    await self._download(content, index)
+                    await self._download_in_time(content, index)
             finally:
                 del self.inflight[slot]
                 event.set()
+
+    async def _download_in_time(self, content: Content, index: int) -> None:
+        """``_download``, given up with EIO once the store has been in trouble for ``read_timeout``
+        seconds of this read: a reader never waits out a whole outage (the GETs in flight are
+        abandoned: their threads touch nothing shared)."""
+        if self.read_timeout is None or self.nursery is None:
+            return await self._download(content, index)
+        watch = trio.CancelScope()
+        with trio.CancelScope() as download:
+            self.nursery.start_soon(self._give_up_in_an_outage, download, watch, time.time())
+            try:
+                await self._download(content, index)
+            finally:
+                watch.cancel()
+        if download.cancelled_caught:
+            message = (f"{content.key}: the store has failed or not answered for {self.read_timeout:g} s "
+                       "(--read-timeout); the read fails, later reads try again")
+            self._log_once(content.key or "", "read timeout", logging.ERROR, "%s", message)
+            self.health.failed("read", content.key or "", f"EIO: {message}")
+            raise FsError(errno.EIO, message)
+
+    async def _give_up_in_an_outage(self, download: trio.CancelScope, watch: trio.CancelScope,
+                                    started: float) -> None:
+        with watch:
+            while True:
+                await trio.sleep(0.25)
+                since = self.health.trouble_since()
+                if since is not None and time.time() - max(since, started) >= self.read_timeout:
+                    download.cancel()
+                    return
 
     async def _download(self, content: Content, index: int) -> None:
         bs = self.cache.block_size

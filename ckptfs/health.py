@@ -86,6 +86,14 @@ class StoreHealth:
         with self._lock:
             return self.failing_since is not None or self._stalled() is not None
 
+    def trouble_since(self) -> float | None:
+        """Wall time the current trouble began (the first failure since the last answer, or the
+        start of the oldest stalled attempt); None while the store is fine."""
+        with self._lock:
+            stalled = self._stalled()
+            starts = [t for t in (self.failing_since, stalled[1] if stalled else None) if t is not None]
+            return min(starts) if starts else None
+
     def errors(self) -> list[dict]:
         with self._lock:
             return list(self.events)

@@ -261,3 +261,25 @@ def test_a_cold_read_that_fails_shows_in_status(proxy, make_mount):
     assert reader.status()["store_health"]["state"] == "failing"
     proxy.remove_rule(rule)
     assert (reader.path / "ckpt.bin").read_bytes() == data
+
+
+def test_a_cold_read_with_the_store_down_fails_within_read_timeout(proxy, make_mount):
+    """A blackholed store: the read is given up with EIO once the store has not answered for
+    --read-timeout (at least the 10 s after which an unanswered call counts as trouble), not after
+    the client's retries of 60 s timeouts; once the store is back the same read works."""
+    writer = make_mount("w").start()
+    data = os.urandom(3 * MiB)
+    (writer.path / "ckpt.bin").write_bytes(data)
+    writer.stop()
+    reader = make_mount("r", extra=("--read-timeout", "2")).start()
+    rule = proxy.add_rule(Rule(blackhole(), kind="get"))
+    started = time.monotonic()
+    with pytest.raises(OSError) as caught:
+        (reader.path / "ckpt.bin").read_bytes()
+    took = time.monotonic() - started
+    print(f"\ncold read with the store blackholed: EIO after {took:.1f} s")
+    assert caught.value.errno == errno.EIO
+    assert took < 30
+    assert any("--read-timeout" in e["message"] for e in reader.status()["errors"])
+    proxy.remove_rule(rule)
+    assert (reader.path / "ckpt.bin").read_bytes() == data
