@@ -932,6 +932,8 @@ class Namespace:
         node.handles -= 1
         if handle.staged is not None:
             node.writers -= 1
+        if not node.handles:
+            self.prefill.closed(node)
         self._maybe_clean(node)
         self._maybe_drop(node)
 

@@ -44,6 +44,9 @@ class Prefill:
         self.in_flight: dict[int, trio.Event] = {}  # ino -> set when its chunk is in
         self.pushed_bytes = 0
         self.pushing = 0  # files being pushed now (0 or 1)
+        # Pushes put off because the file was open (ino -> (node, version)): they go ahead when
+        # its last handle closes, so a reader racing the push does not cancel it for good.
+        self.deferred: dict[int, tuple[object, object]] = {}
 
     def want(self, node, version) -> None:
         """Push ``version`` of ``node`` when idle (the newest request for a node wins)."""
@@ -76,6 +79,12 @@ class Prefill:
                 finally:
                     self.pushing = 0
 
+    def closed(self, node) -> None:
+        """``node``'s last handle closed: a push put off while it was open goes ahead."""
+        deferred = self.deferred.pop(node.ino, None)
+        if deferred is not None and self._current(*deferred):
+            self.want(*deferred)
+
     @property
     def queued_files(self) -> int:
         """Files waiting for a push or being pushed (0: the page cache holds what it will)."""
@@ -85,12 +94,18 @@ class Prefill:
         return node.version is version and not node.unlinked and node.nlookup > 0
 
     async def _push(self, node, version) -> None:
-        if not self._current(node, version) or node.handles:
+        if not self._current(node, version):
+            return
+        if node.handles:
+            self.deferred[node.ino] = (node, version)
             return
         content, cache = version.content, version.content.cache
         if not await self._in_thread(node, self._forget_pages, node.ino, node.key()):
             return
-        if not self._current(node, version) or node.handles:
+        if not self._current(node, version):
+            return
+        if node.handles:
+            self.deferred[node.ino] = (node, version)
             return
         node.kernel_version = version
         for index in range(len(content.blocks)):  # one block at a time

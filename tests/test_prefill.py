@@ -100,3 +100,22 @@ def test_a_newer_version_is_never_served_from_older_pages(mount_factory):
     wait_pushed(m, size)
     assert path.read_bytes() == data
     m.stop()
+
+
+def test_a_push_put_off_by_an_open_reader_goes_ahead_when_it_closes(mount_factory):
+    """The push of a durable checkpoint finds the file open (a reader): it waits for the close
+    instead of being dropped (it was dropped: the next restart then read through FUSE)."""
+    m = mount_factory().start()
+    path = m.path / "ckpt" / "model.pt"
+    path.parent.mkdir()
+    size = 2 * 8 * MiB
+    path.write_bytes(os.urandom(size))
+    with open(path, "rb"):
+        m.sync()
+        deadline = time.monotonic() + 60
+        while m.status()["page_cache_queued_files"]:  # the push came and found the file open
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert m.status()["page_cache_pushed_bytes"] == 0
+    wait_pushed(m, size)
+    m.stop()
