@@ -4,7 +4,7 @@ Each tier is one pre-sized arena file carved into slots of ``block_size`` bytes:
 the RAM tier lives on tmpfs (mapped once, so writes are a memcpy), the NVMe tier
 in the cache dir (pread/pwrite, so its pages never count against the daemon's
 RSS). Slots are reused, never given back to the OS: fresh memory costs 2-3 s/GiB
-on first touch here (shared/notes/fuse.md), reused slots cost nothing. So that a
+on first touch here (docs/machine-facts.md), reused slots cost nothing. So that a
 save never pays for it, the RAM slots the next save will take are touched ahead
 of it, in the background (``populate``): as many as the largest save so far. Both
 arenas are files, so committed bytes outlive the daemon; the journal maps each

@@ -42,7 +42,7 @@ from .uploader import Uploader
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
-READ_AHEAD_KB = 1024  # read requests of 1 MiB instead of 128 KiB (shared/notes/fuse.md)
+READ_AHEAD_KB = 1024  # read requests of 1 MiB instead of 128 KiB (docs/machine-facts.md)
 CLEAN_INDEX = "clean.index"
 
 

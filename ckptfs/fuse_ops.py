@@ -55,7 +55,7 @@ def _name(raw: bytes) -> str:
 
 
 class Operations(pyfuse3.Operations):
-    enable_writeback_cache = False  # measured slower here (shared/notes/fuse.md)
+    enable_writeback_cache = False  # measured slower here (docs/machine-facts.md)
 
     def __init__(self, namespace: Namespace, block_size: int, mountpoint: str | None = None):
         super().__init__()
@@ -181,7 +181,7 @@ class Operations(pyfuse3.Operations):
         handle, attr = self.ns.create(parent_inode, _name(name), mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
         self.openers.opened(handle.fh, attr.ino, ctx.pid, flags)
         # direct_io: the kernel hands large writes straight to us (1 MiB requests)
-        # instead of splitting them through its page cache (shared/notes/fuse.md).
+        # instead of splitting them through its page cache (docs/machine-facts.md).
         return pyfuse3.FileInfo(fh=handle.fh, direct_io=True), self._entry(attr)
 
     @_errno_boundary

@@ -2,7 +2,7 @@
 
 Writes bypass the kernel's page cache (direct I/O is what makes saves fast), so without this
 the first ``torch.load`` after a save would pull every page through FUSE READ requests; on
-these VMs filling fresh page-cache pages that way costs ~3 s/GiB (shared/notes/fuse.md). So
+these VMs filling fresh page-cache pages that way costs ~3 s/GiB (docs/machine-facts.md). So
 when the machine is idle (no file open for writing, no upload pending) the daemon hands the
 cached bytes to the kernel with FUSE notify_store, and the next open keeps them (keep_cache).
 

@@ -67,7 +67,7 @@ def part_size_for(size: int, base: int, max_parts: int = MAX_PARTS) -> int:
 class PartBuffers:
     """Request bodies for parts, reused: botocore takes bytes-like bodies, not views of the
     arena, and a fresh 8 MiB copy per part costs more here than the copy itself (first touch
-    of new memory, shared/notes/fuse.md). A pool that grows on demand up to ``count`` buffers
+    of new memory, docs/machine-facts.md). A pool that grows on demand up to ``count`` buffers
     (the parts in flight), so an idle daemon holds none and a busy one only as many as it used
     at once (bytearray(n) writes n zeros: all its pages at once). Never waits: with every buffer
     busy, a part gets a fresh copy. Called from store threads (the lock guards the count)."""
