@@ -77,18 +77,20 @@ class MountConfig:
         return cls(**json.loads(text))
 
 
-def ckptfs_mounts() -> set[str]:
-    """Mountpoints of ckptfs filesystems in /proc/mounts (live or with a dead daemon)."""
+def mount_table() -> list[tuple[str, str, str]]:
+    """(source, mountpoint, fstype) of every mount in /proc/self/mounts; never stat()s a mount."""
     try:
-        text = Path("/proc/mounts").read_text(errors="surrogateescape")
+        text = Path("/proc/self/mounts").read_text(errors="surrogateescape")
     except OSError:
-        return set()
-    found = set()
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and (fields[2] == "fuse.ckptfs" or (fields[2].startswith("fuse") and fields[0] == "ckptfs")):
-            found.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]))  # \040 is a space
-    return found
+        return []
+    return [(f[0], re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f[1]), f[2])  # \040 is a space
+            for f in (line.split() for line in text.splitlines()) if len(f) >= 3]
+
+
+def ckptfs_mounts() -> set[str]:
+    """Mountpoints of ckptfs filesystems (live or with a dead daemon)."""
+    return {mountpoint for source, mountpoint, fstype in mount_table()
+            if fstype == "fuse.ckptfs" or (fstype.startswith("fuse") and source == "ckptfs")}
 
 
 def mount_owner(mountpoint: str) -> int | None:

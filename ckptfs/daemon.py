@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +26,7 @@ import trio
 from . import clean_index, control, limits, private
 from .background import BackgroundThreads
 from .cache import RAM, Cache
-from .config import MountConfig, ckptfs_mounts, control_socket_path
+from .config import MountConfig, ckptfs_mounts, control_socket_path, mount_table
 from .errors import CkptfsError, FsError, MountError
 from .fetcher import Fetcher
 from .fuse_ops import Operations
@@ -98,21 +97,12 @@ def _ram_dir_owner(ram_dir: Path) -> Path | None:
         return None
 
 
-def _fuse_mounts() -> list[Path]:
-    try:
-        lines = Path("/proc/self/mounts").read_text(errors="surrogateescape").splitlines()
-    except OSError:
-        return []
-    return [Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f[1]))
-            for f in (line.split() for line in lines) if len(f) >= 3 and f[2].startswith("fuse")]
-
-
 def _sweep_ram_dirs(shm_dir: Path) -> None:
     """Remove the RAM tiers whose cache dir is gone. Only directories of ours (owned by us, 0700,
     not links) are looked into: nothing another user made there is ever read or logged."""
     with os.scandir(shm_dir) as entries:
         candidates = [Path(e.path) for e in entries if e.name.startswith(RAM_PREFIX)]
-    fuse_mounts = _fuse_mounts()
+    fuse_mounts = [Path(mp) for _, mp, fstype in mount_table() if fstype.startswith("fuse")]
     for ram_dir in candidates:
         if not private.is_private_dir(ram_dir):
             continue

@@ -186,6 +186,15 @@ class S3StoreView:
         return self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
 
 
+# proxy: a FaultProxy (tests/faultproxy.py) in front of s3_server, stopped after the test.
+@pytest.fixture
+def proxy(s3_server):
+    from tests.faultproxy import FaultProxy
+
+    with FaultProxy(s3_server.endpoint) as p:
+        yield p
+
+
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path):
     if request.param == "local":

@@ -13,7 +13,6 @@ import botocore.exceptions as bex
 import pytest
 
 from tests.faultproxy import (
-    FaultProxy,
     Rule,
     blackhole,
     classify,
@@ -28,12 +27,6 @@ from tests.faultproxy import (
 pytestmark = pytest.mark.timeout(120)
 
 NO_RETRIES = {"total_max_attempts": 1}
-
-
-@pytest.fixture
-def proxy(s3_server):
-    with FaultProxy(s3_server.endpoint) as p:
-        yield p
 
 
 def _client(s3_server, proxy, **config):

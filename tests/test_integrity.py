@@ -11,19 +11,13 @@ import pytest
 import xxhash
 
 from ckptfs.integrity import Checksums, IntegrityError, manifest_key
-from tests.faultproxy import FaultProxy, Rule, corrupt_request_body, corrupt_response_body
+from tests.faultproxy import Rule, corrupt_request_body, corrupt_response_body
 from tests.mounting import Mount, ckptfs
 
 pytestmark = pytest.mark.timeout(240)
 
 PREFIX = "run"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def proxy(s3_server):
-    with FaultProxy(s3_server.endpoint) as p:
-        yield p
 
 
 @pytest.fixture

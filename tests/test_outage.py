@@ -15,19 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.faultproxy import FaultProxy, Rule, blackhole, reset_mid_body, status
+from tests.faultproxy import Rule, blackhole, reset_mid_body, status
 from tests.mounting import Mount, ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(240)
 
 PREFIX = "run"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def proxy(s3_server):
-    with FaultProxy(s3_server.endpoint) as p:
-        yield p
 
 
 @pytest.fixture
@@ -241,19 +235,30 @@ def test_status_shows_store_trouble_from_the_first_failed_call(proxy, make_mount
     proxy.remove_rule(rule)
 
 
-def test_a_cold_read_that_fails_shows_in_status(proxy, make_mount):
+def _cold_reader(make_mount, *extra: str) -> tuple[Mount, bytes]:
+    """A 3 MiB file written by one mount, and a second mount with an empty cache: every read of
+    it goes to the store."""
     writer = make_mount("w").start()
     data = os.urandom(3 * MiB)
     (writer.path / "ckpt.bin").write_bytes(data)
     writer.stop()
-    reader = make_mount("r").start()  # an empty cache: every read goes to the store
-    rule = proxy.add_rule(Rule(status(503, "ServiceUnavailable", "down for maintenance"), kind="get"))
+    return make_mount("r", extra=extra).start(), data
+
+
+def _failing_read(path: Path) -> tuple[OSError, float]:
+    """The error a read of ``path`` fails with, and how long it took."""
     started = time.monotonic()
     with pytest.raises(OSError) as caught:
-        (reader.path / "ckpt.bin").read_bytes()
-    took = time.monotonic() - started
+        path.read_bytes()
+    return caught.value, time.monotonic() - started
+
+
+def test_a_cold_read_that_fails_shows_in_status(proxy, make_mount):
+    reader, data = _cold_reader(make_mount)
+    rule = proxy.add_rule(Rule(status(503, "ServiceUnavailable", "down for maintenance"), kind="get"))
+    error, took = _failing_read(reader.path / "ckpt.bin")
     print(f"\ncold read with every GET failing: EIO after {took:.1f} s ({rule.hits} GETs)")
-    assert caught.value.errno == errno.EIO
+    assert error.errno == errno.EIO
     errors = reader.status()["errors"]
     reads = [e for e in errors if e["key"] == "ckpt.bin" and e["message"].startswith("read: EIO")]
     assert reads, errors
@@ -267,18 +272,11 @@ def test_a_cold_read_with_the_store_down_fails_within_read_timeout(proxy, make_m
     """A blackholed store: the read is given up with EIO once the store has not answered for
     --read-timeout (at least the 10 s after which an unanswered call counts as trouble), not after
     the client's retries of 60 s timeouts; once the store is back the same read works."""
-    writer = make_mount("w").start()
-    data = os.urandom(3 * MiB)
-    (writer.path / "ckpt.bin").write_bytes(data)
-    writer.stop()
-    reader = make_mount("r", extra=("--read-timeout", "2")).start()
+    reader, data = _cold_reader(make_mount, "--read-timeout", "2")
     rule = proxy.add_rule(Rule(blackhole(), kind="get"))
-    started = time.monotonic()
-    with pytest.raises(OSError) as caught:
-        (reader.path / "ckpt.bin").read_bytes()
-    took = time.monotonic() - started
+    error, took = _failing_read(reader.path / "ckpt.bin")
     print(f"\ncold read with the store blackholed: EIO after {took:.1f} s")
-    assert caught.value.errno == errno.EIO
+    assert error.errno == errno.EIO
     assert took < 30
     assert any("--read-timeout" in e["message"] for e in reader.status()["errors"])
     proxy.remove_rule(rule)

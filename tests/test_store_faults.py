@@ -13,7 +13,6 @@ import time
 import pytest
 
 from tests.faultproxy import (
-    FaultProxy,
     Rule,
     blackhole,
     corrupt_request_body,
@@ -28,12 +27,6 @@ pytestmark = pytest.mark.timeout(180)
 
 PREFIX = "run"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def proxy(s3_server):
-    with FaultProxy(s3_server.endpoint) as p:
-        yield p
 
 
 @pytest.fixture
