@@ -1,11 +1,13 @@
 """One rank of a torch.distributed.checkpoint job on CPU (gloo), run by tests/test_frameworks.py.
 
-    python -m tests.frameworks_dcp save|load ROOT
+    python -m tests.frameworks_dcp ROOT
 
 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment, as torchrun sets them.
-`save` writes ROOT/dcp-sync with dcp.save and ROOT/dcp-async with dcp.async_save, a matrix
-sharded by rows (Shard(0)) across the ranks plus replicated and non-tensor state. `load` reads
-both back sharded by columns (Shard(1)), a resharding, and exits 1 unless every value is equal.
+First it writes ROOT/dcp-sync with dcp.save and ROOT/dcp-async with dcp.async_save: a matrix
+sharded by rows (Shard(0)) across the ranks plus replicated and non-tensor state; prints
+"saved". Then it waits for a line on stdin (the test remounts ROOT meanwhile), reads both back
+sharded by columns (Shard(1)), a resharding, and exits 1 unless every value is equal. (One
+process pair for both halves: starting torch.distributed twice more costs the suite seconds.)
 """
 
 from __future__ import annotations
@@ -58,16 +60,17 @@ def wait(result) -> None:
         result.upload_completion.result(timeout=120)
 
 
-def main(mode: str, root: str) -> int:
+def main(root: str) -> int:
     warnings.filterwarnings("ignore")  # DCP's notices about its own APIs, not ours to judge
     dist.init_process_group("gloo")
     try:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        if mode == "save":
-            dcp.save(sharded(expected(1), mesh, Shard(0)), checkpoint_id=os.path.join(root, "dcp-sync"))
-            wait(dcp.async_save(sharded(expected(2), mesh, Shard(0)), checkpoint_id=os.path.join(root, "dcp-async")))
-            dist.barrier()
-            return 0
+        dcp.save(sharded(expected(1), mesh, Shard(0)), checkpoint_id=os.path.join(root, "dcp-sync"))
+        wait(dcp.async_save(sharded(expected(2), mesh, Shard(0)), checkpoint_id=os.path.join(root, "dcp-async")))
+        dist.barrier()
+        print("saved", flush=True)
+        if sys.stdin.readline().strip() != "load":
+            return 2
         bad = []
         for seed, name in ((1, "dcp-sync"), (2, "dcp-async")):
             state = template(seed, mesh, Shard(1))
@@ -90,4 +93,4 @@ def main(mode: str, root: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1]))
