@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -126,8 +128,13 @@ class Ranks:
                 p.kill()
             p.wait()
 
-    def wait_saved(self) -> None:
+    def wait_saved(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
         for rank, p in enumerate(self.procs):
+            ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError(f"dcp rank {rank} did not save within {timeout} s:\n"
+                                     f"{self.logs[rank].read_text()[-3000:]}")
             if p.stdout.readline().strip() != "saved":  # "" if it died
                 self.check_exits()
 
