@@ -76,11 +76,12 @@ def main(root: str) -> int:
             state = template(seed, mesh, Shard(1))
             dcp.load(state, checkpoint_id=os.path.join(root, name))
             want = expected(seed)
-            weight = state["model"]["weight"]
-            local_want = want["model"]["weight"].chunk(dist.get_world_size(), dim=1)[dist.get_rank()]
-            if not torch.equal(weight.to_local(), local_want) or not torch.equal(weight.full_tensor(), want["model"]["weight"]):
+            weight, full = state["model"]["weight"], want["model"]["weight"]
+            local = full.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]  # this rank's columns
+            if not torch.equal(weight.to_local(), local) or not torch.equal(weight.full_tensor(), full):
                 bad.append(f"{name}: weight")
-            if not (state["model"]["bias"].dtype == torch.bfloat16 and torch.equal(state["model"]["bias"], want["model"]["bias"])):
+            bias = state["model"]["bias"]
+            if not (bias.dtype == torch.bfloat16 and torch.equal(bias, want["model"]["bias"])):
                 bad.append(f"{name}: bias")
             if state["step"] != want["step"] or state["extra"] != want["extra"]:
                 bad.append(f"{name}: step/extra {state['step']!r} {state['extra']!r}")

@@ -39,11 +39,16 @@ def store(s3_server, s3_bucket):
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
-    """No hub, no telemetry, no tokenizer threads: nothing leaves the machine."""
+    """No hub, no telemetry, no tokenizer threads: nothing leaves the machine. The environment
+    is put back afterwards (Lightning and torch set variables of their own in os.environ)."""
+    saved = dict(os.environ)
     for name, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                         "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
                         "WANDB_DISABLED": "true", "WANDB_MODE": "disabled"}.items():
         monkeypatch.setenv(name, value)
+    yield
+    for name in os.environ.keys() - saved.keys():
+        del os.environ[name]
 
 
 @contextlib.contextmanager
