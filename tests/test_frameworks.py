@@ -4,8 +4,8 @@ Each test saves with the framework's own API onto a ckptfs mount, runs `ckptfs s
 objects in the bucket (boto3 listing), then loads back through a fresh mount with an empty cache
 dir (every byte from the store) and compares bit for bit. Tiny models, few steps: the whole file
 takes about 3 minutes of wall time on 2 cores at load 8 to 12 (Swift's start included), about one
-minute of CPU. The frameworks'
-own logging and warnings are silenced inside each test only (`quiet`).
+minute of CPU. The frameworks' own logging and warnings are silenced inside each test only
+(`quiet`).
 """
 
 from __future__ import annotations
