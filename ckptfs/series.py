@@ -324,7 +324,7 @@ def _choose_restart(series: Series) -> None:
     newer; in a series with no numbers, the newest complete step by time."""
     complete = [s for s in series.steps if s.complete]
     numbered = [s for s in complete if s.number is not None]
-    best = max(numbered, key=lambda s: s.number) if numbered else None
+    best = max(numbered, key=lambda s: (s.number, s.mtime)) if numbered else None
     last = [s for s in complete if s.number is None and s.layout == "lightning"]
     if last and (best is None or max(last, key=lambda s: s.mtime).mtime > best.mtime):
         best = max(last, key=lambda s: s.mtime)
