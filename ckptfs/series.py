@@ -321,12 +321,12 @@ def _relative(directory: str, step_path: str) -> str:
 
 def _choose_restart(series: Series) -> None:
     """The newest complete numbered step; Lightning's last.ckpt instead when it is complete and
-    newer; in a series with no numbers, the newest complete step by time."""
+    no older (what Lightning itself resumes from; stores date objects to the second); in a series with no numbers, the newest complete step by time."""
     complete = [s for s in series.steps if s.complete]
     numbered = [s for s in complete if s.number is not None]
     best = max(numbered, key=lambda s: (s.number, s.mtime)) if numbered else None
     last = [s for s in complete if s.number is None and s.layout == "lightning"]
-    if last and (best is None or max(last, key=lambda s: s.mtime).mtime > best.mtime):
+    if last and (best is None or max(last, key=lambda s: s.mtime).mtime >= best.mtime):
         best = max(last, key=lambda s: s.mtime)
     if best is None and complete:
         best = max(complete, key=lambda s: s.mtime)
