@@ -33,11 +33,11 @@ class Target:
         base = redact_url(self.url or "").rstrip("/")
         return f"{base}/{path}" if path else base
 
-    def open_store(self) -> ObjectStore:
+    def open_store(self, max_connections: int = 16) -> ObjectStore:
         from ckptfs.store import open_store  # boto3 is slow to import: only for store URLs
 
         try:
-            return open_store(self.url, endpoint_url=self.endpoint_url)
+            return open_store(self.url, endpoint_url=self.endpoint_url, max_connections=max_connections)
         except StoreError as e:  # open_store does no I/O: what it rejects is the command line
             raise UsageError(str(e)) if e.errno == errno.EINVAL else e
 
