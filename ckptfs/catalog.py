@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ckptfs import control, integrity
 from ckptfs.catalog_handler import describe
 from ckptfs.config import ckptfs_mounts
-from ckptfs.errors import CkptfsError, UsageError
+from ckptfs.errors import CkptfsError
 from ckptfs.namespace import RESERVED_PREFIX
 from ckptfs.series import Decision, Entry, Series, Step, analyse, plan_gc
 from ckptfs.store.base import ObjectStore, StoreError
@@ -316,4 +316,4 @@ def _parallel(fn: Callable[[str], None], items: list[str], relative_to: str | No
     return failures
 
 
-__all__ = ["Checkpoints", "GcResult", "Listed", "UsageError", "catalog", "checkpoints", "gc", "ls"]
+__all__ = ["Checkpoints", "GcResult", "Listed", "catalog", "checkpoints", "gc", "ls"]

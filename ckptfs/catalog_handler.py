@@ -9,6 +9,7 @@ import trio
 from ckptfs.errors import CkptfsError, FsError
 
 CHECKSUM_LOOKUPS = 16  # HEADs (and manifest GETs) in flight for checksums=true
+YIELD_EVERY = 2000  # nodes walked between yields to the FUSE loop (a huge tree must not stall it)
 
 
 async def handle(namespace, request: dict, progress) -> dict:
@@ -21,13 +22,17 @@ async def handle(namespace, request: dict, progress) -> dict:
         if node is None:
             raise CkptfsError(f"no such file or directory on the mount: {path}")
     entries, files = [], []
-    for n in node.walk():
-        if n is namespace.root:
+    for count, n in enumerate(node.walk(), 1):
+        if count % YIELD_EVERY == 0:
+            await trio.lowlevel.checkpoint()  # (walk copies each child list: changes meanwhile are safe)
+        if n is namespace.root or n.unlinked:
             continue
-        key = n.key()
-        entry = {"path": key.rstrip("/"), "dir": n.is_dir, "size": n.size(), "mtime": n.mtime_ns / 1e9}
+        entry = {"path": n.key().rstrip("/"), "dir": n.is_dir, "size": n.size(), "mtime": n.mtime_ns / 1e9}
         if not n.is_dir:
-            entry["state"] = namespace.state(n.ino)
+            try:
+                entry["state"] = namespace.state(n.ino)
+            except FsError:
+                continue  # forgotten while we yielded
             files.append((n.ino, entry))
         entries.append(entry)
     if request.get("checksums"):

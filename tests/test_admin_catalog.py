@@ -280,6 +280,16 @@ def test_errors_are_one_line_and_a_non_zero_exit(store, mount_factory, tmp_path)
                    "--endpoint-url applies to a store URL")
 
 
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_another_users_mount_is_permission_denied(store, mount_factory, other_user):
+    m = mount_factory().start()
+    write(m.path, {"step-1/x.pt": b"x"})
+    for command in (["ls"], ["checkpoints"], ["gc", "--keep-last", "0"]):
+        done = other_user.ckptfs(command[0], str(m.path), *command[1:])
+        one_line_error(done, 1, "permission denied")
+    assert (m.path / "step-1" / "x.pt").exists()
+
+
 def test_a_missing_bucket_is_one_line(s3_server):
     done = ckptfs("checkpoints", "s3://no-such-bucket-ckptfs-catalog", "--endpoint-url", s3_server.endpoint, check=False)
     one_line_error(done, 1, "no-such-bucket-ckptfs-catalog")
