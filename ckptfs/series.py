@@ -183,7 +183,8 @@ def analyse(entries: Iterable[Entry], read: Reader) -> list[Series]:
     series = []
     for directory, members in sorted(by_dir.items()):
         members.sort(key=lambda s: (s.number is None, s.number if s.number is not None else 0, s.mtime, s.name))
-        layouts = sorted({s.layout for s in members})
+        layouts = sorted({s.layout for s in members} | ({"dcp"} if any(  # (DCP inside numbered steps)
+            posixpath.basename(e.path) == DCP_METADATA for s in members for e in s.entries) else set()))
         one = Series(directory, "+".join(layouts), members)
         one.pointers = _pointers(directory, members, files, read)
         for step in members:

@@ -51,9 +51,7 @@ def resolve(spec: str, endpoint_url: str | None = None) -> Target:
     if not spec or not spec.strip():
         raise UsageError("empty STORE_URL or MOUNTPOINT")
     if is_url(spec):
-        target = Target(spec, url=spec, endpoint_url=endpoint_url)
-        target.open_store().close()  # checks the URL's form (no I/O)
-        return target
+        return Target(spec, url=spec, endpoint_url=endpoint_url)  # (its form is checked when opened)
     if endpoint_url is not None:
         raise UsageError("--endpoint-url applies to a store URL, not to a mount (the mount has its own)")
     mounts = ckptfs_mounts()
