@@ -299,3 +299,15 @@ def test_help_of_each_command():
     for command in ("ls", "checkpoints", "gc"):
         done = ckptfs(command, "--help")
         assert "STORE_URL|MOUNTPOINT" in done.stdout and "--json" in done.stdout
+
+
+def test_ls_shows_the_recorded_xxh3_of_a_one_put_file_too_large_to_check_per_read(tmp_path, monkeypatch):
+    from ckptfs import catalog, integrity
+    from ckptfs.store.local import LocalStore
+    from ckptfs.target import resolve
+
+    data = b"w" * 1000
+    LocalStore(tmp_path / "store").put("big.pt", data, {integrity.XXH3_META: xxhash.xxh3_64_hexdigest(data)})
+    monkeypatch.setattr(integrity, "WHOLE_FILE_CHECK_MAX", 100)  # reads of it go unchecked: it is recorded all the same
+    [listed] = catalog.ls(resolve(f"file://{tmp_path / 'store'}"))
+    assert listed.checksum == f"xxh3:{xxhash.xxh3_64_hexdigest(data)}"
