@@ -9,6 +9,7 @@ listing and hand them back to the uploader.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -23,7 +24,7 @@ import humanfriendly
 import pyfuse3
 import trio
 
-from . import clean_index, control, limits, private
+from . import catalog_handler, clean_index, control, limits, private
 from .background import BackgroundThreads
 from .cache import RAM, Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path, mount_table
@@ -294,6 +295,7 @@ class Daemon:
                 "sync": self._sync,
                 "warmup": self._warmup,
                 "umount": self._umount,
+                "catalog": functools.partial(catalog_handler.handle, self.namespace),
             })
             await nursery.start(server.serve)
             nursery.start_soon(self._watch_signals)
