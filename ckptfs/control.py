@@ -333,6 +333,8 @@ def call_socket(
                 if not chunk:
                     raise ControlError(f"the ckptfs daemon at {name} closed the connection without an answer (see its log)")
                 buf += chunk
+        except TimedOut:
+            raise  # the daemon's own answer (a TimeoutError too)
         except TimeoutError:
             raise ControlError(f"no answer from the ckptfs daemon at {name} within {timeout:g} s") from None
         except (ConnectionResetError, BrokenPipeError):

@@ -26,7 +26,7 @@ from .errors import MountError
 
 log = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT_S = 10.0  # a scrape must send its request and take its answer within this
+REQUEST_TIMEOUT_S = 5.0  # a scrape must send its request and take its answer within this
 
 
 class FiguresCollector:
