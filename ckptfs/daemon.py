@@ -179,7 +179,10 @@ class Daemon:
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
         # default_permissions (in pyfuse3's defaults): the kernel checks every access against the
         # modes, so other users, when allowed in at all, reach only what the modes let them.
-        options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
+        # The source in the mount table is the store URL, as an fstab line names it: `mount -a`
+        # then knows the line is mounted already (libfuse splits options at unescaped commas).
+        fsname = self.store.url.replace("\\", "\\\\").replace(",", "\\,")
+        options = set(pyfuse3.default_options) | {f"fsname={fsname}", "subtype=ckptfs"}
         if self.config.allow_other:
             options.add("allow_other")
         try:
