@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import shutil
 import signal
@@ -130,6 +131,11 @@ def test_metrics_endpoint_counts_what_the_mount_did(make_mount, proxy, bucket_re
     assert s.families["ckptfs_written_bytes"].type == "counter"
     for name, data in files.items():
         assert bucket_read(name) == data
+    # Every series the Grafana dashboard queries is one the endpoint serves.
+    dashboard = (Path(__file__).resolve().parent.parent / "docs" / "grafana-ckptfs.json").read_text()
+    queried = set(re.findall(r"ckptfs_[a-z_]+", dashboard)) - {"ckptfs"}
+    served = {name for name, _ in s.samples}
+    assert queried and queried <= served, queried - served
 
     st = m.status()
     assert st["latest_checkpoint"] == "step-100/" and st["retries"]["upload"] >= 1
