@@ -123,6 +123,9 @@ def test_the_helper_called_as_mount8_calls_it(place, bin_dir, bucket_read):
     if shutil.which("ckptfs", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin") is None:
         assert done.returncode == 1 and done.stderr.startswith("mount.ckptfs: no ckptfs command in"), done.stderr
         assert len(done.stderr.splitlines()) == 1
+    done = subprocess.run([sys.executable, str(HELPER), place.source, str(place.mountpoint)],
+                          env={**env, "CKPTFS_COMMAND": "/nonexistent/ckptfs"}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr == "mount.ckptfs: cannot run /nonexistent/ckptfs: No such file or directory\n"
 
 
 @pytest.fixture
