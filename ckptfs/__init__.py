@@ -1,0 +1,20 @@
+"""ckptfs: a FUSE filesystem for AI training checkpoints.
+
+The Python API for training scripts (see docs/admin.md, "Python API"); importing ckptfs loads
+none of the daemon's libraries (no boto3, no pyfuse3).
+"""
+
+from .api import NotACkptfsMount, SyncResult, mount_of, state, sync, wait_durable
+from .errors import CkptfsError, TimedOut
+
+__all__ = ["CkptfsError", "NotACkptfsMount", "SyncResult", "TimedOut", "checkpoints", "mount_of", "state", "sync",
+           "wait_durable"]
+
+
+def __getattr__(name: str):
+    # ckptfs.checkpoints(url_or_mountpoint): the checkpoint series (ckptfs/catalog.py), loaded on
+    # first use: the catalog reads stores, which `import ckptfs` alone must not pull in.
+    if name == "checkpoints":
+        from .catalog import checkpoints
+        return checkpoints
+    raise AttributeError(f"module 'ckptfs' has no attribute {name!r}")

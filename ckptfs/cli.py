@@ -33,6 +33,8 @@ READY_TIMEOUT_S = 60.0  # how long `mount` waits for the detached daemon to serv
 UNMOUNT_WAIT_S = 60.0  # how long `umount` waits for the mount and the daemon to go
 UMOUNT_TIMEOUT_S = 300.0  # how long `umount` waits for uploads to drain (--timeout)
 PROGRESS_LINE_S = 10.0  # not on a terminal: a progress line this often
+WATCH_INTERVAL_S = 2.0  # status --watch
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, clear: what top and watch(1) do
 LOG_LEVELS = logs.LEVELS
 
 
@@ -90,6 +92,19 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
+
+
+def _interval(text: str) -> float:
+    value = _seconds(text)
+    if value < 0.1:
+        raise argparse.ArgumentTypeError(f"{text!r}: refresh at most ten times a second (0.1 or more)")
+    return value
+
+
 def _umask(text: str) -> int:
     try:
         value = int(text, 8)
@@ -137,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-ram-cache", action="store_true",
                    help="leave the RAM tier in the shm dir at a clean umount (default: removed; the disk tier is kept)")
     p.add_argument("--foreground", action="store_true", help="serve in this process, logging to stderr")
+    p.add_argument("--metrics-port", type=_port, metavar="PORT",
+                   help="serve Prometheus metrics on this TCP port (0: any free port; see 'ckptfs status')")
+    p.add_argument("--metrics-addr", metavar="ADDR", help="address the metrics listen on (default 127.0.0.1)")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default {MountConfig.log_level}); only TRACE "
                         "adds the S3 libraries' lines, redacted: credentials, signatures and data never reach the log")
@@ -147,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     p.add_argument("paths", nargs="*", metavar="PATH", help="files or directories to wait for (default: everything)")
     p.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 1)")
+    p.add_argument("--json", action="store_true", help="print what became durable as JSON on stdout")
     p.set_defaults(func=cmd_sync)
 
     p = sub.add_parser("warmup", help="prefetch files or directories (recursively) into the cache",
@@ -161,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="cache use, pending uploads, errors")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     p.add_argument("--json", action="store_true", help="print the daemon's status as JSON")
+    p.add_argument("--watch", type=_interval, nargs="?", const=WATCH_INTERVAL_S, metavar="SECONDS",
+                   help=f"refresh in place every SECONDS (default {WATCH_INTERVAL_S:g}) until Ctrl-C; "
+                        "with --json: one JSON object per line")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("umount", help="drain uploads (with progress), then unmount")
@@ -223,6 +245,8 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
     for name, value in (("MOUNTPOINT", args.mountpoint), ("--cache-dir", args.cache_dir), ("--shm-dir", args.shm_dir)):
         if value is not None and not value.strip():  # an unset shell variable: not "the current directory"
             raise UsageError(f"{name} is empty")
+    if args.metrics_addr is not None and args.metrics_port is None:
+        raise UsageError("--metrics-addr needs --metrics-port")
     mountpoint = os.path.realpath(args.mountpoint)
     options = {
         "ram_cache": args.ram_cache,
@@ -235,6 +259,8 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
         "umask": args.umask,
         "log_level": args.log_level,
+        "metrics_port": args.metrics_port,
+        "metrics_addr": args.metrics_addr,
     }
     config = MountConfig(
         mountpoint=mountpoint,
@@ -336,6 +362,8 @@ def daemon_argv(config: MountConfig) -> list[str]:
     argv += ["--allow-other"] * config.allow_other + ["--keep-ram-cache"] * config.keep_ram_cache
     if config.endpoint_url:
         argv += ["--endpoint-url", config.endpoint_url]
+    if config.metrics_port is not None:
+        argv += ["--metrics-port", str(config.metrics_port), "--metrics-addr", config.metrics_addr]
     return argv
 
 
@@ -394,6 +422,8 @@ def read_ready(fd: int, timeout: float) -> str | None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     mountpoint = _mountpoint(args.mountpoint)
+    if args.watch is not None:
+        return _watch_status(mountpoint, args.watch, args.json)
     status = _call(mountpoint, "status", timeout=30)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
@@ -402,17 +432,44 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch_status(mountpoint: str, interval: float, as_json: bool) -> int:
+    """Status every ``interval`` seconds until Ctrl-C: redrawn in place on a terminal (like
+    top), one block per refresh otherwise; JSON: one object per line."""
+    redraw = sys.stdout.isatty() and not as_json
+    try:
+        while True:
+            status = _call(mountpoint, "status", timeout=30)
+            if as_json:
+                text = json.dumps(status, sort_keys=True)
+            else:
+                stamp = time.strftime("%H:%M:%S")
+                text = f"ckptfs status {mountpoint}  (every {interval:g} s, {stamp}; Ctrl-C to quit)\n\n"
+                text += format_status(status) + ("" if redraw else "\n")
+            print((CLEAR_SCREEN if redraw else "") + text, flush=True)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     mountpoint = _mountpoint(args.mountpoint)
     paths = _relative_paths(mountpoint, args.paths)
     bar = ProgressBar("sync")
     try:
         # The daemon enforces the timeout; ours only guards against a hung daemon.
-        _call(mountpoint, "sync", {"paths": paths, "timeout": args.timeout}, on_progress=bar,
-              timeout=None if args.timeout is None else args.timeout + 30)
+        result = _call(mountpoint, "sync", {"paths": paths, "timeout": args.timeout}, on_progress=bar,
+                       timeout=None if args.timeout is None else args.timeout + 30)
     finally:
         bar.close()
-    print(f"ckptfs: durable ({bar.summary() or 'nothing was pending'})", file=sys.stderr)
+    if args.json:  # (older daemons answer only durable_up_to)
+        print(json.dumps({k: result.get(k) for k in ("files", "bytes", "seconds", "durable_up_to")}, sort_keys=True))
+        return 0
+    if result.get("files") is not None:
+        files = result["files"]
+        done = f"{files} file{'' if files == 1 else 's'}, {_fmt(result.get('bytes'))} in {result.get('seconds', 0):.2f} s"
+        print(f"ckptfs: durable ({done if files else 'nothing was pending'})", file=sys.stderr)
+    else:
+        print(f"ckptfs: durable ({bar.summary() or 'nothing was pending'})", file=sys.stderr)
     return 0
 
 
@@ -612,7 +669,15 @@ class ProgressBar:
 
 
 _STATUS_KEYS = {"mountpoint", "store", "cache_dir", "pid", "uptime_s", "part_size", "ram", "disk", "clean_bytes",
-                "pending", "uploading", "uploaded_bytes", "durable_files", "errors"}
+                "pending", "uploading", "uploaded_bytes", "durable_files", "errors", "upload_rate_bytes_per_s",
+                "oldest_pending_s", "training_at_risk_s", "retries", "latest_checkpoint", "metrics_url",
+                "written_bytes", "committed_bytes"}
+
+
+def _seconds_ago(value: object) -> str | None:
+    if not isinstance(value, (int, float)):
+        return None
+    return "0 s" if value <= 0 else humanfriendly.format_timespan(value, max_units=2)
 
 
 def _uploading(parts: object, nbytes: object) -> str:
@@ -648,8 +713,17 @@ def format_status(s: dict) -> str:
         ("clean (cached)", _fmt(s["clean_bytes"]) if "clean_bytes" in s else None),
         ("pending upload", f"{get('pending', 'files')} files, {_fmt(get('pending', 'bytes'))}" if "pending" in s else None),
         ("uploading", _uploading(get("uploading", "parts_in_flight"), get("uploading", "bytes_in_flight")) if "uploading" in s else None),
+        ("oldest pending", _seconds_ago(s.get("oldest_pending_s"))),
+        ("training at risk", _seconds_ago(s.get("training_at_risk_s"))),
+        ("upload rate", f"{_fmt(s['upload_rate_bytes_per_s'])}/s" if "upload_rate_bytes_per_s" in s else None),
         ("uploaded", _fmt(s["uploaded_bytes"]) if "uploaded_bytes" in s else None),
+        ("written", _fmt(s["written_bytes"]) if "written_bytes" in s else None),
+        ("committed", _fmt(s["committed_bytes"]) if "committed_bytes" in s else None),
         ("durable files", get("durable_files")),
+        ("retries", ", ".join(f"{k} {v}" for k, v in s["retries"].items()) if isinstance(s.get("retries"), dict) else None),
+        ("latest checkpoint", (s["latest_checkpoint"] + " (pinned in the cache)") if s.get("latest_checkpoint") else
+         ("none seen" if "latest_checkpoint" in s else None)),
+        ("metrics", get("metrics_url")),
     ]:
         if value is not None:
             rows.append((label, str(value)))
@@ -663,7 +737,7 @@ def format_status(s: dict) -> str:
         rows.append(("errors", str(len(errors)) if errors else "none"))
     width = max((len(label) for label, _ in rows), default=0)
     lines = [f"{label + ':':<{width + 1}} {value}" for label, value in rows]
-    for e in (errors or [])[-10:] if isinstance(errors, list) else []:
+    for e in (errors or [])[-10:] if isinstance(errors, list) else []:  # the last ones: key and reason
         e = e if isinstance(e, dict) else {"message": e}
         when = e.get("time")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else str(when or "")

@@ -68,6 +68,8 @@ class MountConfig:
     keep_ram_cache: bool = False  # a clean umount leaves the RAM arena (else it is removed)
     log_level: str = "INFO"
     foreground: bool = False
+    metrics_port: int | None = None  # Prometheus endpoint (metrics.py); None: none; 0: a free port
+    metrics_addr: str = "127.0.0.1"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

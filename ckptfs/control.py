@@ -39,7 +39,7 @@ import trio
 
 from ckptfs import private
 from ckptfs.config import control_socket_path, mount_owner
-from ckptfs.errors import CkptfsError, ControlError, MountError
+from ckptfs.errors import CkptfsError, ControlError, MountError, TimedOut
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ class ControlServer:
                 result = await handler(request, progress)
                 reply = _encode({"result": {} if result is None else result})
             except CkptfsError as e:
-                reply = _encode({"error": _one_line(str(e)) or type(e).__name__})
+                timed_out = {"timed_out": True} if isinstance(e, TimedOut) else {}  # (a client raises TimedOut)
+                reply = _encode({"error": _one_line(str(e)) or type(e).__name__, **timed_out})
             except Exception as e:
                 log.exception("control: command %r failed", cmd)
                 reply = _encode({"error": f"internal error in {cmd!r} ({type(e).__name__}); see the daemon log"})
@@ -325,13 +326,15 @@ def call_socket(
                     elif "result" in message:
                         return message["result"]
                     elif "error" in message:
-                        raise ControlError(str(message["error"]))
+                        raise (TimedOut if message.get("timed_out") else ControlError)(str(message["error"]))
                 if deadline is not None:
                     sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 chunk = sock.recv(65536)
                 if not chunk:
                     raise ControlError(f"the ckptfs daemon at {name} closed the connection without an answer (see its log)")
                 buf += chunk
+        except TimedOut:
+            raise  # the daemon's own answer (a TimeoutError too)
         except TimeoutError:
             raise ControlError(f"no answer from the ckptfs daemon at {name} within {timeout:g} s") from None
         except (ConnectionResetError, BrokenPipeError):

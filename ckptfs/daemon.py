@@ -28,7 +28,7 @@ from . import catalog_handler, clean_index, control, limits, private
 from .background import BackgroundThreads
 from .cache import RAM, Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path, mount_table
-from .errors import CkptfsError, FsError, MountError
+from .errors import CkptfsError, FsError, MountError, TimedOut
 from .fetcher import Fetcher
 from .fuse_ops import Operations
 from .health import StoreHealth, describe
@@ -122,8 +122,17 @@ class Daemon:
         self.cache_dir = Path(config.cache_dir).expanduser().resolve()
         self.started = time.time()
         self.stop_requested: trio.Event | None = None  # made inside trio.run
+        self.trio_token: trio.lowlevel.TrioToken | None = None  # while serving: for the metrics thread
+        self.metrics = None  # metrics.MetricsServer with --metrics-port
 
     def run(self, on_ready: Callable[[], None]) -> None:
+        self._start_metrics()  # first: a port taken fails the mount before anything is made
+        try:
+            self._run(on_ready)
+        finally:
+            self._stop_metrics()
+
+    def _run(self, on_ready: Callable[[], None]) -> None:
         self._prepare_mountpoint()
         check_mount_paths(self.config)
         given = Path(self.config.cache_dir).expanduser()
@@ -171,7 +180,10 @@ class Daemon:
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
         # default_permissions (in pyfuse3's defaults): the kernel checks every access against the
         # modes, so other users, when allowed in at all, reach only what the modes let them.
-        options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
+        # The source in the mount table is the store URL, as an fstab line names it: `mount -a`
+        # then knows the line is mounted already (libfuse splits options at unescaped commas).
+        fsname = self.store.url.replace("\\", "\\\\").replace(",", "\\,")
+        options = set(pyfuse3.default_options) | {f"fsname={fsname}", "subtype=ckptfs"}
         if self.config.allow_other:
             options.add("allow_other")
         try:
@@ -277,8 +289,59 @@ class Daemon:
         log.info("kept %d cached files (%s) for the next mount (%.1f s)", len(entries),
                  sum(len([b for b in e.blocks if b]) for e in entries) * self.cache.block_size, time.monotonic() - started)
 
+    def _start_metrics(self) -> None:
+        if self.config.metrics_port is None:
+            return
+        from .metrics import MetricsServer  # (prometheus_client: only when asked for)
+
+        self.metrics = MetricsServer(self.config.metrics_addr, self.config.metrics_port, self._figures_from_thread)
+        self.metrics.start()
+
+    def _stop_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+    def _figures_from_thread(self) -> dict | None:
+        """The figures, taken on the trio loop (its dicts change there); None when not serving."""
+        token = self.trio_token
+        if token is None:
+            return None
+        try:
+            return trio.from_thread.run_sync(self._figures, trio_token=token)
+        except (trio.RunFinishedError, trio.Cancelled):
+            return None
+
+    def _figures(self) -> dict:
+        """Live figures for status and the metrics (on the trio loop)."""
+        up, usage, health = self.uploader, self.cache.usage(), self.health.status()
+        files, size = up.pending_files_and_size()
+        return {
+            "written_bytes": self.ops.written_bytes,
+            "committed_bytes": up.committed_bytes,
+            "uploaded_bytes": up.uploaded_bytes,
+            "fetched_bytes": self.fetcher.fetched_bytes,
+            "durable_files": up.durable_files,
+            "pending_files": files,
+            "pending_size": size,
+            "pending_bytes": up.pending_bytes(),
+            "upload_rate": up.upload_rate.rate(),
+            "oldest_pending_s": up.oldest_pending_age(),
+            "at_risk_s": up.at_risk_seconds(),
+            "cache": {"ram": usage["ram"], "disk": usage["disk"]},
+            "clean_bytes": usage["clean_bytes"],
+            "upload_latency": up.call_latency.snapshot(),
+            "fetch_latency": self.fetcher.get_latency.snapshot(),
+            "save_stall": self.ops.save_stall.snapshot(),
+            "retries": {"upload": up.retries, "fetch": self.fetcher.retries,
+                        "integrity": self.fetcher.integrity_retries},
+            "errors": self.health.failures.snapshot(),
+            "store_up": 1 if health.get("state") == "ok" else 0,
+        }
+
     async def _serve(self, pending, open_uploads, listing, clean, on_ready) -> None:
         self.stop_requested = trio.Event()
+        self.trio_token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             await nursery.start(self.uploader.run, open_uploads)
             await nursery.start(self.fetcher.run)
@@ -301,7 +364,10 @@ class Daemon:
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._when_serving, on_ready)
             nursery.start_soon(self._stopper)
-            await pyfuse3.main()
+            try:
+                await pyfuse3.main()
+            finally:
+                self.trio_token = None  # the metrics thread stops asking the loop
             # Shutdown: store calls in flight are abandoned, not awaited (a dead store would hold
             # the mount for minutes); pending work stays in the journal (docs/architecture.md).
             self.uploader.abandon_calls()
@@ -332,6 +398,7 @@ class Daemon:
     async def _status(self, request: dict, progress) -> dict:
         usage = self.cache.usage()
         up = self.uploader
+        f = self._figures()
         return {
             "mountpoint": self.mountpoint,
             "store": self.store.url,
@@ -356,6 +423,14 @@ class Daemon:
             "integrity_errors": list(self.fetcher.integrity_errors),
             "integrity_retries": self.fetcher.integrity_retries,
             "unverified_reads": self.fetcher.unverified_reads,
+            "written_bytes": f["written_bytes"],
+            "committed_bytes": f["committed_bytes"],
+            "upload_rate_bytes_per_s": round(f["upload_rate"]),
+            "oldest_pending_s": round(f["oldest_pending_s"], 1),
+            "training_at_risk_s": round(f["at_risk_s"], 1),
+            "retries": f["retries"],
+            "latest_checkpoint": self.namespace.checkpoint_dir or None,  # pinned: evicted last
+            "metrics_url": self.metrics.url if self.metrics is not None else None,
             **self.namespace.status(),
         }
 
@@ -365,13 +440,17 @@ class Daemon:
         except FsError as exc:
             raise CkptfsError(str(exc)) from None
         timeout = request.get("timeout")
+        started = time.monotonic()
+        files, size = self.uploader.pending_files_and_size(target)  # what this sync makes durable
         with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
             await self._drain(target, progress)
         if scope.cancelled_caught:
             up = self.uploader
-            raise CkptfsError(f"timed out after {timeout:g} s: {up.pending_count(target)} operations "
-                              f"({up.pending_bytes(target)} bytes) not yet in the store")
-        return {"durable_up_to": target}
+            raise TimedOut(f"timed out after {timeout:g} s: {up.pending_count(target)} operations "
+                           f"({up.pending_bytes(target)} bytes) not yet in the store "
+                           f"(store: {describe(self.health.status())}); nothing is lost, they stay pending")
+        return {"durable_up_to": target, "files": files, "bytes": size,
+                "seconds": round(time.monotonic() - started, 3)}
 
     async def _warmup(self, request: dict, progress) -> dict:
         """Fetch the files at or under ``paths`` into the cache, reporting progress."""
@@ -402,7 +481,7 @@ class Daemon:
         if scope.cancelled_caught:
             cached, total = (humanfriendly.format_size(last.get(key, 0), binary=True)
                              for key in ("done_bytes", "total_bytes"))
-            raise CkptfsError(f"timed out after {timeout:g} s: {cached} of {total} cached")
+            raise TimedOut(f"timed out after {timeout:g} s: {cached} of {total} cached")
         return {**result, "seconds": round(time.monotonic() - started, 3)}
 
     async def _umount(self, request: dict, progress) -> dict:
@@ -413,7 +492,7 @@ class Daemon:
             if scope.cancelled_caught:  # the mount stays: the caller decides whether to leave anyway
                 up = self.uploader
                 store = describe(self.health.status())
-                raise CkptfsError(
+                raise TimedOut(
                     f"gave up after {timeout:g} s: {up.pending_count(target)} files "
                     f"({humanfriendly.format_size(up.pending_bytes(target), binary=True)}) not yet in the store "
                     f"(store: {store}); {self.mountpoint} stays mounted. To unmount now: "

@@ -31,6 +31,11 @@ class ControlError(CkptfsError):
     """The admin channel to a running daemon failed, or the daemon refused a request."""
 
 
+class TimedOut(ControlError, TimeoutError):
+    """A daemon command gave up after the timeout it was given (sync, warmup, umount): nothing
+    is lost, what was pending stays pending."""
+
+
 class FsError(Exception):
     """A filesystem-domain error; ``fuse_ops`` turns it into ``FUSEError(errno)``."""
 

@@ -31,6 +31,7 @@ from .cache import Cache, Content, in_pages
 from .errors import FsError
 from .health import StoreHealth
 from .integrity import Checksums, IntegrityError
+from .stats import LATENCY_BUCKETS, Histogram
 from .store.base import NotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class Fetcher:
         self.bodies = trio.Semaphore(concurrency)
         self.inflight: dict[tuple[int, int], trio.Event] = {}
         self.fetched_bytes = 0
+        self.get_latency = Histogram(LATENCY_BUCKETS)  # each ranged GET that answered
+        self.retries = 0  # GETs tried again after a transient failure
         self.read_ahead = concurrency  # blocks fetched ahead of a sequential reader
         self.nursery: trio.Nursery | None = None
         self.health = StoreHealth()  # the daemon shares one with the uploader and the namespace
@@ -258,12 +261,15 @@ class Fetcher:
         for attempt in range(1, READ_ATTEMPTS + 1):
             key = content.key
             try:
+                started = time.monotonic()
                 data, metadata = await self._get_range(content, start, length)
+                self.get_latency.observe(time.monotonic() - started)
             except StoreError as exc:
                 if not exc.transient or attempt == READ_ATTEMPTS:
                     log.error("read of %s failed: %s", key, exc)
                     self.health.failed("read", key, f"{_errno_name(exc.errno)}: {exc}")
                     raise FsError(exc.errno, str(exc)) from exc
+                self.retries += 1
                 await trio.sleep(min(0.2 * 2 ** attempt, 5) * random.random())  # jittered backoff
                 continue
             if len(data) == length:

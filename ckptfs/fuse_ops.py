@@ -12,12 +12,14 @@ import errno
 import functools
 import logging
 import os
+import time
 
 import pyfuse3
 
 from .errors import FsError
 from .namespace import Attr, Namespace
 from .openers import Openers
+from .stats import STALL_BUCKETS, Histogram
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,11 @@ class Operations(pyfuse3.Operations):
         # path walk reaches our lookup (which refreshes from the store) at least that often.
         ttl = namespace.list_ttl
         self.entry_timeout = ENTRY_TIMEOUT if ttl is None else min(ENTRY_TIMEOUT, ttl)
+        # The save stall as the daemon sees it: open to the committing close of each file written.
+        self.written_bytes = 0
+        self.save_stall = Histogram(STALL_BUCKETS)
+        self._opened_at: dict[int, float] = {}  # writable handles, by fh
+        self._wrote: set[int] = set()
 
     def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()
@@ -180,6 +187,7 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         handle, attr = self.ns.create(parent_inode, _name(name), mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
         self.openers.opened(handle.fh, attr.ino, ctx.pid, flags)
+        self._opened_at[handle.fh] = time.monotonic()
         # direct_io: the kernel hands large writes straight to us (1 MiB requests)
         # instead of splitting them through its page cache (docs/machine-facts.md).
         return pyfuse3.FileInfo(fh=handle.fh, direct_io=True), self._entry(attr)
@@ -188,6 +196,8 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         handle, keep_cache, direct_io = await self.ns.open(inode, flags)
         self.openers.opened(handle.fh, inode, ctx.pid, flags)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            self._opened_at[handle.fh] = time.monotonic()
         return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_io, keep_cache=keep_cache)
 
     @_errno_boundary
@@ -196,18 +206,33 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def write(self, fh, off, buf):
-        return await self.ns.write(fh, off, buf)
+        written = await self.ns.write(fh, off, buf)
+        self.written_bytes += written
+        self._wrote.add(fh)
+        return written
 
     @_errno_boundary
     async def flush(self, fh):
         # Every close of a descriptor sends FLUSH, a forked child's too: commit only at the
         # close after which the opening process holds the file no more (openers.py).
-        self.ns.flush(fh, commit=await self.openers.opener_closed(fh))
+        commit = await self.openers.opener_closed(fh)
+        self.ns.flush(fh, commit=commit)
+        if commit:
+            self._saved(fh)
 
     @_errno_boundary
     async def release(self, fh):
         self.openers.released(fh)
-        self.ns.release(fh)  # commits a handle still dirty (its opener's close was not seen)
+        try:
+            self.ns.release(fh)  # commits a handle still dirty (its opener's close was not seen)
+        finally:
+            self._saved(fh)
+
+    def _saved(self, fh: int) -> None:
+        opened = self._opened_at.pop(fh, None)
+        if fh in self._wrote and opened is not None:
+            self.save_stall.observe(time.monotonic() - opened)
+        self._wrote.discard(fh)
 
     @_errno_boundary
     async def fsync(self, fh, datasync):

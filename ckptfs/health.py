@@ -18,6 +18,8 @@ import threading
 import time
 from collections import deque
 
+from .stats import EventCounts
+
 log = logging.getLogger(__name__)
 
 STALL_S = 10.0  # an attempt unanswered this long means trouble (a healthy store answers far sooner)
@@ -34,6 +36,7 @@ class StoreHealth:
         self.reachable: bool | None = None  # what the last failed attempt said about the endpoint
         self._attempts: dict[int, tuple[float, float, str, str]] = {}  # token -> (monotonic, wall, op, key)
         self._next_token = 0
+        self.failures = EventCounts()  # by kind (see failure_kind), for the metrics
 
     # -- reports (any thread) ----------------------------------------------------------------
     def attempt_started(self, op: str, key: str) -> int:
@@ -50,6 +53,7 @@ class StoreHealth:
         """A store call (or one attempt of it) failed: the store is in trouble from now on.
         ``reachable``: whether the store answered (with an error) or not at all (refused, reset,
         timed out); None when the caller cannot tell (the state keeps what attempts said)."""
+        self.failures.add(failure_kind(op, key, reachable))
         now = time.time()
         event = {"time": now, "key": key, "message": f"{op}: {reason}" if op else reason}
         with self._lock:
@@ -113,6 +117,17 @@ class StoreHealth:
                 return {"state": "not answering", "since": wall,
                         "reason": f"{op} {key}: no answer for {time.time() - wall:.0f} s", "waiting_calls": waiting}
             return {"state": "ok", "since": None, "reason": "", "waiting_calls": waiting}
+
+
+def failure_kind(op: str, key: str, reachable: bool | None) -> str:
+    """What failed, for counting: an S3 HTTP attempt that got no answer ("unreachable") or an
+    error answer ("server"); a read that failed with EIO ("read"); an uploader call that will
+    be retried ("upload", every store); a lookup the store did not answer ("lookup")."""
+    if reachable is not None:
+        return "unreachable" if reachable is False and op else "server" if op else "lookup"
+    if op == "read":
+        return "read"
+    return "upload" if key else "lookup"
 
 
 def describe(state: dict) -> str:

@@ -48,6 +48,7 @@ from . import integrity
 from .background import BackgroundThreads, Gate
 from .cache import BlockRef, Cache, Content
 from .health import StoreHealth
+from .stats import LATENCY_BUCKETS, Histogram, RateMeter
 from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
 from .store.base import MAX_PARTS, NotFound, ObjectStore, PartInfo, StoreError
 
@@ -158,6 +159,7 @@ class Task:
         self.stream: Stream | None = None
         self.stamps: list[int] = []  # the staged file's block change stamps at commit
         self.completed = False  # found already complete (a restart after the completion)
+        self.submitted = time.monotonic()  # committed (or resumed at mount): its pending age
 
     @property
     def multipart(self) -> bool:
@@ -187,11 +189,25 @@ class Uploader:
         self.new_work = trio.Event()
         self.errors: deque[dict] = deque(maxlen=20)
         self._logged_errors: set[tuple[str, str]] = set()
-        self.uploaded_bytes = 0
+        self._uploaded_bytes = 0
+        self.upload_rate = RateMeter()  # recent bytes/s, fed by uploaded_bytes
         self.streamed_bytes = 0
+        self.committed_bytes = 0  # put ops submitted (commits, and those resumed at mount)
+        self.retries = 0  # failed store calls retried
+        self.call_latency = Histogram(LATENCY_BUCKETS)  # each store call attempt, failed ones too
+        self.clear_since = time.monotonic()  # the last moment nothing committed was pending
         self.durable_files = 0
         self.nursery: trio.Nursery | None = None
         self.retained_ops: Callable[[], list[Op]] = list  # ops the journal keeps besides pending ones
+
+    @property
+    def uploaded_bytes(self) -> int:
+        return self._uploaded_bytes
+
+    @uploaded_bytes.setter
+    def uploaded_bytes(self, value: int) -> None:
+        self.upload_rate.add(value - self._uploaded_bytes)
+        self._uploaded_bytes = value
 
     # -- called by the namespace (no awaits) -----------------------------------------
     def submit(self, op: Op, content: Content | None = None, on_durable: Callable[[Op], None] | None = None,
@@ -202,8 +218,11 @@ class Uploader:
         if op.upload:  # parts evicted from the cache live in this upload: it must be the one
             task.part_size = self.part_size
             self.uploads[op.upload[2]] = Upload(*op.upload)
+        if not self.pending:
+            self.clear_since = time.monotonic()
         self.pending[op.seq] = task
         if op.kind == PUT:
+            self.committed_bytes += op.size
             task.preparing = True
             self.nursery.start_soon(self._prepare, task)
         else:
@@ -278,6 +297,21 @@ class Uploader:
 
     def pending_count(self, up_to: int | None = None) -> int:
         return sum(1 for s in self.pending if up_to is None or s <= up_to)
+
+    def oldest_pending_age(self) -> float:
+        """Seconds since the oldest pending op was committed (0 if none)."""
+        oldest = min((t.submitted for t in self.pending.values()), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+    def at_risk_seconds(self) -> float:
+        """Training at risk: 0 while everything committed is in the store, otherwise the seconds
+        since the last moment it was (a node lost now rolls the job back to that moment's state)."""
+        return time.monotonic() - self.clear_since if self.pending else 0.0
+
+    def pending_files_and_size(self, up_to: int | None = None) -> tuple[int, int]:
+        """Files (put ops) pending up to ``up_to``, and their whole size."""
+        puts = [t.op.size for s, t in self.pending.items() if t.op.kind == PUT and (up_to is None or s <= up_to)]
+        return len(puts), sum(puts)
 
     def last_seq(self) -> int:
         return self.journal.next_seq - 1
@@ -685,12 +719,17 @@ class Uploader:
         )
         async for attempt in retrying:
             with attempt:
-                result = await self.store_threads.run(fn, *args)
+                started = time.monotonic()
+                try:
+                    result = await self.store_threads.run(fn, *args)
+                finally:
+                    self.call_latency.observe(time.monotonic() - started)
                 self.health.answered()
                 return result
 
     def _record_error(self, key: str, exc: BaseException) -> None:
         message = str(exc)
+        self.retries += 1
         self.errors.append({"time": time.time(), "key": key, "message": message})
         self.health.failed("", key, message)
         if (key, message) not in self._logged_errors:  # once per key and reason, not per retry

@@ -93,10 +93,11 @@ def test_mount_config_defaults_and_round_trip(empty_dir):
         "mount", "s3://bucket/pre", str(empty_dir), "--cache-dir", "rel/cache", "--ram-cache", "512M",
         "--cache-size", "3GiB", "--endpoint-url", "http://h:9", "--part-size", "8MiB",
         "--upload-concurrency", "3", "--list-ttl", "0.5", "--write-timeout", "7.5", "--read-timeout", "9", "--log-level", "debug",
-        "--allow-other", "--umask", "022", "--keep-ram-cache"]))
+        "--allow-other", "--umask", "022", "--keep-ram-cache", "--metrics-port", "9400", "--metrics-addr", "10.0.0.5"]))
     assert config.cache_dir == os.path.abspath("rel/cache") and config.ram_cache == 512 * MiB
     assert (config.allow_other, config.umask, config.keep_ram_cache) == (True, 0o022, True)
     assert config.list_ttl == 0.5 and config.write_timeout == 7.5 and config.read_timeout == 9
+    assert (config.metrics_port, config.metrics_addr) == (9400, "10.0.0.5")
     # The detached daemon must rebuild exactly this config from its command line.
     rebuilt = cli.mount_config(cli.build_parser().parse_args(cli.daemon_argv(config) + ["--ready-fd", "9"]))
     assert rebuilt == config
