@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="unmount without draining; pending uploads resume at the next mount")
     p.set_defaults(func=cmd_umount)
 
+    from ckptfs import verify
+    verify.add_parser(sub)
+
     for p in sub.choices.values():
         p.intermixed = True  # type: ignore[attr-defined]
     return parser

@@ -23,7 +23,7 @@ import humanfriendly
 import pyfuse3
 import trio
 
-from . import clean_index, control, limits, private
+from . import clean_index, control, limits, private, verify
 from .background import BackgroundThreads
 from .cache import RAM, Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path, mount_table
@@ -135,6 +135,7 @@ class Daemon:
             self.store = open_store(self.config.store_url, self.config.endpoint_url,
                                     max_connections=self.config.upload_concurrency * 2 + 4)
             self.store.check()
+            self.store.detect_server_checksums()  # (once: S3 CRC32C per part where the server checks it)
             listing = list(self.store.list(""))
         except StoreError as exc:
             raise MountError(str(exc)) from exc
@@ -293,6 +294,7 @@ class Daemon:
                 "status": self._status,
                 "sync": self._sync,
                 "warmup": self._warmup,
+                "verify": self._verify,
                 "umount": self._umount,
             })
             await nursery.start(server.serve)
@@ -354,6 +356,7 @@ class Daemon:
             "integrity_errors": list(self.fetcher.integrity_errors),
             "integrity_retries": self.fetcher.integrity_retries,
             "unverified_reads": self.fetcher.unverified_reads,
+            "server_checksums": self.store.server_checksums,
             **self.namespace.status(),
         }
 
@@ -402,6 +405,17 @@ class Daemon:
                              for key in ("done_bytes", "total_bytes"))
             raise CkptfsError(f"timed out after {timeout:g} s: {cached} of {total} cached")
         return {**result, "seconds": round(time.monotonic() - started, 3)}
+
+    async def _verify(self, request: dict, progress) -> dict:
+        """``ckptfs verify MOUNTPOINT``: read back what is in the store, with the mount's store."""
+        paths, jobs = request.get("paths") or [], request.get("jobs", verify.JOBS)
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths) \
+                or not isinstance(jobs, int) or not 1 <= jobs <= 256:
+            raise CkptfsError("verify: paths must be a list of strings and jobs 1 to 256")
+        try:
+            return await verify.run(self.store, paths, progress, jobs)
+        except StoreError as exc:
+            raise CkptfsError(str(exc)) from None
 
     async def _umount(self, request: dict, progress) -> dict:
         if request.get("wait", True):

@@ -33,6 +33,7 @@ ALGORITHM = "xxh3-64"
 # A whole-file checksum alone is checked only for objects this small (the read must fetch it
 # whole): larger objects with no part list (an older ckptfs's multipart uploads) read unchecked.
 WHOLE_FILE_CHECK_MAX = 64 << 20
+MANIFEST_MAX = 4 << 20  # bytes of a manifest read at most (10,000 parts take about 200 KiB)
 
 
 def part_hash(data) -> str:
@@ -126,3 +127,20 @@ def from_metadata(size: int, metadata: dict[str, str]) -> Checksums | str:
     if metadata.get(XXH3_META):
         return Checksums.unverified(size, "only a whole-file checksum, too large to check per read")
     return Checksums.unverified(size, "no checksum recorded (not written by this ckptfs version)")
+
+
+def load_checksums(store, size: int, metadata: dict[str, str]) -> Checksums:
+    """What an object (its size and user metadata) is checked against, reading its manifest from
+    ``store`` where it has one (blocking). IntegrityError when the manifest it names is missing
+    or unreadable; other store errors pass through."""
+    from .store.base import NotFound
+
+    found = from_metadata(size, metadata)
+    if isinstance(found, Checksums):
+        return found
+    mkey = manifest_key(found)
+    try:
+        raw = store.get_range(mkey, 0, MANIFEST_MAX)
+    except NotFound:
+        raise IntegrityError(f"its manifest {mkey} is missing from the store") from None
+    return Checksums.from_manifest(raw, size)

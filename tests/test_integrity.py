@@ -233,9 +233,13 @@ def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, clie
 def test_request_cost_per_file(s3_server, s3_bucket, proxy, mounts, tmp_path):
     """What the checksums cost in requests (docs/architecture.md, Integrity), counted at the proxy:
     a multipart file: one PUT (its manifest) when written, one GET (the manifest) per mount that
-    reads it cold, a HEAD and a DELETE more when deleted; a one-PUT file: nothing; a rename: nothing."""
+    reads it cold, a HEAD and a DELETE more when deleted; a one-PUT file: nothing; a rename: nothing.
+    A mount: one PUT and one DELETE (the probe for S3 checksums, store/s3.py)."""
     data = files()
     w = mounts(tmp_path / "w", proxy.url)
+    probes = [req for req in proxy.requests if "checksum-probe-" in req.path]
+    assert [req.kind for req in probes] == ["put", "delete"]
+    proxy.reset_counts()
     for name, body in data.items():
         (w.path / name).write_bytes(body)
     w.sync()

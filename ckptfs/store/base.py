@@ -63,12 +63,20 @@ class PartInfo:
     number: int  # 1-based, as in S3
     token: str   # what complete_multipart needs back (the ETag on S3)
     xxh3: str = ""  # ckptfs's checksum of the part's bytes (for the manifest), "" where unknown
+    checksum: str = ""  # the S3 checksum (CRC32C, base64) the server verified, "" where none was sent
 
 
 class ObjectStore(ABC):
     """One bucket/prefix (S3) or one directory (local)."""
 
     url: str  # printable location, never with credentials
+
+    server_checksums = False  # whether parts carry a checksum the server verifies (S3: CRC32C)
+
+    def detect_server_checksums(self) -> bool:
+        """Find out (once, at mount) whether the store verifies checksums sent with each upload,
+        and send them from then on if so. Stores with nothing to detect return False."""
+        return False
 
     def report_to(self, health) -> None:
         """Report each request attempt to ``health`` (a StoreHealth) where the backend can see
