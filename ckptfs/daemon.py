@@ -23,7 +23,7 @@ import humanfriendly
 import pyfuse3
 import trio
 
-from . import clean_index, control, limits, private, verify
+from . import clean_index, control, integrity, limits, private, verify
 from .background import BackgroundThreads
 from .cache import RAM, Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path, mount_table
@@ -301,6 +301,7 @@ class Daemon:
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._when_serving, on_ready)
             nursery.start_soon(self._stopper)
+            nursery.start_soon(self._sweep_manifests)
             await pyfuse3.main()
             # Shutdown: store calls in flight are abandoned, not awaited (a dead store would hold
             # the mount for minutes); pending work stays in the journal (docs/architecture.md).
@@ -327,6 +328,23 @@ class Daemon:
         await self.stop_requested.wait()
         await trio.sleep(0.05)  # let the umount reply reach the client
         pyfuse3.terminate()
+
+    async def _sweep_manifests(self) -> None:
+        """Delete the manifests no object will need again (integrity.orphan_manifests), once a
+        day over all mounts of the store, in the background: never in the way of the mount."""
+        try:
+            if not await trio.to_thread.run_sync(integrity.sweep_due, self.store, time.time(),
+                                                abandon_on_cancel=True):
+                return
+            orphans = await trio.to_thread.run_sync(integrity.orphan_manifests, self.store, time.time(),
+                                                    abandon_on_cancel=True)
+            for key in orphans:
+                await trio.to_thread.run_sync(self.store.delete, key, abandon_on_cancel=True)
+            log.info("manifest sweep: %d orphan manifests deleted", len(orphans))
+        except StoreError as exc:
+            log.info("manifest sweep skipped: %s", exc)
+        except Exception:  # a bug here must not take the mount down
+            log.exception("manifest sweep failed")
 
     # -- control commands -------------------------------------------------------------------------
     async def _status(self, request: dict, progress) -> dict:

@@ -81,7 +81,7 @@ async def run(store: ObjectStore, paths: list[str], progress: Callable[[dict], A
     """Verify the objects at or under ``paths`` (keys relative to the store; [] for all).
     Returns {"store", "files": [Result as dict], "total_bytes", "seconds"}."""
     started = time.monotonic()
-    targets = await trio.to_thread.run_sync(_targets, store, paths)
+    targets = await trio.to_thread.run_sync(_targets, store, paths, abandon_on_cancel=True)
     total = sum(info.size for _, info in targets if info is not None)
     state = {"done_bytes": 0, "total_bytes": total, "files": len(targets), "files_done": 0}
     results: list[Result] = []
@@ -123,7 +123,7 @@ async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: 
     size = info.size
     try:
         # HEAD: a listing carries no user metadata (and the object may have changed since).
-        head = await trio.to_thread.run_sync(store.head, key)
+        head = await trio.to_thread.run_sync(store.head, key, abandon_on_cancel=True)
         if head is None:
             state["done_bytes"] += size
             return Result(key, size, "missing", "deleted from the store while verifying")
@@ -131,10 +131,12 @@ async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: 
             state["total_bytes"] += head.size - size
             size = head.size
         try:
-            checks = await trio.to_thread.run_sync(integrity.load_checksums, store, head.size, head.metadata)
+            checks = await trio.to_thread.run_sync(integrity.load_checksums, store, head.size, head.metadata,
+                                                   abandon_on_cancel=True)
         except IntegrityError as exc:
             state["done_bytes"] += size
-            return Result(key, size, "missing-manifest" if "missing" in str(exc) else "mismatch", str(exc))
+            return Result(key, size, "missing-manifest" if isinstance(exc, integrity.ManifestMissing) else "mismatch",
+                          str(exc))
         if not checks.verified:
             state["done_bytes"] += size
             return Result(key, size, "unverified", checks.source)
@@ -144,7 +146,8 @@ async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: 
                 await parts.acquire()
                 nursery.start_soon(_check_part, store, key, checks, start, parts, state, bad)
         if bad:
-            return Result(key, size, "mismatch", sorted(bad)[0] + (f" (and {len(bad) - 1} more parts)" if len(bad) > 1 else ""))
+            more = f" (and {len(bad) - 1} more parts)" if len(bad) > 1 else ""
+            return Result(key, size, "mismatch", sorted(bad)[0] + more)
         return Result(key, size, "ok", f"{len(checks.parts)} part{'s' if len(checks.parts) != 1 else ''} "
                                        f"({checks.source})")
     except NotFound:
@@ -158,7 +161,7 @@ async def _check_part(store: ObjectStore, key: str, checks: integrity.Checksums,
     try:
         length = min(checks.part_size, checks.size - start)
         for attempt in (1, 2):  # a second read: bytes bent on the wire are not damage in the store
-            data = await trio.to_thread.run_sync(store.get_range, key, start, length)
+            data = await trio.to_thread.run_sync(store.get_range, key, start, length, abandon_on_cancel=True)
             try:
                 checks.check(start, data)
                 break

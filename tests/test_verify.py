@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -149,7 +148,3 @@ def test_verify_reads_in_parallel_with_a_bound(s3_server, s3_bucket, written):
     assert set(states(out).values()) == {"ok"}
     rc, _, err = verify(*url_args(s3_server, s3_bucket), "--jobs", "0")
     assert rc == 2 and err.startswith("ckptfs: ")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__]))

@@ -166,5 +166,10 @@ class ObjectStore(ABC):
     def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
         """Unfinished uploads under ``prefix`` as (key, upload_id)."""
 
+    def list_multipart_started(self, prefix: str = "") -> list[float]:
+        """When each unfinished upload under ``prefix`` was started (seconds since the epoch).
+        Stores that cannot tell say every one started at 0 (before anything)."""
+        return [0.0 for _ in self.list_multipart(prefix)]
+
     def close(self) -> None:
         """Release connections."""

@@ -300,7 +300,7 @@ class S3Store(ObjectStore):
         finally:
             try:
                 self._client.delete_object(Bucket=self.bucket, Key=self._key(probe))
-            except (bex.BotoCoreError, bex.ClientError, OSError) as e:  # (a leftover probe is collected with orphan manifests)
+            except (bex.BotoCoreError, bex.ClientError, OSError) as e:  # (a leftover is collected as an orphan)
                 log.info("could not delete the S3 checksum probe %s: %s", probe, _one_line(e))
         self.server_checksums = verifies
         log.info("%s %s CRC32C checksums: %s", self.endpoint, "verifies" if verifies else "does not verify",
@@ -501,6 +501,14 @@ class S3Store(ObjectStore):
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
             self._fail("list_multipart", prefix, e)
         return out
+
+    def list_multipart_started(self, prefix: str = "") -> list[float]:
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self._base + prefix)
+            return [u["Initiated"].timestamp() for page in pages for u in page.get("Uploads", [])]
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            self._fail("list_multipart", prefix, e)
 
     def close(self) -> None:
         self._client.close()
