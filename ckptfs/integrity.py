@@ -21,6 +21,7 @@ range it fetches, in whole parts, before a byte enters the cache. An object with
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 
 import xxhash
@@ -155,7 +156,7 @@ def load_checksums(store, size: int, metadata: dict[str, str]) -> Checksums:
 # (another tool, or while the daemon that would have dropped it was down), or when its upload never
 # completed. Each mount sweeps them once, in the background, at start (daemon.py).
 ORPHAN_MIN_AGE_S = 24 * 3600.0  # younger manifests are never collected
-ORPHAN_SWEEP_MAX = 1000  # manifests judged per sweep (the rest wait for a later mount)
+ORPHAN_SWEEP_MAX = 1000  # manifests judged per sweep (a random sample; the rest wait for a later sweep)
 PROBE_NAME = "checksum-probe-"  # store/s3.py's support probe, left behind by a crash
 SWEEP_STAMP = ".ckptfs-manifest-sweep"  # its mtime: when a mount last swept (hidden like all .ckptfs-)
 SWEEP_EVERY_S = 24 * 3600.0  # a mount sweeps only if no mount did for this long
@@ -187,7 +188,9 @@ def orphan_manifests(store, now: float, min_age: float = ORPHAN_MIN_AGE_S,
     """
     from .store.base import NotFound
 
-    old = [info for info in store.list(MANIFEST_PREFIX) if now - info.mtime >= min_age][:limit]
+    old = [info for info in store.list(MANIFEST_PREFIX) if now - info.mtime >= min_age]
+    # A random sample: with more than ``limit``, each sweep judges others (live ones stay old).
+    old = random.sample(old, min(limit, len(old)))
     if not old:
         return []
     started = store.list_multipart_started()
