@@ -20,7 +20,7 @@ import pytest
 from botocore.config import Config
 
 from ckptfs.store.s3 import PROBE_PREFIX, S3Store, crc32c_b64
-from tests.faultproxy import FaultProxy, Rule, corrupt_request_body, delay
+from tests.faultproxy import FaultProxy, Rule, corrupt_request_body, delay, status
 from tests.mounting import Mount
 
 pytestmark = pytest.mark.timeout(240)
@@ -167,3 +167,21 @@ def test_swift_does_not_verify_so_no_checksum_headers_are_sent(s3_server, s3_buc
     fresh = mounts(f"s3://{s3_bucket}/run", tmp_path / "r", proxy.url)
     assert (fresh.path / "big.bin").read_bytes() == big
     assert (fresh.path / "small.bin").read_bytes() == small
+
+
+def test_a_server_that_refuses_checksums_on_multipart_uploads_gets_them_without(verifying, mounts, tmp_path):
+    """Verifies a PUT's CRC32C but answers 400 to ChecksumAlgorithm on CreateMultipartUpload:
+    the upload is created again without it, and later ones go without it at once."""
+    proxy, client, bucket = verifying
+    m = mounts(f"s3://{bucket}/run", tmp_path / "w", proxy.url)
+    refusal = proxy.add_rule(Rule(status(400, "InvalidArgument"), kind="create_multipart",
+                                  headers={"x-amz-checksum-algorithm": "CRC32C"}))
+    first, second = os.urandom(18 * MiB), os.urandom(17 * MiB)
+    (m.path / "first.bin").write_bytes(first)
+    m.sync(timeout=120)
+    (m.path / "second.bin").write_bytes(second)
+    m.sync(timeout=120)
+    assert refusal.hits == 1
+    assert client.get_object(Bucket=bucket, Key="run/first.bin")["Body"].read() == first
+    assert client.get_object(Bucket=bucket, Key="run/second.bin")["Body"].read() == second
+    assert not any("x-amz-checksum-crc32c" in r.headers for r in proxy.requests if r.kind == "upload_part")

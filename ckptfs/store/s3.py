@@ -138,12 +138,13 @@ class S3Store(ObjectStore):
             Config(retries={"mode": "standard", "total_max_attempts": 1})))
         self.endpoint = redact_url(self._client.meta.endpoint_url)  # as printed: without a password
         self._health = None
-        self._attempt = threading.local()
-        # Whether the server verifies CRC32C (detect_server_checksums; off until detected), and
-        # which of the multipart uploads we know of were created with it (by upload id).
+        self._attempt = threading.local()  # (token, op, key) of this thread's HTTP attempt
+        # Whether the server verifies CRC32C (detect_server_checksums; off until detected), whether
+        # it takes it on multipart uploads too, and which uploads were created with it (by id).
         self.server_checksums = False
+        self._multipart_checksums = True
         self._checksummed: dict[str, bool] = {}
-        self._checksummed_lock = threading.Lock()  # (token, op, key) of this thread's HTTP attempt
+        self._checksummed_lock = threading.Lock()
 
     def report_to(self, health) -> None:
         """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage
@@ -430,10 +431,27 @@ class S3Store(ObjectStore):
     # -- multipart ---------------------------------------------------------------
 
     def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
-        checksummed = self.server_checksums
-        extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM} if checksummed else {}
-        r = self._call("create_multipart", key, "create_multipart_upload", client=self._client_once,
-                       Key=self._key(key), Metadata=metadata or {}, **extra)
+        args = {"Key": self._key(key), "Metadata": metadata or {}}
+        checksummed = self.server_checksums and self._multipart_checksums
+        r = None
+        if checksummed:
+            try:
+                r = self._client_once.create_multipart_upload(Bucket=self.bucket, ChecksumAlgorithm=CHECKSUM_ALGORITHM,
+                                                              **args)
+            except bex.ClientError as e:
+                # A server that checks a PUT's CRC32C but refuses it on multipart uploads (400,
+                # 501: nothing was created): its multipart uploads go without, from now on.
+                if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (400, 501):
+                    self._fail("create_multipart", key, e)
+                checksummed = False
+            except (bex.BotoCoreError, OSError) as e:
+                self._fail("create_multipart", key, e)
+        if r is None:
+            r = self._call("create_multipart", key, "create_multipart_upload", client=self._client_once, **args)
+            if self.server_checksums and self._multipart_checksums:
+                log.warning("%s refuses CRC32C on multipart uploads: their parts go without S3 checksums",
+                            self.endpoint)
+                self._multipart_checksums = False
         with self._checksummed_lock:
             self._checksummed[r["UploadId"]] = checksummed
         return r["UploadId"]
