@@ -19,6 +19,7 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from ckptfs.store.base import PartInfo
 from ckptfs.store.s3 import PROBE_PREFIX, S3Store, crc32c_b64
 from tests.faultproxy import FaultProxy, Rule, corrupt_request_body, delay, status
 from tests.mounting import Mount
@@ -185,3 +186,28 @@ def test_a_server_that_refuses_checksums_on_multipart_uploads_gets_them_without(
     assert client.get_object(Bucket=bucket, Key="run/first.bin")["Body"].read() == first
     assert client.get_object(Bucket=bucket, Key="run/second.bin")["Body"].read() == second
     assert not any("x-amz-checksum-crc32c" in r.headers for r in proxy.requests if r.kind == "upload_part")
+
+
+def test_an_upload_resumed_by_another_process_keeps_its_checksums(verifying):
+    """A restart resumes an upload created with CRC32C: the new process learns that from the
+    list of unfinished uploads, sends the CRC32C of the parts it uploads, and completes with the
+    checksums of all parts (those sent before the restart come back in their journaled tokens)."""
+    proxy, client, bucket = verifying
+    before = S3Store(bucket, "run", endpoint_url=proxy.url)
+    assert before.detect_server_checksums()
+    one, two = os.urandom(5 * MiB), os.urandom(1 * MiB)
+    upload = before.create_multipart("resumed.bin")
+    sent = before.upload_part("resumed.bin", upload, 1, one)
+    assert sent.token.endswith(" " + crc32c_b64(one))
+    after = S3Store(bucket, "run", endpoint_url=proxy.url)  # the process after the restart
+    assert after.detect_server_checksums()
+    proxy.reset_counts()
+    second = after.upload_part("resumed.bin", upload, 2, two)
+    assert second.token.endswith(" " + crc32c_b64(two))
+    parts = [r for r in proxy.requests if r.kind == "upload_part"]
+    assert len(parts) == 1 and "x-amz-checksum-crc32c" in parts[0].headers
+    after.complete_multipart("resumed.bin", upload, [PartInfo(1, sent.token), second])
+    assert client.get_object(Bucket=bucket, Key="run/resumed.bin")["Body"].read() == one + two
+    lists = [r for r in proxy.requests if r.kind == "list" and "uploads" in r.query]
+    assert len(lists) == 1  # ListMultipartUploads, once, to learn the upload's algorithm
+    assert client.head_object(Bucket=bucket, Key="run/resumed.bin", ChecksumMode="ENABLED").get("ChecksumCRC32C")

@@ -63,7 +63,6 @@ class PartInfo:
     number: int  # 1-based, as in S3
     token: str   # what complete_multipart needs back (the ETag on S3)
     xxh3: str = ""  # ckptfs's checksum of the part's bytes (for the manifest), "" where unknown
-    checksum: str = ""  # the S3 checksum (CRC32C, base64) the server verified, "" where none was sent
 
 
 class ObjectStore(ABC):

@@ -98,6 +98,12 @@ def _as_bytes(data: bytes | memoryview) -> bytes | bytearray:
     return data.tobytes()
 
 
+def _token(etag: str, crc32c: str | None) -> str:
+    """A part's token (journaled, handed back to complete_multipart): its ETag, and the CRC32C
+    the server verified if one was sent (the completion must list it; base64 has no spaces)."""
+    return f"{etag} {crc32c}" if crc32c else etag
+
+
 def _etag(answer: dict[str, Any]) -> str:
     return str(answer.get("ETag", "")).strip('"')
 
@@ -419,7 +425,8 @@ class S3Store(ObjectStore):
                 r = self._call("copy", f"{src} -> {dst}", "upload_part_copy", Key=self._key(dst),
                                UploadId=upload_id, PartNumber=n, CopySource=source,
                                CopySourceRange=f"bytes={off}-{end}")
-                parts.append(PartInfo(n, r["CopyPartResult"]["ETag"]))
+                parts.append(PartInfo(n, _token(r["CopyPartResult"]["ETag"],
+                                              r["CopyPartResult"].get("ChecksumCRC32C"))))
             self.complete_multipart(dst, upload_id, parts)
         except BaseException:
             try:
@@ -459,14 +466,20 @@ class S3Store(ObjectStore):
     def _uses_checksums(self, key: str, upload_id: str) -> bool:
         """Whether the upload was created with CRC32C (then each part and the completion carry
         theirs). Known for the uploads this process created; for one resumed from the journal,
-        its ListParts answer says (once)."""
+        the server's list of unfinished uploads says (once)."""
         if not self.server_checksums:
             return False
         with self._checksummed_lock:
             known = self._checksummed.get(upload_id)
         if known is None:
-            r = self._call("upload_part", key, "list_parts", Key=self._key(key), UploadId=upload_id, MaxParts=1)
-            known = str(r.get("ChecksumAlgorithm") or "").upper() == CHECKSUM_ALGORITHM
+            try:
+                pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                    Bucket=self.bucket, Prefix=self._key(key))
+                known = any(str(u.get("ChecksumAlgorithm") or "").upper() == CHECKSUM_ALGORITHM
+                            for page in pages for u in page.get("Uploads", [])
+                            if u["UploadId"] == upload_id and u["Key"] == self._key(key))
+            except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+                self._fail("upload_part", key, e)
             with self._checksummed_lock:
                 self._checksummed[upload_id] = known
         return known
@@ -477,23 +490,12 @@ class S3Store(ObjectStore):
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
         r = self._call("upload_part", key, "upload_part", Key=self._key(key), UploadId=upload_id,
                        PartNumber=number, Body=body, **extra)
-        return PartInfo(number, r["ETag"], checksum=crc or "")
+        return PartInfo(number, _token(r["ETag"], crc))
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
-        listed: dict[int, str] = {}
-        if self._uses_checksums(key, upload_id) and not all(p.checksum for p in parts):
-            # Parts sent before a restart: their CRC32C is not in the journal; the server has it.
-            pages = self._client.get_paginator("list_parts").paginate(
-                Bucket=self.bucket, Key=self._key(key), UploadId=upload_id)
-            try:
-                listed = {p["PartNumber"]: p.get("ChecksumCRC32C", "") for page in pages
-                          for p in page.get("Parts", [])}
-            except (bex.BotoCoreError, bex.ClientError, OSError) as e:
-                self._fail("complete_multipart", key, e)
-
         def entry(p: PartInfo) -> dict[str, Any]:
-            crc = p.checksum or listed.get(p.number)
-            return {"PartNumber": p.number, "ETag": p.token, **({"ChecksumCRC32C": crc} if crc else {})}
+            etag, _, crc = p.token.partition(" ")
+            return {"PartNumber": p.number, "ETag": etag, **({"ChecksumCRC32C": crc} if crc else {})}
 
         self._call("complete_multipart", key, "complete_multipart_upload", Key=self._key(key),
                    UploadId=upload_id, MultipartUpload={"Parts": [entry(p) for p in parts]})
