@@ -117,7 +117,7 @@ async def _report(progress, state: dict) -> None:
 
 
 async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: trio.Semaphore,
-                  state: dict) -> Result:
+                  state: dict, again: bool = False) -> Result:
     if info is None:
         return Result(key, 0, "missing", "not in the store")
     size = info.size
@@ -140,14 +140,19 @@ async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: 
         if not checks.verified:
             state["done_bytes"] += size
             return Result(key, size, "unverified", checks.source)
-        bad: list[str] = []
+        bad: list[tuple[int, str]] = []
         async with trio.open_nursery() as nursery:
             for start in range(0, max(size, 1), checks.part_size):
                 await parts.acquire()
                 nursery.start_soon(_check_part, store, key, checks, start, parts, state, bad)
         if bad:
+            now = await trio.to_thread.run_sync(store.head, key, abandon_on_cancel=True)
+            if not again and now is not None and (now.etag, now.size) != (head.etag, head.size):
+                # Replaced while we read it (a mount wrote a new version): check the new one.
+                state["total_bytes"] += now.size
+                return await _verify(store, key, now, parts, state, again=True)
             more = f" (and {len(bad) - 1} more parts)" if len(bad) > 1 else ""
-            return Result(key, size, "mismatch", sorted(bad)[0] + more)
+            return Result(key, size, "mismatch", min(bad)[1] + more)
         return Result(key, size, "ok", f"{len(checks.parts)} part{'s' if len(checks.parts) != 1 else ''} "
                                        f"({checks.source})")
     except NotFound:
@@ -157,7 +162,7 @@ async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: 
 
 
 async def _check_part(store: ObjectStore, key: str, checks: integrity.Checksums, start: int,
-                      parts: trio.Semaphore, state: dict, bad: list[str]) -> None:
+                      parts: trio.Semaphore, state: dict, bad: list[tuple[int, str]]) -> None:
     try:
         length = min(checks.part_size, checks.size - start)
         for attempt in (1, 2):  # a second read: bytes bent on the wire are not damage in the store
@@ -167,7 +172,7 @@ async def _check_part(store: ObjectStore, key: str, checks: integrity.Checksums,
                 break
             except IntegrityError as exc:
                 if attempt == 2:
-                    bad.append(str(exc))
+                    bad.append((start, str(exc)))
         state["done_bytes"] += length
     finally:
         parts.release()
