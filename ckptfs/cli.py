@@ -193,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="unmount without draining; pending uploads resume at the next mount")
     p.set_defaults(func=cmd_umount)
 
-    from ckptfs import catalog_cli  # ls, checkpoints, gc
+    from ckptfs import catalog_cli, verify  # ls, checkpoints, gc; verify
     catalog_cli.add_commands(sub)
+    verify.add_parser(sub)
 
     for p in sub.choices.values():
         p.intermixed = True  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ import humanfriendly
 import pyfuse3
 import trio
 
-from . import catalog_handler, clean_index, control, limits, private
+from . import catalog_handler, clean_index, control, integrity, limits, private, verify
 from .background import BackgroundThreads
 from .cache import RAM, Cache
 from .config import MountConfig, ckptfs_mounts, control_socket_path, mount_table
@@ -145,6 +145,7 @@ class Daemon:
             self.store = open_store(self.config.store_url, self.config.endpoint_url,
                                     max_connections=self.config.upload_concurrency * 2 + 4)
             self.store.check()
+            self.store.detect_server_checksums()  # (once: S3 CRC32C per part where the server checks it)
             listing = list(self.store.list(""))
         except StoreError as exc:
             raise MountError(str(exc)) from exc
@@ -357,6 +358,7 @@ class Daemon:
                 "status": self._status,
                 "sync": self._sync,
                 "warmup": self._warmup,
+                "verify": self._verify,
                 "umount": self._umount,
                 "catalog": functools.partial(catalog_handler.handle, self.namespace),
             })
@@ -364,6 +366,7 @@ class Daemon:
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._when_serving, on_ready)
             nursery.start_soon(self._stopper)
+            nursery.start_soon(self._sweep_manifests)
             try:
                 await pyfuse3.main()
             finally:
@@ -393,6 +396,23 @@ class Daemon:
         await self.stop_requested.wait()
         await trio.sleep(0.05)  # let the umount reply reach the client
         pyfuse3.terminate()
+
+    async def _sweep_manifests(self) -> None:
+        """Delete the manifests no object will need again (integrity.orphan_manifests), once a
+        day over all mounts of the store, in the background: never in the way of the mount."""
+        try:
+            if not await trio.to_thread.run_sync(integrity.sweep_due, self.store, time.time(),
+                                                abandon_on_cancel=True):
+                return
+            orphans = await trio.to_thread.run_sync(integrity.orphan_manifests, self.store, time.time(),
+                                                    abandon_on_cancel=True)
+            for key in orphans:
+                await trio.to_thread.run_sync(self.store.delete, key, abandon_on_cancel=True)
+            log.info("manifest sweep: %d orphan manifests deleted", len(orphans))
+        except StoreError as exc:
+            log.info("manifest sweep skipped: %s", exc)
+        except Exception:  # a bug here must not take the mount down
+            log.exception("manifest sweep failed")
 
     # -- control commands -------------------------------------------------------------------------
     async def _status(self, request: dict, progress) -> dict:
@@ -431,6 +451,7 @@ class Daemon:
             "retries": f["retries"],
             "latest_checkpoint": self.namespace.checkpoint_dir or None,  # pinned: evicted last
             "metrics_url": self.metrics.url if self.metrics is not None else None,
+            "server_checksums": self.store.server_checksums,
             **self.namespace.status(),
         }
 
@@ -483,6 +504,17 @@ class Daemon:
                              for key in ("done_bytes", "total_bytes"))
             raise TimedOut(f"timed out after {timeout:g} s: {cached} of {total} cached")
         return {**result, "seconds": round(time.monotonic() - started, 3)}
+
+    async def _verify(self, request: dict, progress) -> dict:
+        """``ckptfs verify MOUNTPOINT``: read back what is in the store, with the mount's store."""
+        paths, jobs = request.get("paths") or [], request.get("jobs", verify.JOBS)
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths) \
+                or not isinstance(jobs, int) or not 1 <= jobs <= 256:
+            raise CkptfsError("verify: paths must be a list of strings and jobs 1 to 256")
+        try:
+            return await verify.run(self.store, paths, progress, jobs)
+        except StoreError as exc:
+            raise CkptfsError(str(exc)) from None
 
     async def _umount(self, request: dict, progress) -> dict:
         if request.get("wait", True):

@@ -21,6 +21,7 @@ range it fetches, in whole parts, before a byte enters the cache. An object with
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 
 import xxhash
@@ -33,6 +34,7 @@ ALGORITHM = "xxh3-64"
 # A whole-file checksum alone is checked only for objects this small (the read must fetch it
 # whole): larger objects with no part list (an older ckptfs's multipart uploads) read unchecked.
 WHOLE_FILE_CHECK_MAX = 64 << 20
+MANIFEST_MAX = 4 << 20  # bytes of a manifest read at most (10,000 parts take about 200 KiB)
 
 
 def part_hash(data) -> str:
@@ -49,6 +51,10 @@ def is_reserved(key: str) -> bool:
 
 class IntegrityError(Exception):
     """Fetched bytes do not match their recorded checksum."""
+
+
+class ManifestMissing(IntegrityError):
+    """The object names a manifest that is not in the store."""
 
 
 @dataclass(frozen=True)
@@ -126,3 +132,101 @@ def from_metadata(size: int, metadata: dict[str, str]) -> Checksums | str:
     if metadata.get(XXH3_META):
         return Checksums.unverified(size, "only a whole-file checksum, too large to check per read")
     return Checksums.unverified(size, "no checksum recorded (not written by this ckptfs version)")
+
+
+def load_checksums(store, size: int, metadata: dict[str, str]) -> Checksums:
+    """What an object (its size and user metadata) is checked against, reading its manifest from
+    ``store`` where it has one (blocking). IntegrityError when the manifest it names is missing
+    or unreadable; other store errors pass through."""
+    from .store.base import NotFound
+
+    found = from_metadata(size, metadata)
+    if isinstance(found, Checksums):
+        return found
+    mkey = manifest_key(found)
+    try:
+        raw = store.get_range(mkey, 0, MANIFEST_MAX)
+    except NotFound:
+        raise ManifestMissing(f"its manifest {mkey} is missing from the store") from None
+    return Checksums.from_manifest(raw, size)
+
+
+# --- orphan manifests -------------------------------------------------------------------------
+# A manifest outlives its object when the object is overwritten or deleted behind ckptfs's back
+# (another tool, or while the daemon that would have dropped it was down), or when its upload never
+# completed. Each mount sweeps them once, in the background, at start (daemon.py).
+ORPHAN_MIN_AGE_S = 24 * 3600.0  # younger manifests are never collected
+ORPHAN_SWEEP_MAX = 1000  # manifests judged per sweep (a random sample; the rest wait for a later sweep)
+PROBE_NAME = "checksum-probe-"  # store/s3.py's support probe, left behind by a crash
+SWEEP_STAMP = ".ckptfs-manifest-sweep"  # its mtime: when a mount last swept (hidden like all .ckptfs-)
+SWEEP_EVERY_S = 24 * 3600.0  # a mount sweeps only if no mount did for this long
+
+
+def sweep_due(store, now: float, every: float = SWEEP_EVERY_S) -> bool:
+    """Whether this mount should sweep; if so, stamps the store first so that the other mounts
+    starting now (a whole training job's nodes) skip it: about one sweep per ``every``."""
+    stamp = store.head(SWEEP_STAMP)
+    if stamp is not None and now - stamp.mtime < every:
+        return False
+    store.put(SWEEP_STAMP, b"", {})
+    return True
+
+
+def orphan_manifests(store, now: float, min_age: float = ORPHAN_MIN_AGE_S,
+                     limit: int = ORPHAN_SWEEP_MAX) -> list[str]:
+    """The manifest keys in ``store`` that no object can ever need again (blocking).
+
+    Safe against writers on other mounts: a manifest is PUT just before its upload's
+    CompleteMultipartUpload (and again before each later try), so one is an orphan only if
+
+    1. it is older than ``min_age`` (a writer between its PUT and its Complete is not);
+    2. no multipart upload still in progress was started before it was written (that upload
+       may still complete and name it: kept, whatever its key); listed *before* the objects, so
+       an upload completing meanwhile is seen in one list or the other;
+    3. no object names its upload: the candidates are the objects of exactly the size it
+       records (a rename is a server-side copy that keeps size and metadata), each HEADed.
+    """
+    from .store.base import NotFound
+
+    old = [info for info in store.list(MANIFEST_PREFIX) if now - info.mtime >= min_age]
+    # A random sample: with more than ``limit``, each sweep judges others (live ones stay old).
+    old = random.sample(old, min(limit, len(old)))
+    if not old:
+        return []
+    started = store.list_multipart_started()
+    orphans: list[str] = []
+    sizes: dict[str, int] = {}
+    for info in old:
+        name = info.key[len(MANIFEST_PREFIX):]
+        if name.startswith(PROBE_NAME):
+            orphans.append(info.key)
+            continue
+        if any(when <= info.mtime for when in started):
+            continue
+        try:
+            rec = json.loads(store.get_range(info.key, 0, MANIFEST_MAX))
+            sizes[name] = int(rec["size"])
+        except NotFound:
+            continue
+        except (ValueError, KeyError, TypeError):
+            continue  # not one of ours to judge: kept
+    if not sizes:
+        return orphans
+    wanted = set(sizes.values())
+    by_size: dict[int, list[str]] = {}
+    for obj in store.list(""):
+        if obj.size in wanted and not obj.key.startswith(".ckptfs-") and not obj.key.endswith("/"):
+            by_size.setdefault(obj.size, []).append(obj.key)
+    named: dict[str, str | None] = {}  # object key -> the upload its metadata names
+    for name, size in sizes.items():
+        live = False
+        for key in by_size.get(size, []):
+            if key not in named:
+                head = store.head(key)
+                named[key] = head.metadata.get(UPLOAD_META) if head is not None else None
+            if named[key] == name:
+                live = True
+                break
+        if not live:
+            orphans.append(manifest_key(name))
+    return orphans

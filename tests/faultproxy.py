@@ -18,10 +18,15 @@ first rule that matches it (method, path regex, query substring, kind, header re
 probability and time window) decides what happens; with none, it is forwarded as is.
 Actions: ``status(code, s3_code)``, ``delay(seconds)``, ``reset_mid_body()``,
 ``drop_response()``, ``blackhole()``, ``corrupt_request_body()``, ``corrupt_response_body()``.
+
+``verify_checksums = True`` makes the proxy check what AWS S3 checks and the servers here
+(Swift 2.30, moto 5.2) do not: a request body sent with ``x-amz-checksum-crc32c`` that does not
+match it (after any corruption the proxy itself applied) is answered 400 BadDigest, unforwarded.
 """
 
 from __future__ import annotations
 
+import base64
 import random
 import re
 import socket
@@ -250,6 +255,17 @@ class _Handler(socketserver.BaseRequestHandler):
             rfile.close()
             sock.close()
 
+    @staticmethod
+    def _checked_body(body, headers: dict[str, str], corrupt: bool):
+        """The whole body (corrupted if asked) and whether it matches its x-amz-checksum-crc32c."""
+        from awscrt import checksums
+
+        data = bytearray(b"".join(piece for piece, _ in body))
+        if corrupt and data:
+            data[len(data) // 2] ^= 0xFF
+        crc = base64.b64encode(checksums.crc32c(bytes(data)).to_bytes(4, "big")).decode()
+        return bytes(data), crc == headers["x-amz-checksum-crc32c"]
+
     def _one(self, proxy: FaultProxy, sock: socket.socket, rfile) -> bool:
         """Serve one request; False when the client connection must end."""
         head = _read_head(rfile)
@@ -284,6 +300,19 @@ class _Handler(socketserver.BaseRequestHandler):
                          f"Content-Length: {len(xml)}\r\nx-amz-request-id: faultproxy\r\n\r\n".encode()
                          + (b"" if method == "HEAD" else xml))
             return keep_alive
+        corrupt = action.name == "corrupt_request_body"
+        if proxy.verify_checksums and "x-amz-checksum-crc32c" in headers and not _chunked(headers) \
+                and action.name in ("forward", "delay", "corrupt_request_body"):
+            data, good = self._checked_body(body, headers, corrupt)
+            if not good:
+                proxy.refused_checksums += 1
+                req.status = 400
+                xml = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>BadDigest</Code><Message>The '
+                       b'CRC32C you specified did not match the calculated checksum.</Message></Error>')
+                sock.sendall(f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/xml\r\n"
+                             f"Content-Length: {len(xml)}\r\n\r\n".encode() + xml)
+                return keep_alive
+            body, corrupt = iter([(data, True)]), False
         if action.name == "delay":
             time.sleep(action.seconds)
         try:
@@ -295,7 +324,7 @@ class _Handler(socketserver.BaseRequestHandler):
             up.sendall(b"".join(head) + b"\r\n")
             length = int(headers.get("content-length", "0") or 0)
             has_body = length > 0 or _chunked(headers)
-            if _copy(body, up, length, corrupt=action.name == "corrupt_request_body",
+            if _copy(body, up, length, corrupt=corrupt,
                      cut=action.name == "reset_mid_body"):
                 _reset(up)
                 _reset(sock)
@@ -349,6 +378,8 @@ class FaultProxy:
         self._conns: set[socket.socket] = set()
         self._server: _Server | None = None
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, kind) -> requests seen
+        self.verify_checksums = False  # act as AWS: refuse a body that does not match its CRC32C
+        self.refused_checksums = 0  # bodies refused so (BadDigest)
         self.requests: list[Request] = []  # every request seen, in order, with the action taken
         self.url = ""
 

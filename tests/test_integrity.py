@@ -233,13 +233,18 @@ def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, clie
 def test_request_cost_per_file(s3_server, s3_bucket, proxy, mounts, tmp_path):
     """What the checksums cost in requests (docs/architecture.md, Integrity), counted at the proxy:
     a multipart file: one PUT (its manifest) when written, one GET (the manifest) per mount that
-    reads it cold, a HEAD and a DELETE more when deleted; a one-PUT file: nothing; a rename: nothing."""
+    reads it cold, a HEAD and a DELETE more when deleted; a one-PUT file: nothing; a rename: nothing.
+    A mount: one PUT and one DELETE (the probe for S3 checksums, store/s3.py)."""
     data = files()
     w = mounts(tmp_path / "w", proxy.url)
+    probes = [req for req in proxy.requests if "checksum-probe-" in req.path]
+    assert [req.kind for req in probes] == ["put", "delete"]
+    proxy.reset_counts()
     for name, body in data.items():
         (w.path / name).write_bytes(body)
     w.sync()
-    assert proxy.count(kind="put") == 2  # small.bin and big.bin's manifest
+    puts = [r for r in proxy.requests if r.kind == "put" and "manifest-sweep" not in r.path]  # (the daily sweep's stamp)
+    assert len(puts) == 2  # small.bin and big.bin's manifest
     assert len([r for r in proxy.requests if r.kind == "put" and "ckptfs-manifest" in r.path]) == 1
     assert proxy.count(kind="upload_part") == 4 and proxy.count(kind="complete_multipart") == 1
 
@@ -255,7 +260,8 @@ def test_request_cost_per_file(s3_server, s3_bucket, proxy, mounts, tmp_path):
     proxy.reset_counts()
     os.rename(w.path / "big.bin", w.path / "moved.bin")
     w.sync()
-    assert proxy.count(kind="copy") == 1 and proxy.count(kind="delete") == 1 and proxy.count(kind="put") == 0
+    assert proxy.count(kind="copy") == 1 and proxy.count(kind="delete") == 1
+    assert [r for r in proxy.requests if r.kind == "put" and "manifest-sweep" not in r.path] == []
 
     proxy.reset_counts()
     os.unlink(w.path / "moved.bin")

@@ -70,6 +70,13 @@ class ObjectStore(ABC):
 
     url: str  # printable location, never with credentials
 
+    server_checksums = False  # whether parts carry a checksum the server verifies (S3: CRC32C)
+
+    def detect_server_checksums(self) -> bool:
+        """Find out (once, at mount) whether the store verifies checksums sent with each upload,
+        and send them from then on if so. Stores with nothing to detect return False."""
+        return False
+
     def report_to(self, health) -> None:
         """Report each request attempt to ``health`` (a StoreHealth) where the backend can see
         them (S3: botocore's retries); others are reported by their callers."""
@@ -157,6 +164,11 @@ class ObjectStore(ABC):
     @abstractmethod
     def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
         """Unfinished uploads under ``prefix`` as (key, upload_id)."""
+
+    def list_multipart_started(self, prefix: str = "") -> list[float]:
+        """When each unfinished upload under ``prefix`` was started (seconds since the epoch).
+        Stores that cannot tell say every one started at 0 (before anything)."""
+        return [0.0 for _ in self.list_multipart(prefix)]
 
     def close(self) -> None:
         """Release connections."""

@@ -7,9 +7,12 @@ above this layer and decides from ``StoreError.transient``.
 
 from __future__ import annotations
 
+import base64
 import errno
+import logging
 import re
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
@@ -32,6 +35,8 @@ from .base import (
 _TRANSIENT_CODES = {
     "SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError", "Throttling",
     "ThrottlingException", "TooManyRequests", "RequestTimeTooSkewed", "OperationAborted",
+    # The body did not match its checksum (CRC32C, Content-MD5): damaged on the way, send it again.
+    "BadDigest", "XAmzContentChecksumMismatch",
 }
 _DENIED_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
@@ -40,6 +45,28 @@ _PERMANENT_ERRNO = {"KeyTooLongError": errno.ENAMETOOLONG, "EntityTooLarge": err
                     "InvalidPartOrder": errno.EINVAL, "EntityTooSmall": errno.EINVAL,
                     "MalformedXML": errno.EINVAL}
 GiB = 1 << 30
+log = logging.getLogger(__name__)
+
+# S3's own per-part checksum, sent where the server verifies it (detect_server_checksums): the
+# server then refuses a part damaged on the way (BadDigest) and the uploader sends it again.
+# CRC32C: the cheapest the server checks (docs/benchmarks.md, checksum cost), computed with awscrt.
+CHECKSUM_ALGORITHM = "CRC32C"
+# Where the support probe goes: under the reserved prefix the mount hides (integrity.MANIFEST_PREFIX).
+PROBE_PREFIX = ".ckptfs-manifest/checksum-probe-"
+_PROBE_BODY = b"ckptfs: does this server verify x-amz-checksum-crc32c?\n"
+# What a server that checks the checksum answers to a wrong one (AWS: BadDigest).
+_CHECKSUM_REFUSED = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest",
+                     "InvalidChecksum"}
+
+
+def crc32c_b64(data) -> str | None:
+    """The CRC32C of ``data`` as S3 headers carry it (base64 of the big-endian 4 bytes); None
+    without awscrt (the server checksums are then not used)."""
+    try:
+        from awscrt import checksums
+    except ImportError:
+        return None
+    return base64.b64encode(checksums.crc32c(data).to_bytes(4, "big")).decode()
 
 
 def _one_line(text: object, limit: int = 300) -> str:
@@ -69,6 +96,12 @@ def _as_bytes(data: bytes | memoryview) -> bytes | bytearray:
     if isinstance(obj, (bytes, bytearray)) and data.contiguous and data.nbytes == len(obj):
         return obj
     return data.tobytes()
+
+
+def _token(etag: str, crc32c: str | None) -> str:
+    """A part's token (journaled, handed back to complete_multipart): its ETag, and the CRC32C
+    the server verified if one was sent (the completion must list it; base64 has no spaces)."""
+    return f"{etag} {crc32c}" if crc32c else etag
 
 
 def _etag(answer: dict[str, Any]) -> str:
@@ -112,6 +145,12 @@ class S3Store(ObjectStore):
         self.endpoint = redact_url(self._client.meta.endpoint_url)  # as printed: without a password
         self._health = None
         self._attempt = threading.local()  # (token, op, key) of this thread's HTTP attempt
+        # Whether the server verifies CRC32C (detect_server_checksums; off until detected), whether
+        # it takes it on multipart uploads too, and which uploads were created with it (by id).
+        self.server_checksums = False
+        self._multipart_checksums = True
+        self._checksummed: dict[str, bool] = {}
+        self._checksummed_lock = threading.Lock()
 
     def report_to(self, health) -> None:
         """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage
@@ -231,7 +270,49 @@ class S3Store(ObjectStore):
             quick.close()
 
     def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
-        self._call("put", key, "put_object", Key=self._key(key), Body=_as_bytes(data), Metadata=metadata or {})
+        body = _as_bytes(data)
+        extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc32c_b64(body)} \
+            if self.server_checksums else {}
+        self._call("put", key, "put_object", Key=self._key(key), Body=body, Metadata=metadata or {}, **extra)
+
+    def detect_server_checksums(self) -> bool:
+        """Find out once (at mount) whether the server verifies ``x-amz-checksum-crc32c``: PUT a
+        tiny probe with a wrong CRC32C (a server that verifies refuses it, one that ignores the
+        header stores it), then with the right one (a server that refuses the header itself must
+        not get it); delete the probe. Sets and returns ``server_checksums``. Any other answer
+        (no write access, an error) leaves them off: uploads work as without."""
+        self.server_checksums = False
+        right = crc32c_b64(_PROBE_BODY)
+        if right is None:
+            log.info("awscrt is not installed: S3 checksums (CRC32C) not sent; xxh3 manifests only")
+            return False
+        wrong = crc32c_b64(_PROBE_BODY + b"x")
+        probe = PROBE_PREFIX + uuid.uuid4().hex[:16]
+        verifies = False
+        try:
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._key(probe), Body=_PROBE_BODY,
+                                        ChecksumAlgorithm=CHECKSUM_ALGORITHM, ChecksumCRC32C=wrong)
+            except bex.ClientError as e:
+                code = str(e.response.get("Error", {}).get("Code", ""))
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if status == 400 and code in _CHECKSUM_REFUSED:
+                    self._client.put_object(Bucket=self.bucket, Key=self._key(probe), Body=_PROBE_BODY,
+                                            ChecksumAlgorithm=CHECKSUM_ALGORITHM, ChecksumCRC32C=right)
+                    verifies = True
+                else:
+                    log.info("S3 checksum probe answered %s %s: checksums not sent", status, code)
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            log.info("S3 checksum probe failed (%s): checksums not sent", _one_line(e))
+        finally:
+            try:
+                self._client.delete_object(Bucket=self.bucket, Key=self._key(probe))
+            except (bex.BotoCoreError, bex.ClientError, OSError) as e:  # (a leftover is collected as an orphan)
+                log.info("could not delete the S3 checksum probe %s: %s", probe, _one_line(e))
+        self.server_checksums = verifies
+        log.info("%s %s CRC32C checksums: %s", self.endpoint, "verifies" if verifies else "does not verify",
+                 "sent with every part" if verifies else "not sent (xxh3 manifests only)")
+        return verifies
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self.get_range_meta(key, start, length)[0]
@@ -344,7 +425,8 @@ class S3Store(ObjectStore):
                 r = self._call("copy", f"{src} -> {dst}", "upload_part_copy", Key=self._key(dst),
                                UploadId=upload_id, PartNumber=n, CopySource=source,
                                CopySourceRange=f"bytes={off}-{end}")
-                parts.append(PartInfo(n, r["CopyPartResult"]["ETag"]))
+                parts.append(PartInfo(n, _token(r["CopyPartResult"]["ETag"],
+                                              r["CopyPartResult"].get("ChecksumCRC32C"))))
             self.complete_multipart(dst, upload_id, parts)
         except BaseException:
             try:
@@ -356,25 +438,77 @@ class S3Store(ObjectStore):
     # -- multipart ---------------------------------------------------------------
 
     def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
-        r = self._call("create_multipart", key, "create_multipart_upload", client=self._client_once,
-                       Key=self._key(key), Metadata=metadata or {})
+        args = {"Key": self._key(key), "Metadata": metadata or {}}
+        checksummed = self.server_checksums and self._multipart_checksums
+        r = None
+        if checksummed:
+            try:
+                r = self._client_once.create_multipart_upload(Bucket=self.bucket, ChecksumAlgorithm=CHECKSUM_ALGORITHM,
+                                                              **args)
+            except bex.ClientError as e:
+                # A server that checks a PUT's CRC32C but refuses it on multipart uploads (400,
+                # 501: nothing was created): its multipart uploads go without, from now on.
+                if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (400, 501):
+                    self._fail("create_multipart", key, e)
+                checksummed = False
+            except (bex.BotoCoreError, OSError) as e:
+                self._fail("create_multipart", key, e)
+        if r is None:
+            r = self._call("create_multipart", key, "create_multipart_upload", client=self._client_once, **args)
+            if self.server_checksums and self._multipart_checksums:
+                log.warning("%s refuses CRC32C on multipart uploads: their parts go without S3 checksums",
+                            self.endpoint)
+                self._multipart_checksums = False
+        with self._checksummed_lock:
+            self._checksummed[r["UploadId"]] = checksummed
         return r["UploadId"]
 
+    def _uses_checksums(self, key: str, upload_id: str) -> bool:
+        """Whether the upload was created with CRC32C (then each part and the completion carry
+        theirs). Known for the uploads this process created; for one resumed from the journal,
+        the server's list of unfinished uploads says (once)."""
+        if not self.server_checksums:
+            return False
+        with self._checksummed_lock:
+            known = self._checksummed.get(upload_id)
+        if known is None:
+            try:
+                pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                    Bucket=self.bucket, Prefix=self._key(key))
+                known = any(str(u.get("ChecksumAlgorithm") or "").upper() == CHECKSUM_ALGORITHM
+                            for page in pages for u in page.get("Uploads", [])
+                            if u["UploadId"] == upload_id and u["Key"] == self._key(key))
+            except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+                self._fail("upload_part", key, e)
+            with self._checksummed_lock:
+                self._checksummed[upload_id] = known
+        return known
+
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
+        body = _as_bytes(data)
+        crc = crc32c_b64(body) if self._uses_checksums(key, upload_id) else None
+        extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
         r = self._call("upload_part", key, "upload_part", Key=self._key(key), UploadId=upload_id,
-                       PartNumber=number, Body=_as_bytes(data))
-        return PartInfo(number, r["ETag"])
+                       PartNumber=number, Body=body, **extra)
+        return PartInfo(number, _token(r["ETag"], crc))
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
+        def entry(p: PartInfo) -> dict[str, Any]:
+            etag, _, crc = p.token.partition(" ")
+            return {"PartNumber": p.number, "ETag": etag, **({"ChecksumCRC32C": crc} if crc else {})}
+
         self._call("complete_multipart", key, "complete_multipart_upload", Key=self._key(key),
-                   UploadId=upload_id,
-                   MultipartUpload={"Parts": [{"PartNumber": p.number, "ETag": p.token} for p in parts]})
+                   UploadId=upload_id, MultipartUpload={"Parts": [entry(p) for p in parts]})
+        with self._checksummed_lock:
+            self._checksummed.pop(upload_id, None)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         try:
             self._call("abort_multipart", key, "abort_multipart_upload", Key=self._key(key), UploadId=upload_id)
         except NotFound:
             pass  # unknown or already finished upload
+        with self._checksummed_lock:
+            self._checksummed.pop(upload_id, None)
 
     def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
         out = []
@@ -387,6 +521,14 @@ class S3Store(ObjectStore):
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
             self._fail("list_multipart", prefix, e)
         return out
+
+    def list_multipart_started(self, prefix: str = "") -> list[float]:
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self._base + prefix)
+            return [u["Initiated"].timestamp() for page in pages for u in page.get("Uploads", [])]
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            self._fail("list_multipart", prefix, e)
 
     def close(self) -> None:
         self._client.close()
