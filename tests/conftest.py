@@ -311,7 +311,8 @@ def other_user(tmp_path_factory) -> OtherUser:
 #   e2e    mounts ckptfs through FUSE: the mount_factory fixture, or tests.mounting's Mount (or a
 #          subclass) / `ckptfs` command used by the test, its fixtures or the helpers they call
 #   slow   the long ones: a test reading the module's LONG (CKPTFS_LONG) switch, a hypothesis
-#          run, or one whose timeout mark allows 10 minutes or more
+#          state-machine run (run_state_machine_as_test; a plain @given test is not slow by
+#          itself), or one whose timeout mark allows 10 minutes or more
 #
 # "Reaches" is found by reading code, not by running it: the names the test function, its
 # fixtures' functions and (transitively) the helper functions and classes of tests/ they name
@@ -341,12 +342,19 @@ def _codes(code):
 
 def _reached(obj, targets: dict[int, str], seen: set[int], out: set[str]) -> None:
     """Add to `out` the kinds (e2e, store, slow) the function or class `obj` reaches."""
-    import inspect
-    import types
-
     if id(obj) in seen:
         return
     seen.add(id(obj))
+    try:
+        _reached_from(obj, targets, seen, out)
+    except Exception:  # noqa: BLE001 - an object this reading does not understand: the fixture rules still hold
+        pass
+
+
+def _reached_from(obj, targets: dict[int, str], seen: set[int], out: set[str]) -> None:
+    import inspect
+    import types
+
     if id(obj) in targets:
         out.add(targets[id(obj)])
     if inspect.isclass(obj):
@@ -362,8 +370,6 @@ def _reached(obj, targets: dict[int, str], seen: set[int], out: set[str]) -> Non
     func = inspect.unwrap(obj) if callable(obj) else obj
     if not isinstance(func, types.FunctionType):
         return
-    if getattr(obj, "is_hypothesis_test", False):
-        out.add("slow")
     module_globals = func.__globals__
     for code in _codes(func.__code__):
         for name in code.co_names:
@@ -381,7 +387,8 @@ def _reached(obj, targets: dict[int, str], seen: set[int], out: set[str]) -> Non
                     if target is not None and id(target) in targets:
                         out.add(targets[id(target)])
                 continue
-            if getattr(value, "__module__", "") and str(getattr(value, "__module__", "")).startswith("tests"):
+            module = getattr(value, "__module__", None)
+            if isinstance(module, str) and module.startswith("tests"):
                 _reached(value, targets, seen, out)
             elif id(value) in targets:
                 out.add(targets[id(value)])
@@ -421,6 +428,7 @@ def _layers_of(item, targets: dict[int, str]) -> set[str]:
     return kinds
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(config, items):
     targets = _reach_targets()
     for item in items:
