@@ -299,3 +299,143 @@ def other_user(tmp_path_factory) -> OtherUser:
     if _other_user_usable:
         pytest.skip(f"{OTHER_USER} cannot run ckptfs from this checkout: {_other_user_usable}")
     return user
+
+
+# =============================================================================================
+# Test layers (markers), assigned automatically from what a test reaches
+# =============================================================================================
+#
+#   unit   neither of the two below: the code in-process, a local store, seconds in all
+#   store  needs the S3 server: the s3_server/s3_bucket/proxy fixtures, the `store` fixture on
+#          its "s3" parameter, or Swift / the fault proxy / an S3 endpoint used directly
+#   e2e    mounts ckptfs through FUSE: the mount_factory fixture, or tests.mounting's Mount (or a
+#          subclass) / `ckptfs` command used by the test, its fixtures or the helpers they call
+#   slow   the long ones: a test reading the module's LONG (CKPTFS_LONG) switch, a hypothesis
+#          state-machine run (run_state_machine_as_test; a plain @given test is not slow by
+#          itself), or one whose timeout mark allows 10 minutes or more
+#
+# "Reaches" is found by reading code, not by running it: the names the test function, its
+# fixtures' functions and (transitively) the helper functions and classes of tests/ they name
+# refer to. A test module whose tests the guess gets wrong sets `pytestmark` itself; an explicit
+# unit/store/e2e mark on a test wins over the guess. `scripts/test -m unit` runs the unit layer
+# without starting Swift (the s3_server fixture starts it only for a test that needs it).
+
+LAYERS = ("unit", "store", "e2e")
+_S3_FIXTURES = {"s3_server", "s3_bucket", "proxy"}
+_SLOW_TIMEOUT_S = 600
+
+
+def _reach_targets() -> dict[int, str]:
+    from tests import faultproxy, mounting, swift
+
+    return {id(mounting.Mount): "e2e", id(mounting.ckptfs): "e2e",
+            id(swift.SwiftServer): "store", id(swift.S3Endpoint): "store",
+            id(faultproxy.FaultProxy): "store"}
+
+
+def _codes(code):
+    yield code
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            yield from _codes(const)
+
+
+def _reached(obj, targets: dict[int, str], seen: set[int], out: set[str]) -> None:
+    """Add to `out` the kinds (e2e, store, slow) the function or class `obj` reaches."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    try:
+        _reached_from(obj, targets, seen, out)
+    except Exception:  # noqa: BLE001 - an object this reading does not understand: the fixture rules still hold
+        pass
+
+
+def _reached_from(obj, targets: dict[int, str], seen: set[int], out: set[str]) -> None:
+    import inspect
+    import types
+
+    if id(obj) in targets:
+        out.add(targets[id(obj)])
+    if inspect.isclass(obj):
+        for base in obj.__mro__:
+            if id(base) in targets:
+                out.add(targets[id(base)])
+        if obj.__module__.startswith("tests"):
+            for member in vars(obj).values():
+                member = getattr(member, "__func__", member)
+                if isinstance(member, (types.FunctionType, property)):
+                    _reached(member.fget if isinstance(member, property) else member, targets, seen, out)
+        return
+    func = inspect.unwrap(obj) if callable(obj) else obj
+    if not isinstance(func, types.FunctionType):
+        return
+    module_globals = func.__globals__
+    for code in _codes(func.__code__):
+        for name in code.co_names:
+            if name == "LONG" and "LONG" in module_globals:
+                out.add("slow")
+            if name == "run_state_machine_as_test":
+                out.add("slow")
+            value = module_globals.get(name)
+            if value is None:
+                continue
+            if isinstance(value, types.ModuleType):
+                # `mounting.Mount(...)`: look the other names up in that module, one level deep
+                for attr in code.co_names:
+                    target = getattr(value, attr, None)
+                    if target is not None and id(target) in targets:
+                        out.add(targets[id(target)])
+                continue
+            module = getattr(value, "__module__", None)
+            if isinstance(module, str) and module.startswith("tests"):
+                _reached(value, targets, seen, out)
+            elif id(value) in targets:
+                out.add(targets[id(value)])
+
+
+def _asks_for_s3(func) -> bool:
+    import inspect
+
+    code = getattr(inspect.unwrap(func), "__code__", None)
+    return code is not None and any(const in _S3_FIXTURES for c in _codes(code) for const in c.co_consts
+                                    if isinstance(const, str))
+
+
+def _layers_of(item, targets: dict[int, str]) -> set[str]:
+    kinds: set[str] = set()
+    names = set(getattr(item, "fixturenames", ()))
+    if names & _S3_FIXTURES:
+        kinds.add("store")
+    if "mount_factory" in names:
+        kinds.add("e2e")
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    seen: set[int] = set()
+    if getattr(item, "function", None) is not None:
+        _reached(item.function, targets, seen, kinds)
+    fixtureinfo = getattr(item, "_fixtureinfo", None)
+    for name in names:
+        for fixturedef in (fixtureinfo.name2fixturedefs.get(name, ()) if fixtureinfo else ()):
+            _reached(fixturedef.func, targets, seen, kinds)
+            # request.getfixturevalue("s3_server"): always, or (a parametrised fixture such as
+            # `store`) only on its "s3" parameter
+            if _asks_for_s3(fixturedef.func) and (fixturedef.params is None or params.get(name) == "s3"):
+                kinds.add("store")
+    timeout = item.get_closest_marker("timeout")
+    if timeout is not None and timeout.args and isinstance(timeout.args[0], (int, float)):
+        if timeout.args[0] >= _SLOW_TIMEOUT_S:
+            kinds.add("slow")
+    return kinds
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    targets = _reach_targets()
+    for item in items:
+        explicit = {layer for layer in LAYERS if item.get_closest_marker(layer) is not None}
+        kinds = _layers_of(item, targets)
+        layers = explicit or ({"store", "e2e"} & kinds) or {"unit"}
+        for layer in sorted(layers - explicit):
+            item.add_marker(layer)
+        if "slow" in kinds and item.get_closest_marker("slow") is None:
+            item.add_marker("slow")

@@ -1,0 +1,138 @@
+"""The import rules of ckptfs/, checked by reading every module with ``ast`` (imports inside
+functions count too), so the layering cannot rot silently:
+
+- only fuse_ops.py and daemon.py import pyfuse3; only store/s3.py imports boto3, botocore,
+  s3transfer or awscrt; importing the package, the CLI or any model/data module loads neither
+  (checked in a fresh interpreter, which also catches a dependency that pulls them in);
+- each module imports only modules of lower layers (LAYERS below, bottom first): the order of
+  docs/architecture.md's diagram (daemon > fuse_ops > namespace > uploader/fetcher/prefill >
+  journal > cache > store), with the modules the diagram leaves out placed where their imports
+  put them today. Callbacks handed up at run time (the cache's ``pinned``/``reclaim``, the
+  uploader's ``on_durable``) are calls, not imports: issue 16 is about those.
+
+A new module gets a line in LAYERS (test_every_module_has_a_layer says which are missing).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "ckptfs"
+
+# Bottom first. A module may import modules of lower layers only (never its own layer or above).
+LAYERS: list[tuple[str, set[str]]] = [
+    ("leaves: no ckptfs imports", {"errors", "config", "health", "integrity", "background", "store.base"}),
+    ("files and stores", {"private", "logs", "limits", "store.local", "store.s3"}),
+    ("store choice, cache arenas", {"store", "cache"}),
+    ("cache users, mount checks", {"journal", "clean_index", "paths"}),
+    ("transfer", {"uploader", "fetcher", "prefill", "openers"}),
+    ("model", {"namespace"}),
+    ("FUSE glue, admin channel", {"fuse_ops", "control"}),
+    ("daemon wiring", {"daemon"}),
+    ("command line", {"cli"}),
+    ("python -m ckptfs", {"__main__"}),
+]
+RANK = {module: rank for rank, (_, modules) in enumerate(LAYERS) for module in modules}
+
+PYFUSE3_ALLOWED = {"fuse_ops", "daemon"}
+S3_LIBRARIES = {"boto3", "botocore", "s3transfer", "awscrt"}
+S3_ALLOWED = {"store.s3"}
+
+
+def modules() -> dict[str, Path]:
+    """ckptfs modules by dotted name below the package ("store.s3"); "" is the package itself."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imports(name: str) -> tuple[set[str], set[str]]:
+    """(ckptfs modules, top-level outside packages) that module ``name`` imports anywhere in it."""
+    path = MODULES[name]
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    ours, outside = set(), set()
+
+    def ours_from(dotted: list[str], names: list[str]) -> None:
+        base = ".".join(dotted)
+        for alias in names:  # `from . import cache`: a module; `from .cache import Cache`: a name
+            candidate = f"{base}.{alias}" if base else alias
+            ours.add(candidate if candidate in MODULES else base)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "ckptfs" or alias.name.startswith("ckptfs."):
+                    ours.add(alias.name.removeprefix("ckptfs").lstrip("."))
+                else:
+                    outside.add(alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                ours_from(base + (node.module.split(".") if node.module else []), [a.name for a in node.names])
+            elif node.module == "ckptfs" or node.module.startswith("ckptfs."):
+                ours_from(node.module.split(".")[1:], [a.name for a in node.names])
+            else:
+                outside.add(node.module.split(".")[0])
+    ours.discard("")  # the package itself (its __init__ is checked on its own)
+    ours.discard(name)
+    return ours, outside
+
+
+def test_the_parser_sees_known_imports():
+    # (a guard against this test going blind: these imports exist today)
+    assert {"namespace", "openers", "errors"} <= imports("fuse_ops")[0]
+    assert "pyfuse3" in imports("fuse_ops")[1] and "boto3" in imports("store.s3")[1]
+    assert {"control", "limits", "logs", "private", "store", "daemon"} <= imports("cli")[0]
+    assert {"store.local", "store.s3", "store.base"} <= imports("store")[0]
+
+
+def test_only_the_fuse_glue_and_the_daemon_import_pyfuse3():
+    users = {name for name in MODULES if "pyfuse3" in imports(name)[1]}
+    assert users <= PYFUSE3_ALLOWED, f"pyfuse3 imported outside fuse_ops/daemon: {sorted(users - PYFUSE3_ALLOWED)}"
+
+
+def test_only_the_s3_store_imports_boto3():
+    users = {name: sorted(imports(name)[1] & S3_LIBRARIES) for name in MODULES}
+    assert {name: libs for name, libs in users.items() if libs and name not in S3_ALLOWED} == {}
+
+
+def test_the_package_and_the_lower_layers_load_neither_at_import():
+    """In a fresh interpreter: `import ckptfs`, the CLI and every module below the FUSE glue
+    (bar the S3 store) load neither pyfuse3 nor an S3 library."""
+    light = sorted(name for name in MODULES
+                   if name and name != "__main__" and name not in S3_ALLOWED | PYFUSE3_ALLOWED)
+    code = ("import importlib, sys\n"
+            "import ckptfs\n"
+            f"for name in {light!r}:\n"
+            "    importlib.import_module('ckptfs.' + name)\n"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(S3_LIBRARIES | {'pyfuse3'})!r})))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"loaded at import: {done.stdout.strip()}"
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(name for name in MODULES if name and name not in RANK)
+    assert not unplaced, (f"place {unplaced} in a layer of tests/test_layering.py LAYERS "
+                          "(and in docs/architecture.md's diagram)")
+
+
+@pytest.mark.parametrize("name", sorted(name for name in MODULES if name in RANK))
+def test_imports_go_down_the_layers(name):
+    upward = sorted(target for target in imports(name)[0] if target in RANK and RANK[target] >= RANK[name])
+    assert not upward, (f"ckptfs/{name.replace('.', '/')} ({LAYERS[RANK[name]][0]}) imports "
+                        + ", ".join(f"{t} ({LAYERS[RANK[t]][0]})" for t in upward)
+                        + ": only lower layers may be imported")
