@@ -25,9 +25,8 @@ from ckptfs import control, integrity
 from ckptfs.catalog_handler import describe
 from ckptfs.config import ckptfs_mounts
 from ckptfs.errors import CkptfsError
-from ckptfs.namespace import RESERVED_PREFIX
 from ckptfs.series import Decision, Entry, Series, Step, analyse, plan_gc
-from ckptfs.store.base import ObjectStore, StoreError
+from ckptfs.store.base import RESERVED_PREFIX, ObjectStore, StoreError
 from ckptfs.target import Target, resolve, sub_path
 
 CATALOG_TIMEOUT_S = 300.0  # a catalog of a very large mount (HEADs for checksums) may take a while

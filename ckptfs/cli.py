@@ -15,12 +15,14 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import humanfriendly
 
 from ckptfs import control, limits, logs, private
+from ckptfs.cli_support import (ProgressBar, _call, _fmt, _mount_of, _mountpoint, _one_line, _positive_int,
+                                _relative_paths, _size)
 from ckptfs.config import MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
 from ckptfs.errors import CkptfsError, MountError, UsageError
 from ckptfs.paths import check_mount_paths
@@ -32,7 +34,6 @@ log = logging.getLogger("ckptfs")
 READY_TIMEOUT_S = 60.0  # how long `mount` waits for the detached daemon to serve
 UNMOUNT_WAIT_S = 60.0  # how long `umount` waits for the mount and the daemon to go
 UMOUNT_TIMEOUT_S = 300.0  # how long `umount` waits for uploads to drain (--timeout)
-PROGRESS_LINE_S = 10.0  # not on a terminal: a progress line this often
 WATCH_INTERVAL_S = 2.0  # status --watch
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, clear: what top and watch(1) do
 LOG_LEVELS = logs.LEVELS
@@ -58,23 +59,6 @@ class _Parser(argparse.ArgumentParser):
             return self.parse_known_intermixed_args(args, namespace)
         finally:
             self.intermixed = True
-
-
-def _size(text: str) -> int:
-    try:
-        return humanfriendly.parse_size(text, binary=True)
-    except humanfriendly.InvalidSize:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 4GiB, 512M, 8MiB, 1048576)") from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
 
 
 MAX_SECONDS = 366 * 24 * 3600  # a year: longer waits overflow socket timeouts ('inf' among them)
@@ -193,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="unmount without draining; pending uploads resume at the next mount")
     p.set_defaults(func=cmd_umount)
 
-    from ckptfs import catalog_cli, verify  # ls, checkpoints, gc; verify
+    from ckptfs import catalog_cli, verify_cli  # ls, checkpoints, gc; verify
     catalog_cli.add_commands(sub)
-    verify.add_parser(sub)
+    verify_cli.add_parser(sub)
 
     for p in sub.choices.values():
         p.intermixed = True  # type: ignore[attr-defined]
@@ -499,16 +483,6 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mount_of(path: str) -> tuple[str, str]:
-    """The ckptfs mount holding ``path`` (the innermost one), and the path as seen from there."""
-    mounts = ckptfs_mounts()
-    for candidate in (os.path.abspath(path), os.path.realpath(path)):
-        owners = [m for m in mounts if os.path.commonpath([m, candidate]) == m]
-        if owners:
-            return max(owners, key=len), candidate
-    raise UsageError(f"{path} is not on a ckptfs mount")
-
-
 def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = _mountpoint(args.mountpoint)
     try:
@@ -534,40 +508,6 @@ def cmd_umount(args: argparse.Namespace) -> int:
     elif bar.summary():
         print(f"ckptfs: unmounted {mountpoint} ({bar.summary()})", file=sys.stderr)
     return 0
-
-
-def _call(mountpoint: str, cmd: str, args: dict | None = None,
-          on_progress: Callable[[dict], None] | None = None, timeout: float | None = None) -> dict:
-    try:
-        return control.call(mountpoint, cmd, args, on_progress=on_progress, timeout=timeout)
-    except control.NoDaemon:
-        if mountpoint in ckptfs_mounts():
-            raise control.NoDaemon(f"the ckptfs daemon of {mountpoint} is gone (stale mount): mount it again "
-                                   f"to resume its uploads, or run 'ckptfs umount {mountpoint}'") from None
-        raise
-
-
-def _mountpoint(path: str) -> str:
-    """The canonical mountpoint, without stat()ing the mount itself (a hung daemon would block us)."""
-    path = os.path.abspath(path)
-    path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    return path if path in ckptfs_mounts() else os.path.realpath(path)
-
-
-def _relative_paths(mountpoint: str, paths: list[str]) -> list[str]:
-    """PATHs as the daemon wants them: relative to the mountpoint; [] means everything."""
-    out = []
-    for path in paths:
-        for candidate in (os.path.abspath(path), os.path.realpath(path)):
-            if os.path.commonpath([mountpoint, candidate]) == mountpoint:
-                break
-        else:
-            raise UsageError(f"{path} is not inside the ckptfs mount {mountpoint}")
-        rel = os.path.relpath(candidate, mountpoint)
-        if rel == ".":
-            return []
-        out.append(rel)
-    return out
 
 
 def _wait_gone(mountpoint: str, pid: int | None, timeout: float) -> None:
@@ -607,66 +547,6 @@ def _lazy_unmount(mountpoint: str) -> None:
             return
         why = _one_line(done.stderr) or f"{command[0]} exited with status {done.returncode}"
     raise CkptfsError(f"could not unmount {mountpoint}: {why}")
-
-
-# --- output ---------------------------------------------------------------------
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _fmt(n: object) -> str:
-    return humanfriendly.format_size(n, binary=True) if isinstance(n, (int, float)) else "?"
-
-
-class ProgressBar:
-    """Progress from the daemon: uploads ({"pending_files", "pending_bytes", "total_bytes"}) or
-    warmup ({"done_bytes", "total_bytes", "files", "files_done"}): a tqdm bar in bytes on a
-    terminal, nothing otherwise (the caller prints ``summary``)."""
-
-    def __init__(self, desc: str):
-        self.desc = desc
-        self.start = time.monotonic()
-        self.last: dict | None = None
-        self.bar = None
-        self.lined = self.start  # when the last progress line was printed (not on a terminal)
-
-    def __call__(self, progress: dict) -> None:
-        from tqdm import tqdm
-
-        self.last = progress
-        total = int(progress.get("total_bytes") or 0)
-        if "done_bytes" in progress:
-            done = int(progress["done_bytes"] or 0)
-            postfix = f"{progress.get('files_done', '?')} of {progress.get('files', '?')} files"
-        else:
-            done = max(total - int(progress.get("pending_bytes") or 0), 0)
-            files = progress.get("pending_files", "?")
-            postfix = f"{files} file{'' if files == 1 else 's'} left"
-            if progress.get("store") not in (None, "ok"):
-                postfix += f"; store {progress['store']}"
-        if self.bar is None:
-            self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc=self.desc,
-                            file=sys.stderr, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
-        self.bar.total = total  # grows when more is committed while we wait
-        self.bar.n = done
-        self.bar.set_postfix_str(postfix, refresh=False)
-        self.bar.refresh()
-        if self.bar.disable and time.monotonic() - self.lined >= PROGRESS_LINE_S:  # a log, not a terminal
-            self.lined = time.monotonic()
-            print(f"ckptfs: {self.desc}: {_fmt(done)} of {_fmt(total)}, {postfix}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def summary(self) -> str | None:
-        """What we waited for, or None if nothing was pending."""
-        total = (self.last or {}).get("total_bytes")
-        if not total:
-            return None
-        return f"waited {time.monotonic() - self.start:.1f} s for {_fmt(total)} to upload"
 
 
 _STATUS_KEYS = {"mountpoint", "store", "cache_dir", "pid", "uptime_s", "part_size", "ram", "disk", "clean_bytes",

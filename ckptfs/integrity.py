@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-MANIFEST_PREFIX = ".ckptfs-manifest/"  # under namespace.RESERVED_PREFIX: never a path on the mount
+MANIFEST_PREFIX = ".ckptfs-manifest/"  # under store.base.RESERVED_PREFIX: never a path on the mount
 MANIFEST_META = "ckptfs-manifest"  # object metadata: "xxh3-64" when a manifest was written for it
 UPLOAD_META = "ckptfs-upload"  # object metadata: the upload's journal id, which names the manifest
 XXH3_META = "xxh3"  # object metadata of a one-PUT file: xxh3-64 of all its bytes

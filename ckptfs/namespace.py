@@ -35,6 +35,7 @@ from .prefill import Prefill
 from .store.base import (
     MAX_KEY_BYTES,
     MAX_PARTS,
+    RESERVED_PREFIX,
     DirListing,
     ObjectInfo,
     PartInfo,
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 ROOT_INODE = 1
 MAX_NAME_BYTES = 255
 MIN_MULTIPART = 5 << 20  # S3's smallest part: a multipart object is larger
-RESERVED_PREFIX = ".ckptfs-"  # the local store's own files live under this at its root
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 CHECKPOINT_GAP_S = 60.0  # shards committed closer together than this belong to one save
 

@@ -19,9 +19,6 @@ run in parallel, at most ``jobs`` parts (of the object's part size) in flight.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -30,12 +27,11 @@ import trio
 
 from . import integrity
 from .integrity import IntegrityError
-from .store.base import NotFound, ObjectInfo, ObjectStore, StoreError
+from .store.base import RESERVED_PREFIX, NotFound, ObjectInfo, ObjectStore, StoreError
 
 JOBS = 8  # parts read at once (by default)
 PROGRESS_S = 0.5
 FAILURES = ("mismatch", "missing-manifest", "missing", "error")
-RESERVED = ".ckptfs-"  # the store's own objects (namespace.RESERVED_PREFIX): never verified
 
 
 @dataclass
@@ -65,7 +61,7 @@ def _targets(store: ObjectStore, paths: list[str]) -> list[tuple[str, ObjectInfo
                 out[path] = info
                 continue
         for info in store.list(path + "/" if path else ""):
-            if info.key.endswith("/") or info.key.split("/", 1)[0].startswith(RESERVED):
+            if info.key.endswith("/") or info.key.split("/", 1)[0].startswith(RESERVED_PREFIX):
                 found = True
                 continue
             out[info.key] = info
@@ -175,83 +171,3 @@ async def _check_part(store: ObjectStore, key: str, checks: integrity.Checksums,
         state["done_bytes"] += length
     finally:
         parts.release()
-
-
-# --- the command ----------------------------------------------------------------------------------
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("verify", help="re-read objects and check them against the checksums recorded at upload",
-                       description="Read back every object at or under each PATH (default: all) from the store "
-                                   "and check it against the checksums ckptfs recorded when it uploaded it. "
-                                   "Exit 1 on any mismatch, missing object or missing manifest (and, with "
-                                   "--strict, on objects with no checksum recorded).")
-    p.add_argument("target", metavar="STORE_URL|MOUNTPOINT",
-                   help="s3://bucket[/prefix] or file:///path (opened directly), or a ckptfs mountpoint "
-                        "(its daemon reads the store)")
-    p.add_argument("paths", nargs="*", metavar="PATH",
-                   help="files or directories: keys under the store URL, or paths on the mount (default: all)")
-    p.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint (with an s3:// STORE_URL)")
-    p.add_argument("--jobs", type=_jobs, default=JOBS, metavar="N", help=f"parts read at once (default {JOBS})")
-    p.add_argument("--strict", action="store_true", help="objects with no checksum recorded count as failures")
-    p.add_argument("--json", action="store_true", help="print every object's result as JSON on stdout")
-    p.set_defaults(func=cmd_verify)
-
-
-def _jobs(text: str) -> int:
-    from .cli import _positive_int
-
-    n = _positive_int(text)
-    if n > 256:
-        raise argparse.ArgumentTypeError(f"at most 256, not {n}")
-    return n
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from . import cli, target
-
-    where = target.resolve(args.target, args.endpoint_url)
-    bar = cli.ProgressBar("verify")
-    try:
-        if where.is_mount:
-            paths = cli._relative_paths(where.mountpoint, args.paths) if args.paths else \
-                [where.prefix] if where.prefix else []
-            result = cli._call(where.mountpoint, "verify", {"paths": paths, "jobs": args.jobs}, on_progress=bar)
-        else:
-            result = _verify_url(where, args, bar)
-    finally:
-        bar.close()
-    return report(result, args.json, args.strict)
-
-
-def _verify_url(where, args: argparse.Namespace, bar) -> dict:
-    store = where.open_store(max_connections=args.jobs + 4)
-    try:
-        store.check()
-
-        async def progress(update: dict) -> None:
-            bar(update)
-
-        return trio.run(run, store, [p.lstrip("/") for p in args.paths], progress, args.jobs)
-    finally:
-        store.close()
-
-
-def report(result: dict, as_json: bool, strict: bool) -> int:
-    files = result["files"]
-    bad = failed(files, strict)
-    counts: dict[str, int] = {}
-    for r in files:
-        counts[r["state"]] = counts.get(r["state"], 0) + 1
-    if as_json:
-        print(json.dumps({**result, "counts": counts, "ok": not bad}, indent=2, sort_keys=True))
-    else:
-        for r in files:
-            if r["state"] != "ok":
-                print(f"{r['state'].upper():17s} {r['key']}: {r['detail']}")
-    from .cli import _fmt
-
-    summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no objects"
-    print(f"ckptfs: verified {len(files)} object{'s' if len(files) != 1 else ''} ({_fmt(result['total_bytes'])}) "
-          f"in {result['store']} in {result['seconds']:.1f} s: {summary}", file=sys.stderr)
-    return 1 if bad else 0

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 # last), keys of at most 1024 bytes, user metadata of at most 2 KiB.
 MAX_PARTS = 10_000
 MAX_KEY_BYTES = 1024
+# Top-level keys starting with this are ckptfs's own (checksum manifests, the local store's files):
+# never a path on a mount, never listed, verified or collected as a checkpoint.
+RESERVED_PREFIX = ".ckptfs-"
 
 
 def redact_url(url: str) -> str:
