@@ -43,7 +43,8 @@ FRAMES_META = "ckptfs-frames"  # object metadata of a compressed one-PUT object:
 MARKER_KEY = ".ckptfs-compressed"  # exists once any mount stored a compressed object in the bucket
 DEFAULT_LEVEL = 3
 MIN_PART = 5 << 20  # S3's smallest part but the last
-WORTH = 0.97  # a compressed frame is kept only if at most this share of the raw bytes
+WORTH = 0.97  # a compressed frame is kept only if at most this share of the raw bytes (and a
+# grouped one only if at most this share of the ungrouped one, on the samples)
 SAMPLES, SAMPLE_BYTES = 4, 64 << 10  # what the byte-grouping choice compresses (4 x 64 KiB)
 GROUPS = (1, 2, 4)
 RAW = 0  # "group" of a raw frame (stored as it is)
@@ -82,6 +83,13 @@ def group(data, by: int) -> bytes:
     n = len(data) // by * by
     values = numpy.frombuffer(data, numpy.uint8, count=n).reshape(-1, by)
     return values.T.tobytes() + bytes(memoryview(data)[n:])
+
+
+def _planes(data, by: int) -> list[bytes]:
+    if by <= 1:
+        return [bytes(data)]
+    values = numpy.frombuffer(data, numpy.uint8, count=len(data) // by * by).reshape(-1, by)
+    return [values[:, k].tobytes() for k in range(by)]
 
 
 def ungroup(data, by: int) -> bytes:
@@ -168,8 +176,11 @@ class Codec:
             samples = [view[i * step:i * step + SAMPLE_BYTES] for i in range(SAMPLES)]
         fast = self._compressor(1)
         total = sum(len(s) for s in samples)
-        sizes = {by: sum(len(fast.compress(group(s, by))) for s in samples) for by in GROUPS}
-        best = min(GROUPS, key=lambda by: (sizes[by], by))
+        # Each group of a sample on its own, as in a whole part, where each fills many zstd blocks
+        # (each with its own entropy tables); a sample grouped in one block would gain nothing.
+        sizes = {by: sum(len(fast.compress(plane)) for s in samples for plane in _planes(s, by)) for by in GROUPS}
+        # Grouping must win clearly: an ungrouped frame is one any zstd restores as it was.
+        best = min(GROUPS, key=lambda by: (sizes[by] / (1 if by == 1 else WORTH), by))
         return best if sizes[best] <= WORTH * total else RAW
 
     def encode(self, data, compress: bool = True) -> tuple[bytes, int]:
@@ -232,16 +243,18 @@ def untag_part(part: PartInfo) -> tuple[PartInfo, tuple[int, int] | None]:
 
 # -- when to compress ------------------------------------------------------------------------------
 class Governor:
-    """Whether compressing the next part pays: it costs CPU time (``compress_rate``: bytes per
-    second a thread compresses) and saves link time (``upload_rate``: stored bytes per second a
-    part upload moves). A part goes raw when compressing it takes longer than the upload time it
-    saves, so compression never makes the data slower to reach the store; every PROBE-th part is
-    compressed anyway, to keep the estimates current."""
+    """Whether to compress the next part. Every part is, unless the uploader is behind (``behind()``:
+    writers wait for cache space, so the save stalls) *and* compression is what holds it back:
+    compressing a part costs CPU time (``compress_rate``: bytes per second a thread compresses)
+    and saves link time (``upload_rate``: stored bytes per second a part upload moves); when the
+    first is larger, the part goes raw, so compression never lengthens a stall. Every PROBE-th
+    part is compressed anyway, to keep the estimates current."""
 
     PROBE = 8
     ALPHA = 0.3
 
-    def __init__(self):
+    def __init__(self, behind=lambda: True):
+        self.behind = behind
         self._lock = threading.Lock()
         self.compress_rate: float | None = None
         self.upload_rate: float | None = None
@@ -253,6 +266,8 @@ class Governor:
         with self._lock:
             self.parts += 1
             if None in (self.compress_rate, self.upload_rate, self.saving) or self.parts % self.PROBE == 0:
+                return True
+            if not self.behind():
                 return True
             pays = self.saving * self.compress_rate >= self.upload_rate
             if not pays:
@@ -320,7 +335,8 @@ class LogicalStore(ObjectStore):
             self._marker_seen = self.inner.head(MARKER_KEY) is not None
         return self._marker_seen
 
-    def _logical(self, info: ObjectInfo) -> ObjectInfo:
+    def _logical(self, info: ObjectInfo, headed: bool = False) -> ObjectInfo:
+        """``info`` (from a listing, or a HEAD if ``headed``) with the size the mount shows."""
         if info.key.endswith("/") or info.key.startswith(".ckptfs-"):
             return info
         stamp = (info.size, info.etag or info.mtime)
@@ -328,7 +344,7 @@ class LogicalStore(ObjectStore):
             found = self._known.get(info.key)
         if found is not None and found[0] == stamp:
             return replace(info, size=found[2]) if found[2] != info.size else info
-        head = self.inner.head(info.key)
+        head = info if headed else self.inner.head(info.key)
         if head is None:
             return info
         return self._remember(head)
@@ -379,9 +395,9 @@ class LogicalStore(ObjectStore):
 
     def head(self, key):
         info = self.inner.head(key)
-        if info is None or key.endswith("/") or not self._may_be_compressed():
+        if info is None or not self._may_be_compressed():
             return info
-        return self._remember(info)
+        return self._logical(info, headed=True)
 
     def list(self, prefix=""):
         infos = list(self.inner.list(prefix))

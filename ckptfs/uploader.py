@@ -174,7 +174,7 @@ class Uploader:
         self.store = store
         # --compress: parts go up as zstd frames (compression.py), compressed in the store threads
         self.codec = compression.Codec(compress_level) if compress_level else None
-        self.governor = compression.Governor()
+        self.governor = compression.Governor(behind=lambda: cache.waiters > 0)
         self.stored_bytes = 0  # bytes sent for file data (compressed size where compressed)
         self._marked = False  # compression.MARKER_KEY is in the store
         self.cache = cache

@@ -114,12 +114,16 @@ def test_the_manifest_records_frames_and_checksums_of_uncompressed_bytes():
     assert json.loads(checks.to_manifest())["compression"]["format"] == "zstd-seekable"
 
 
-def test_the_governor_sends_raw_when_compressing_is_slower_than_the_link():
-    fast_link = compression.Governor()
+def test_the_governor_sends_raw_when_compressing_is_slower_than_the_link_and_writers_wait():
+    idle = compression.Governor(behind=lambda: False)
+    idle.compressed(PART, int(PART * 0.8), 0.1)
+    idle.uploaded(PART, 0.01)
+    assert all(idle.should_compress() for _ in range(16))  # nobody waits: every part compressed
+    fast_link = compression.Governor(behind=lambda: True)
     fast_link.compressed(PART, int(PART * 0.8), 0.1)  # 80 MiB/s, saves 20%
     fast_link.uploaded(PART, 0.01)  # 800 MiB/s per part upload
     assert [fast_link.should_compress() for _ in range(16)].count(True) == 2  # the probes only
-    slow_link = compression.Governor()
+    slow_link = compression.Governor(behind=lambda: True)
     slow_link.compressed(PART, int(PART * 0.8), 0.1)
     slow_link.uploaded(PART, 1.0)  # 8 MiB/s
     assert all(slow_link.should_compress() for _ in range(16))
@@ -131,3 +135,188 @@ def test_compress_flag_values():
     for bad in ("lz4", "zstd:0", "zstd:x", "zstd:20", ""):
         with pytest.raises(ValueError):
             compression.parse_spec(bad)
+
+
+# -- through real mounts on the real S3 server ---------------------------------------------------------
+@pytest.fixture
+def client(s3_server):
+    return s3_server.client()
+
+
+@pytest.fixture
+def mounts(s3_bucket):
+    """make(root, endpoint, *extra): a started mount of s3://bucket/run; all stopped at the end."""
+    made: list[Mount] = []
+
+    def make(root, endpoint: str, *extra: str, **kwargs) -> Mount:
+        m = Mount(f"s3://{s3_bucket}/{PREFIX}", root, endpoint_url=endpoint, extra=extra, **kwargs)
+        made.append(m)
+        return m.start()
+
+    yield make
+    for m in made:
+        m.cleanup()
+
+
+def stored(client, bucket: str, name: str) -> tuple[bytes, dict[str, str]]:
+    obj = client.get_object(Bucket=bucket, Key=f"{PREFIX}/{name}")
+    return obj["Body"].read(), obj["Metadata"]
+
+
+def manifest_of(client, bucket: str, meta: dict[str, str]) -> Checksums:
+    raw = client.get_object(Bucket=bucket, Key=f"{PREFIX}/{manifest_key(meta['ckptfs-upload'])}")["Body"].read()
+    return raw
+
+
+def original(client, bucket: str, name: str) -> bytes:
+    """The file's bytes from its stored object, as a tool outside ckptfs would rebuild them:
+    the seek table from the object, each frame's group from its manifest (or metadata)."""
+    data, meta = stored(client, bucket, name)
+    assert meta["ckptfs-format"] == "zstd-seekable"
+    table = compression.parse_seek_table(data)
+    if "ckptfs-frames" in meta:
+        groups = [int(meta["ckptfs-frames"].split(":")[1])]
+    else:
+        groups = [by for _, by in json.loads(manifest_of(client, bucket, meta))["compression"]["frames"]]
+    return compression.decode(data, [(s, by) for (s, _), by in zip(table, groups)], [n for _, n in table])
+
+
+def state_dict():
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 1024))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    sd = {f"fp32.{k}": v for k, v in model.state_dict().items()}
+    sd |= {f"bf16.{k}": v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    sd["step"] = torch.tensor(1234)
+    return sd  # about 24 MiB: 3 parts and a tail
+
+
+def test_torch_save_load_mmap_and_another_mount_without_compress(s3_server, s3_bucket, client, mounts, tmp_path):
+    import torch
+
+    w = mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:3")
+    sd = state_dict()
+    torch.save(sd, w.path / "ckpt.pt")
+    notes = b"".join(b"step %d loss %.4f lr 3e-4\n" % (i, 1 / (i + 1)) for i in range(400_000))  # ~10 MiB text
+    (w.path / "train.log").write_bytes(notes)
+    (w.path / "config.json").write_bytes(json.dumps({"layers": list(range(3000))}).encode())  # one PUT
+    w.sync()
+    plain = (w.path / "ckpt.pt").read_bytes()
+    for name, body in [("ckpt.pt", plain), ("train.log", notes), ("config.json", (w.path / "config.json").read_bytes())]:
+        data, meta = stored(client, s3_bucket, name)
+        assert meta["ckptfs-format"] == "zstd-seekable", name
+        assert len(data) < len(body), name  # it shrank
+        assert original(client, s3_bucket, name) == body, name
+        assert os.stat(w.path / name).st_size == len(body)
+    # Ungrouped frames (text): zstd -d of the raw object is the file.
+    assert zstd_cli_decompress(stored(client, s3_bucket, "train.log")[0]) == notes
+
+    r = mounts(tmp_path / "r", s3_server.endpoint)  # no --compress: reads them all the same
+    assert os.stat(r.path / "ckpt.pt").st_size == len(plain)
+    assert {e.name: e.stat().st_size for e in os.scandir(r.path)} == {
+        "ckpt.pt": len(plain), "train.log": len(notes), "config.json": os.stat(w.path / "config.json").st_size}
+    loaded = torch.load(r.path / "ckpt.pt", mmap=True, weights_only=True)
+    assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
+    r2 = mounts(tmp_path / "r2", s3_server.endpoint, "--compress", "zstd")
+    with open(r2.path / "ckpt.pt", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        assert zlib.crc32(m) == zlib.crc32(plain)
+    assert r.status()["integrity_errors"] == []
+
+
+def test_random_reads_at_frame_boundaries(s3_server, s3_bucket, mounts, tmp_path):
+    w = mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
+    body = floats(3 * PART + 12345, numpy.float32, seed=1)
+    half = bytearray(floats(2 * PART, numpy.float16, seed=2))
+    half[PART:PART + MiB] = os.urandom(MiB)  # one part partly incompressible
+    (w.path / "a.bin").write_bytes(body)
+    (w.path / "b.bin").write_bytes(bytes(half))
+    w.stop()
+    r = mounts(tmp_path / "r", s3_server.endpoint, ram_cache="64MiB")
+    rng = random.Random(3)
+    for name, data in (("a.bin", body), ("b.bin", bytes(half))):
+        points = [k * PART + d for k in range(len(data) // PART + 1) for d in (-3, 0, 1)]
+        points += [rng.randrange(len(data)) for _ in range(20)]
+        with open(r.path / name, "rb", buffering=0) as f:
+            for p in points:
+                if 0 <= p < len(data):
+                    f.seek(p)
+                    assert f.read(4096) == data[p:p + 4096], (name, p)
+        assert (r.path / name).read_bytes() == data
+
+
+def test_a_cold_ranged_read_fetches_only_the_frames_it_needs(s3_server, s3_bucket, client, proxy, mounts, tmp_path):
+    w = mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
+    body = floats(5 * PART, numpy.float32, seed=4)
+    (w.path / "big.bin").write_bytes(body)
+    w.stop()
+    data, meta = stored(client, s3_bucket, "big.bin")
+    frames = json.loads(manifest_of(client, s3_bucket, meta))["compression"]["frames"]
+    assert len(frames) == 5 and all(by == 4 for _, by in frames)
+    r = mounts(tmp_path / "r", proxy.url)
+    proxy.reset_counts()
+    with open(r.path / "big.bin", "rb", buffering=0) as f:
+        f.seek(3 * PART + 100)
+        assert f.read(1000) == body[3 * PART + 100:3 * PART + 1100]
+    gets = [req for req in proxy.requests if req.kind == "get" and req.path.endswith("/big.bin")]
+    offset = sum(s for s, _ in frames[:3])
+    assert [g.headers.get("range") for g in gets] == [f"bytes={offset}-{offset + frames[3][0] - 1}"]
+    assert r.status()["fetched_bytes"] == PART  # one part's worth, uncompressed
+
+
+def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, mounts, tmp_path):
+    """Bent on the wire: fetched again, right bytes. Bent in the store: EIO for that part only."""
+    w = mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
+    body = floats(3 * PART, numpy.float32, seed=5)
+    (w.path / "big.bin").write_bytes(body)
+    w.stop()
+    r = mounts(tmp_path / "r", proxy.url)
+    rule = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"/big\.bin$", count=2))
+    assert (r.path / "big.bin").read_bytes() == body
+    assert rule.hits == 2 and r.status()["integrity_retries"] >= 2
+    data, meta = stored(client, s3_bucket, "big.bin")
+    frames = json.loads(manifest_of(client, s3_bucket, meta))["compression"]["frames"]
+    bent = bytearray(data)
+    bent[frames[0][0] + frames[1][0] // 2] ^= 0x04  # inside frame 2
+    client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/big.bin", Body=bytes(bent), Metadata=meta)
+    c = mounts(tmp_path / "c", s3_server.endpoint)
+    with open(c.path / "big.bin", "rb", buffering=0) as f:
+        assert f.read(PART) == body[:PART]
+        f.seek(2 * PART)
+        assert f.read(PART) == body[2 * PART:]
+        f.seek(PART)
+        with pytest.raises(OSError) as info:
+            f.read(PART)
+        assert info.value.errno == errno.EIO
+    assert {e["key"] for e in c.status()["integrity_errors"]} == {"big.bin"}
+
+
+def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client, mounts, tmp_path):
+    plain_mount = mounts(tmp_path / "p", s3_server.endpoint)
+    zmount = mounts(tmp_path / "z", s3_server.endpoint, "--compress", "zstd")
+    files = {"plain/big.bin": floats(2 * PART + 77, seed=6), "plain/small.bin": floats(100_000, seed=7),
+             "z/big.bin": floats(2 * PART + 99, seed=8), "z/small.bin": floats(200_000, seed=9),
+             "z/random.bin": os.urandom(PART + 5), "z/tiny.txt": b"hi\n"}
+    for name, body in files.items():
+        m = zmount if name.startswith("z/") else plain_mount
+        (m.path / name).parent.mkdir(exist_ok=True)
+        (m.path / name).write_bytes(body)
+    plain_mount.sync()
+    zmount.sync()
+    kinds = {name: stored(client, s3_bucket, name)[1].get("ckptfs-format") for name in files}
+    assert kinds == {"plain/big.bin": None, "plain/small.bin": None, "z/big.bin": "zstd-seekable",
+                     "z/small.bin": "zstd-seekable", "z/random.bin": "zstd-seekable", "z/tiny.txt": None}
+    assert len(stored(client, s3_bucket, "z/random.bin")[0]) < len(files["z/random.bin"]) * 1.001  # raw frames
+    for m in (plain_mount, zmount, mounts(tmp_path / "third", s3_server.endpoint)):
+        for name, body in files.items():
+            assert os.stat(m.path / name).st_size == len(body), (m.path, name)
+            assert (m.path / name).read_bytes() == body, (m.path, name)
+    # An overwrite across the two kinds: each mount sees the other's version, with its size.
+    (plain_mount.path / "z/small.bin").write_bytes(b"now plain " * 10)
+    plain_mount.sync()
+    zmount.stop()
+    z2 = mounts(tmp_path / "z2", s3_server.endpoint, "--compress", "zstd")
+    assert (z2.path / "z/small.bin").read_bytes() == b"now plain " * 10
