@@ -106,7 +106,7 @@ def durable_figures(state, nbytes: int, rate_mib: float, level: int, work: Path)
         with FaultProxy(server.endpoint) as proxy:
             for link, rate in (("unthrottled", None), (f"{rate_mib:g} MiB/s", rate_mib * MiB)):
                 for compress in (None, f"zstd:{level}"):
-                    bucket = f"z{len(rows)}"
+                    bucket = f"ckptfs-z{len(rows)}"
                     server.make_bucket(bucket)
                     extra = ("--compress", compress) if compress else ()
                     root = work / bucket

@@ -97,7 +97,12 @@ def ungroup(data, by: int) -> bytes:
         return bytes(data)
     n = len(data) // by * by
     planes = numpy.frombuffer(data, numpy.uint8, count=n).reshape(by, -1)
-    return planes.T.tobytes() + bytes(memoryview(data)[n:])
+    out = numpy.empty(len(data), numpy.uint8)
+    values = out[:n].reshape(-1, by)
+    for k in range(by):  # (plane by plane: 3x faster than copying the transposed view)
+        values[:, k] = planes[k]
+    out[n:] = numpy.frombuffer(data, numpy.uint8)[n:]
+    return out.tobytes()
 
 
 # -- frames --------------------------------------------------------------------------------------
@@ -310,11 +315,10 @@ class LogicalStore(ObjectStore):
     MAX_KNOWN = 100_000
     MANIFEST_MAX = 4 << 20
 
-    def __init__(self, store: ObjectStore, compressing: bool = False):
+    def __init__(self, store: ObjectStore):
         self.inner = store
         self.url = store.url
-        self.compressing = compressing
-        self._marker_seen = compressing
+        self._marker_seen = False  # (a compressing mount sets it with its first compressed object)
         self._marker_checked = 0.0
         self._known: dict[str, tuple[tuple, dict[str, str], int]] = {}  # key -> (stamp, metadata, size)
         self._lock = threading.Lock()

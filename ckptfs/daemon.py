@@ -135,8 +135,7 @@ class Daemon:
         try:
             # (sizes as the mount shows them: a compressed object's are its uncompressed ones)
             self.store = LogicalStore(open_store(self.config.store_url, self.config.endpoint_url,
-                                                 max_connections=self.config.upload_concurrency * 2 + 4),
-                                      compressing=bool(self.config.compress))
+                                                 max_connections=self.config.upload_concurrency * 2 + 4))
             self.store.check()
             listing = list(self.store.list(""))
         except StoreError as exc:
