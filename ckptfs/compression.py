@@ -395,12 +395,17 @@ class LogicalStore(ObjectStore):
         return self.inner.get_range(key, start, length)
 
     def get_range_meta(self, key, start, length):
-        return self.inner.get_range_meta(key, start, length)
+        data, metadata = self.inner.get_range_meta(key, start, length)
+        if metadata.get(FORMAT_META) == FORMAT:
+            self._marker_seen = True  # (before another mount's marker was noticed: list sizes from now on)
+        return data, metadata
 
     def head(self, key):
-        info = self.inner.head(key)
-        if info is None or not self._may_be_compressed():
-            return info
+        info = self.inner.head(key)  # (its metadata says it all: no marker needed)
+        if info is None:
+            return None
+        if info.metadata.get(FORMAT_META) == FORMAT:
+            self._marker_seen = True
         return self._logical(info, headed=True)
 
     def list(self, prefix=""):
@@ -449,12 +454,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("file")
     parser.add_argument("--groups", default="", help="the group of each frame, comma separated (manifest)")
     args = parser.parse_args(argv)
-    with open(args.file, "rb") as f:
-        data = f.read()
-    table = parse_seek_table(data)
-    groups = [int(g) for g in args.groups.split(",")] if args.groups else [1] * len(table)
-    frames = [(stored, by) for (stored, _), by in zip(table, groups, strict=True)]
-    sys.stdout.buffer.write(decode(data, frames, [size for _, size in table]))
+    try:
+        with open(args.file, "rb") as f:
+            data = f.read()
+        table = parse_seek_table(data)
+        groups = [int(g) for g in args.groups.split(",")] if args.groups else [1] * len(table)
+        if len(groups) != len(table) or not set(groups) <= {RAW, *GROUPS}:
+            raise ValueError(f"--groups needs {len(table)} values, each 0, 1, 2 or 4")
+        frames = [(stored, by) for (stored, _), by in zip(table, groups)]
+        sys.stdout.buffer.write(decode(data, frames, [size for _, size in table]))
+    except (OSError, ValueError) as exc:  # (CorruptFrame is a ValueError)
+        print(f"{parser.prog}: {args.file}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

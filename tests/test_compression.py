@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import zlib
 
 import numpy
@@ -89,12 +90,18 @@ def test_a_stream_is_seekable_format_that_zstd_restores():
     assert compression.decode(obj[:len(frames[0])], [stored[0]], [len(parts[0])]) == parts[0]
 
 
-def test_a_grouped_frame_needs_its_recorded_group():
+def test_a_grouped_frame_needs_its_recorded_group(tmp_path):
     data = floats(2 * MiB)
     frame, by = compression.Codec(3).encode(data)
     assert by == 4 and len(frame) < 0.9 * len(data)
     assert compression.decode(frame, [(len(frame), by)], [len(data)]) == data
     assert zstandard.ZstdDecompressor().decompress(frame) == compression.group(data, 4)  # what zstd -d gives
+    # By hand, from a downloaded object and its recorded groups:
+    (tmp_path / "obj").write_bytes(frame + compression.seek_table([(len(frame), len(data))]))
+    tool = [sys.executable, "-m", "ckptfs.compression", str(tmp_path / "obj")]
+    assert subprocess.run([*tool, "--groups", "4"], capture_output=True, check=True).stdout == data
+    bad = subprocess.run([*tool, "--groups", "4,4"], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--groups needs 1 value" in bad.stderr
 
 
 def test_a_corrupted_frame_does_not_decode():
