@@ -327,3 +327,27 @@ def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client
     zmount.stop()
     z2 = mounts(tmp_path / "z2", s3_server.endpoint, "--compress", "zstd")
     assert (z2.path / "z/small.bin").read_bytes() == b"now plain " * 10
+
+
+def test_streamed_renamed_and_remounted_on_either_store(mount_factory):
+    """Local directory and S3 store alike: a file streamed while written (parts before the
+    close), renamed and overwritten, reads back with its size after a remount; a delete leaves
+    no file."""
+    m = mount_factory(extra=("--compress", "zstd:1")).start()
+    body = floats(3 * PART + 4321, numpy.float16, seed=10)
+    with open(m.path / "stream.bin", "wb") as f:
+        for i in range(0, len(body), MiB):
+            f.write(body[i:i + MiB])
+    os.rename(m.path / "stream.bin", m.path / "moved.bin")
+    (m.path / "over.bin").write_bytes(os.urandom(PART + 1))
+    (m.path / "over.bin").write_bytes(body[:PART + 99])
+    (m.path / "gone.bin").write_bytes(body[:2 * PART])
+    m.sync()
+    os.unlink(m.path / "gone.bin")
+    m.stop()
+    r = mount_factory().start()
+    assert sorted(os.listdir(r.path)) == ["moved.bin", "over.bin"]
+    assert os.stat(r.path / "moved.bin").st_size == len(body)
+    assert (r.path / "moved.bin").read_bytes() == body
+    assert (r.path / "over.bin").read_bytes() == body[:PART + 99]
+    assert r.status()["integrity_errors"] == []
