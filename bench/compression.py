@@ -11,8 +11,9 @@
    codec (grouping by 1, 2 or 4 chosen per part, raw when it does not pay), and the CPU seconds
    per GiB to compress and to decompress (one thread).
 2. Time to durable of the realistic checkpoint written through a ckptfs mount on the Swift
-   server, with and without ``--compress``, through the test fault proxy (tests/faultproxy.py):
-   unthrottled, and throttled to ``--rate`` MiB/s each way (a slow or shared link to the store).
+   server, with and without ``--compress``: unthrottled, and through the test fault proxy
+   (tests/faultproxy.py) throttled to ``--rate`` MiB/s each way (a slow or shared link).
+   The throttled proxy runs in a process of its own; the unthrottled link is Swift itself.
    Time to durable: from the start of torch.save to the end of ``ckptfs sync``; the stall is
    torch.save's own time (the save lands in the RAM cache); the stored bytes are the bucket's.
 """
@@ -20,8 +21,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,10 +95,36 @@ def codec_figures(name: str, data: bytes, level: int) -> dict:
     }
 
 
+PROXY = """
+import sys
+from tests.faultproxy import FaultProxy
+proxy = FaultProxy(sys.argv[1]).start()
+proxy.rate = float(sys.argv[2])
+print(proxy.url, flush=True)
+sys.stdin.read()  # until the bench closes it
+"""
+
+
+@contextlib.contextmanager
+def throttled_proxy(endpoint: str, rate: float):
+    """The fault proxy throttled to ``rate`` bytes/s each way, in a process of its own (in the
+    bench's process it would share the GIL with torch.save and slow down with it)."""
+    child = subprocess.Popen([sys.executable, "-c", PROXY, endpoint, str(rate)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        yield child.stdout.readline().strip()
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
 def durable_figures(state, nbytes: int, rate_mib: float, level: int, work: Path) -> list[dict]:
     import torch
 
-    from tests.faultproxy import FaultProxy
     from tests.mounting import Mount
     from tests.swift import SwiftServer
 
@@ -103,18 +132,16 @@ def durable_figures(state, nbytes: int, rate_mib: float, level: int, work: Path)
     rows = []
     try:
         os.environ.update(server.env())
-        with FaultProxy(server.endpoint) as proxy:
-            for link, rate in (("unthrottled", None), (f"{rate_mib:g} MiB/s", rate_mib * MiB)):
+        with throttled_proxy(server.endpoint, rate_mib * MiB) as slow:
+            for link, endpoint in (("unthrottled", server.endpoint), (f"{rate_mib:g} MiB/s", slow)):
                 for compress in (None, f"zstd:{level}"):
                     bucket = f"ckptfs-z{len(rows)}"
                     server.make_bucket(bucket)
                     extra = ("--compress", compress) if compress else ()
-                    root = work / bucket
-                    m = Mount(f"s3://{bucket}", root, endpoint_url=proxy.url, ram_cache=f"{2 * nbytes // MiB + 64}MiB",
-                              extra=extra)
+                    m = Mount(f"s3://{bucket}", work / bucket, endpoint_url=endpoint,
+                              ram_cache=f"{2 * nbytes // MiB + 64}MiB", extra=extra)
                     m.start()
                     try:
-                        proxy.rate = rate
                         daemon_cpu = _cpu(m.pid)
                         start = time.monotonic()
                         torch.save(state, m.path / "ckpt.pt")
@@ -122,11 +149,8 @@ def durable_figures(state, nbytes: int, rate_mib: float, level: int, work: Path)
                         m.sync(timeout=1800)
                         durable = time.monotonic() - start
                         cpu = _cpu(m.pid) - daemon_cpu
-                        proxy.rate = None
-                        stored = sum(o["Size"] for o in server.client().list_objects_v2(Bucket=bucket)
-                                     .get("Contents", []) if o["Key"] == "ckpt.pt")
+                        stored = server.client().head_object(Bucket=bucket, Key="ckpt.pt")["ContentLength"]
                     finally:
-                        proxy.rate = None
                         m.cleanup()
                     rows.append({"link": link, "compress": compress or "off", "stall_s": stall,
                                  "durable_s": durable, "stored_mib": stored / MiB, "daemon_cpu_s": cpu})
@@ -146,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/bench --compress", description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=256, metavar="MiB", help="realistic checkpoint size (default 256)")
     p.add_argument("--rate", type=float, default=50, metavar="MiB/s", help="the throttled link (default 50)")
-    p.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
+    p.add_argument("--level", type=int, default=1, help="zstd level (default 1, as --compress zstd)")
     p.add_argument("--skip-durable", action="store_true", help="the codec figures only (no mounts)")
     opts = p.parse_args(argv)
     import torch

@@ -41,7 +41,7 @@ FORMAT_META = "ckptfs-format"  # object metadata: FORMAT for a compressed object
 SIZE_META = "ckptfs-size"  # object metadata of a compressed one-PUT object: its uncompressed size
 FRAMES_META = "ckptfs-frames"  # object metadata of a compressed one-PUT object: "stored:group"
 MARKER_KEY = ".ckptfs-compressed"  # exists once any mount stored a compressed object in the bucket
-DEFAULT_LEVEL = 3
+DEFAULT_LEVEL = 1  # (level 3 measured: a lower ratio on weights, for 35% more CPU; docs/benchmarks.md)
 MIN_PART = 5 << 20  # S3's smallest part but the last
 WORTH = 0.97  # a compressed frame is kept only if at most this share of the raw bytes (and a
 # grouped one only if at most this share of the ungrouped one, on the samples)
