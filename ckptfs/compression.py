@@ -23,6 +23,7 @@ a footer with the frame count and the magic 0x8F92EAB1). So any zstd decoder rea
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 import threading
@@ -253,13 +254,15 @@ class Governor:
     compressing a part costs CPU time (``compress_rate``: bytes per second a thread compresses)
     and saves link time (``upload_rate``: stored bytes per second a part upload moves); when the
     first is larger, the part goes raw, so compression never lengthens a stall. Every PROBE-th
-    part is compressed anyway, to keep the estimates current."""
+    part is compressed anyway, to keep the estimates current. At most ``slots`` parts are
+    compressed at once (half the cores by default): the writer and the FUSE loop keep the rest."""
 
     PROBE = 8
     ALPHA = 0.3
 
-    def __init__(self, behind=lambda: True):
+    def __init__(self, behind=lambda: True, slots: int | None = None):
         self.behind = behind
+        self.slots = threading.BoundedSemaphore(slots or max(1, (os.cpu_count() or 2) // 2))
         self._lock = threading.Lock()
         self.compress_rate: float | None = None
         self.upload_rate: float | None = None
@@ -294,12 +297,14 @@ class Governor:
 
 def encode_part(codec: Codec, governor: Governor | None, data) -> tuple[bytes, int]:
     """One part as a frame, compressed if the governor says it pays (and recording the cost)."""
-    if governor is not None and not governor.should_compress():
+    if governor is None:
+        return codec.encode(data)
+    if not governor.should_compress():
         return codec.encode(data, compress=False)
-    started = time.perf_counter()
-    frame, by = codec.encode(data)
-    if governor is not None:
-        governor.compressed(len(data), len(frame), time.perf_counter() - started)
+    with governor.slots:
+        started = time.perf_counter()
+        frame, by = codec.encode(data)
+    governor.compressed(len(data), len(frame), time.perf_counter() - started)
     return frame, by
 
 

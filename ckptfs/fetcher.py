@@ -228,6 +228,8 @@ class Fetcher:
                 layout = checks.frames if checks is not None else ()
                 if fresh.span(start, length) != (begin, span) or layout != fresh.frames:
                     continue  # first fetch of this object: the parts (or frames) cover another range
+                if not fresh.compressed and metadata.get(compression.FORMAT_META) == compression.FORMAT:
+                    raise IntegrityError("stored compressed, but its frames are not recorded: it cannot be decoded")
                 if fresh.compressed:
                     data = await trio.to_thread.run_sync(self._decompress, fresh, first, last, data,
                                                          limiter=self.threads)

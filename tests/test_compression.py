@@ -170,7 +170,7 @@ def stored(client, bucket: str, name: str) -> tuple[bytes, dict[str, str]]:
     return obj["Body"].read(), obj["Metadata"]
 
 
-def manifest_of(client, bucket: str, meta: dict[str, str]) -> Checksums:
+def manifest_of(client, bucket: str, meta: dict[str, str]) -> bytes:
     raw = client.get_object(Bucket=bucket, Key=f"{PREFIX}/{manifest_key(meta['ckptfs-upload'])}")["Body"].read()
     return raw
 
@@ -279,6 +279,7 @@ def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, mounts
     w = mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
     body = floats(3 * PART, numpy.float32, seed=5)
     (w.path / "big.bin").write_bytes(body)
+    (w.path / "small.bin").write_bytes(body[:300_000])  # one PUT, one frame
     w.stop()
     r = mounts(tmp_path / "r", proxy.url)
     rule = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"/big\.bin$", count=2))
@@ -289,6 +290,10 @@ def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, mounts
     bent = bytearray(data)
     bent[frames[0][0] + frames[1][0] // 2] ^= 0x04  # inside frame 2
     client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/big.bin", Body=bytes(bent), Metadata=meta)
+    # A compressed object whose frames are not recorded is never served as it is stored.
+    small, small_meta = stored(client, s3_bucket, "small.bin")
+    del small_meta["ckptfs-frames"]
+    client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/small.bin", Body=small, Metadata=small_meta)
     c = mounts(tmp_path / "c", s3_server.endpoint)
     with open(c.path / "big.bin", "rb", buffering=0) as f:
         assert f.read(PART) == body[:PART]
@@ -298,7 +303,10 @@ def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, mounts
         with pytest.raises(OSError) as info:
             f.read(PART)
         assert info.value.errno == errno.EIO
-    assert {e["key"] for e in c.status()["integrity_errors"]} == {"big.bin"}
+    with pytest.raises(OSError) as info:
+        (c.path / "small.bin").read_bytes()
+    assert info.value.errno == errno.EIO
+    assert {e["key"] for e in c.status()["integrity_errors"]} == {"big.bin", "small.bin"}
 
 
 def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client, mounts, tmp_path):
