@@ -324,7 +324,7 @@ class LogicalStore(ObjectStore):
         self.inner = store
         self.url = store.url
         self._marker_seen = False  # (a compressing mount sets it with its first compressed object)
-        self._marker_checked = 0.0
+        self._marker_checked = float("-inf")
         self._known: dict[str, tuple[tuple, dict[str, str], int]] = {}  # key -> (stamp, metadata, size)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="ckptfs-sizes")
