@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="markdown file whose bench:results block is rewritten; 'none' to skip")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()), metavar="DIR",
                    help="where the temporary work directory goes: the cache disk (default $TMPDIR or /tmp)")
+    p.add_argument("--compress", action="store_true",
+                   help="measure --compress zstd instead (bench/compression.py; with it: --size MiB "
+                        "(default 256), --rate MiB/s for the throttled link (default 50), --level N)")
     p.add_argument("--note", default="", metavar="TEXT",
                    help="a remark stored with the results (e.g. that the machine was shared)")
     opts = p.parse_args(argv)
@@ -242,6 +245,10 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--compress" in argv and not {"-h", "--help"} & set(argv):
+        from . import compression
+        return compression.main([a for a in argv if a != "--compress"])
     opts = parse_args(argv)
     progress = workloads.Progress()
     signal.signal(signal.SIGTERM, _interrupt)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import humanfriendly
 
-from ckptfs import control, limits, logs, private
+from ckptfs import compression, control, limits, logs, private
 from ckptfs.cli_support import (ProgressBar, _call, _fmt, _mount_of, _mountpoint, _one_line, _positive_int,
                                 _relative_paths, _size)
 from ckptfs.config import MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
@@ -62,6 +62,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 MAX_SECONDS = 366 * 24 * 3600  # a year: longer waits overflow socket timeouts ('inf' among them)
+
+
+def _compress(text: str) -> int:
+    try:
+        return compression.parse_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--compress {text!r}: ")) from None
 
 
 def _seconds(text: str) -> float:
@@ -116,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--part-size", type=_size, metavar="SIZE", help=f"upload part size (default {fmt(MountConfig.part_size)})")
     p.add_argument("--upload-concurrency", type=_positive_int, metavar="N",
                    help=f"parts uploading at once (default {MountConfig.upload_concurrency})")
+    p.add_argument("--compress", type=_compress, metavar="zstd[:LEVEL]",
+                   help="store files as zstd seekable streams, each part compressed on its own with its "
+                        "bytes grouped where that helps float tensors (default: off; LEVEL 1..19, default "
+                        f"{compression.DEFAULT_LEVEL}); any mount reads them")
     p.add_argument("--list-ttl", type=_seconds, metavar="SECONDS",
                    help="how old a directory listing may get before its next use asks the store again, so "
                         "files other mounts made durable show up; also how long a missing name is "
@@ -238,6 +249,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "cache_size": args.cache_size,
         "part_size": args.part_size,
         "upload_concurrency": args.upload_concurrency,
+        "compress": args.compress,
         "list_ttl": args.list_ttl,
         "write_timeout": args.write_timeout,
         "read_timeout": args.read_timeout,
@@ -344,6 +356,7 @@ def daemon_argv(config: MountConfig) -> list[str]:
             "--shm-dir", config.shm_dir,
             "--log-level", config.log_level, "--foreground"]
     argv += ["--umask", f"{config.umask:04o}"]
+    argv += ["--compress", f"zstd:{config.compress}"] * bool(config.compress)
     argv += ["--allow-other"] * config.allow_other + ["--keep-ram-cache"] * config.keep_ram_cache
     if config.endpoint_url:
         argv += ["--endpoint-url", config.endpoint_url]

@@ -35,6 +35,7 @@ from .health import StoreHealth, describe
 from .journal import Journal
 from .namespace import Namespace
 from .paths import check_mount_paths
+from .compression import LogicalStore
 from .store import open_store
 from .store.base import StoreError
 from .uploader import Uploader
@@ -142,8 +143,9 @@ class Daemon:
         private.ensure_dir(self.cache_dir, "cache dir")
         self._lock = self._lock_cache_dir()
         try:
-            self.store = open_store(self.config.store_url, self.config.endpoint_url,
-                                    max_connections=self.config.upload_concurrency * 2 + 4)
+            # (sizes as the mount shows them: a compressed object's are its uncompressed ones)
+            self.store = LogicalStore(open_store(self.config.store_url, self.config.endpoint_url,
+                                                 max_connections=self.config.upload_concurrency * 2 + 4))
             self.store.check()
             self.store.detect_server_checksums()  # (once: S3 CRC32C per part where the server checks it)
             listing = list(self.store.list(""))
@@ -167,7 +169,7 @@ class Daemon:
         if pending:
             log.info("journal: %d operations still pending from the last run; resuming", len(pending))
         self.uploader = Uploader(self.store, self.cache, self.journal, self.config.part_size,
-                                 self.config.upload_concurrency)
+                                 self.config.upload_concurrency, compress_level=self.config.compress or None)
         self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
         covered = os.stat(self.mountpoint)  # the root looks like the directory it covers
         self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid(),

@@ -16,6 +16,7 @@ other tools) are read unchecked and say so (``user.ckptfs.verified``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import random
@@ -26,7 +27,7 @@ from collections.abc import Awaitable, Callable
 import humanfriendly
 import trio
 
-from . import integrity
+from . import compression, integrity
 from .cache import Cache, Content, in_pages
 from .errors import FsError
 from .health import StoreHealth
@@ -215,14 +216,26 @@ class Fetcher:
         bs = self.cache.block_size
         start, length = index * bs, content.block_length(index)
         attempt = 0
+        if content.checksums is None:
+            await self._known_compressed(content)
         for _ in range(2 * VERIFY_ATTEMPTS):  # (a changing object must not keep us here)
             checks = content.checksums
             begin, span = checks.span(start, length) if checks is not None else (start, length)
-            data, metadata = await self._get(content, begin, span)
+            if checks is not None and checks.compressed:  # the frames holding those parts
+                stored, stored_length, first, last = checks.stored_range(begin, span)
+                data, metadata = await self._get(content, stored, stored_length)
+            else:
+                data, metadata = await self._get(content, begin, span)
             try:
                 fresh = await self._checksums(content, metadata)
-                if fresh.span(start, length) != (begin, span):
-                    continue  # first fetch of this object: the parts cover another range
+                layout = checks.frames if checks is not None else ()
+                if fresh.span(start, length) != (begin, span) or layout != fresh.frames:
+                    continue  # first fetch of this object: the parts (or frames) cover another range
+                if not fresh.compressed and metadata.get(compression.FORMAT_META) == compression.FORMAT:
+                    raise IntegrityError("stored compressed, but its frames are not recorded: it cannot be decoded")
+                if fresh.compressed:
+                    data = await trio.to_thread.run_sync(self._decompress, fresh, first, last, data,
+                                                         limiter=self.threads)
                 if fresh.verified:
                     await trio.to_thread.run_sync(fresh.check, begin, data, limiter=self.threads)
                 break
@@ -235,6 +248,26 @@ class Fetcher:
         if not fresh.verified:
             self.unverified_reads += 1
         await self._attach(content, begin, data)
+
+    @staticmethod
+    def _decompress(checks: Checksums, first: int, last: int, data: bytes) -> bytes:
+        """The uncompressed parts [first, last) from their stored frames (IntegrityError if a frame
+        does not decode: zstd checks each frame's own checksum)."""
+        sizes = [min(checks.part_size, checks.size - i * checks.part_size) for i in range(first, last)]
+        try:
+            return compression.decode(data, list(checks.frames[first:last]), sizes)
+        except compression.CorruptFrame as exc:
+            raise IntegrityError(f"parts {first + 1}-{last}: {exc}") from None
+
+    async def _known_compressed(self, content: Content) -> None:
+        """Before the first fetch of an object the store layer already HEADed (a listing of a bucket
+        with compressed objects): if it is compressed, learn its frames first, so that fetch asks
+        for them and not for bytes of the stored stream that are of no use."""
+        known = getattr(self.store, "known_metadata", None)
+        metadata = known(content.key) if known is not None and content.key else None
+        if metadata and metadata.get(compression.FORMAT_META) == compression.FORMAT:
+            with contextlib.suppress(IntegrityError):  # (the fetch finds it again, and says so)
+                await self._checksums(content, metadata)
 
     async def _attach(self, content: Content, begin: int, data: bytes) -> None:
         """Put the blocks that ``data`` (checked bytes from ``begin``) covers whole into the cache."""

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import xxhash
+
+from . import compression
 
 MANIFEST_PREFIX = ".ckptfs-manifest/"  # under store.base.RESERVED_PREFIX: never a path on the mount
 MANIFEST_META = "ckptfs-manifest"  # object metadata: "xxh3-64" when a manifest was written for it
@@ -46,7 +48,7 @@ def manifest_key(upload: str) -> str:
 
 
 def is_reserved(key: str) -> bool:
-    return key.startswith(MANIFEST_PREFIX)
+    return key.startswith(MANIFEST_PREFIX) or key == compression.MARKER_KEY
 
 
 class IntegrityError(Exception):
@@ -68,6 +70,21 @@ class Checksums:
     xxh3: str = ""  # the whole file's, where known
     upload: str = ""  # the upload it was recorded for ("" for a one-PUT file)
     source: str = ""  # "metadata", "manifest", or why it is unverified
+    # A compressed object (compression.py): per part, its frame's stored size and byte grouping.
+    # The part checksums are of the uncompressed bytes either way.
+    frames: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def compressed(self) -> bool:
+        return bool(self.frames)
+
+    def stored_range(self, begin: int, span: int) -> tuple[int, int, int, int]:
+        """For whole parts [begin, begin + span) of a compressed object: the stored byte range of
+        their frames (offset, length) and the frames' indexes [first, last)."""
+        first = begin // self.part_size
+        last = first + max(1, -(-span // self.part_size))
+        offset = sum(stored for stored, _ in self.frames[:first])
+        return offset, sum(stored for stored, _ in self.frames[first:last]), first, last
 
     @property
     def verified(self) -> bool:
@@ -96,9 +113,11 @@ class Checksums:
                                      f"has xxh3 {got}, recorded {self.parts[index] if index < len(self.parts) else 'none'}")
 
     def to_manifest(self) -> bytes:
-        return json.dumps({"format": 1, "algorithm": ALGORITHM, "size": self.size, "part_size": self.part_size,
-                           "xxh3": self.xxh3, "upload": self.upload, "parts": self.parts},
-                          separators=(",", ":")).encode()
+        record = {"format": 1, "algorithm": ALGORITHM, "size": self.size, "part_size": self.part_size,
+                  "xxh3": self.xxh3, "upload": self.upload, "parts": self.parts}
+        if self.frames:
+            record["compression"] = {"format": compression.FORMAT, "frames": [list(f) for f in self.frames]}
+        return json.dumps(record, separators=(",", ":")).encode()
 
     @classmethod
     def from_manifest(cls, raw: bytes, size: int) -> Checksums:
@@ -108,11 +127,13 @@ class Checksums:
             parts, part_size = [str(p) for p in rec["parts"]], int(rec["part_size"])
             ok = rec.get("algorithm") == ALGORITHM and int(rec["size"]) == size and part_size > 0 \
                 and len(parts) == max(1, -(-size // part_size))
+            frames = _frames(rec.get("compression"), len(parts))
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
             raise IntegrityError(f"manifest unreadable or not for an object of {size} bytes")
-        return cls(size, part_size, parts, str(rec.get("xxh3", "")), str(rec.get("upload", "")), "manifest")
+        return cls(size, part_size, parts, str(rec.get("xxh3", "")), str(rec.get("upload", "")), "manifest",
+                   frames)
 
     @classmethod
     def unverified(cls, size: int, why: str) -> Checksums:
@@ -123,10 +144,33 @@ class Checksums:
         return cls(size, max(size, 1), [xxh3], xxh3, "", "metadata")
 
 
+def _frames(record, parts: int) -> tuple[tuple[int, int], ...]:
+    """The frames of a manifest's "compression" record (none: not compressed)."""
+    if record is None:
+        return ()
+    if record.get("format") != compression.FORMAT or len(record["frames"]) != parts:
+        raise ValueError("unknown compression")
+    return tuple((int(stored), int(by)) for stored, by in record["frames"])
+
+
+def manifest_size(raw: bytes) -> int:
+    """The uncompressed size a manifest records (ValueError if it has none)."""
+    try:
+        return int(json.loads(raw)["size"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError("no size in the manifest") from exc
+
+
 def from_metadata(size: int, metadata: dict[str, str]) -> Checksums | str:
     """The checksums an object's metadata gives, or the manifest upload id to fetch."""
     if metadata.get(MANIFEST_META) == ALGORITHM and metadata.get(UPLOAD_META):
         return metadata[UPLOAD_META]
+    if metadata.get(compression.FORMAT_META) == compression.FORMAT and metadata.get(XXH3_META):
+        try:  # a compressed one-PUT object: one frame
+            stored, by = (int(x) for x in metadata[compression.FRAMES_META].split(":"))
+        except (KeyError, ValueError):
+            return Checksums.unverified(size, "compressed, but its frame is not recorded")
+        return replace(Checksums.whole_file(size, metadata[XXH3_META]), frames=((stored, by),))
     if metadata.get(XXH3_META) and size <= WHOLE_FILE_CHECK_MAX:
         return Checksums.whole_file(size, metadata[XXH3_META])
     if metadata.get(XXH3_META):

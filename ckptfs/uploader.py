@@ -44,7 +44,7 @@ import tenacity
 import trio
 import xxhash
 
-from . import integrity
+from . import compression, integrity
 from .background import BackgroundThreads, Gate
 from .cache import BlockRef, Cache, Content
 from .health import StoreHealth
@@ -160,6 +160,7 @@ class Task:
         self.stamps: list[int] = []  # the staged file's block change stamps at commit
         self.completed = False  # found already complete (a restart after the completion)
         self.submitted = time.monotonic()  # committed (or resumed at mount): its pending age
+        self.compressed = False  # its parts are zstd frames (decided when its upload is made)
 
     @property
     def multipart(self) -> bool:
@@ -170,8 +171,14 @@ class Task:
 
 
 class Uploader:
-    def __init__(self, store: ObjectStore, cache: Cache, journal: Journal, part_size: int, concurrency: int):
+    def __init__(self, store: ObjectStore, cache: Cache, journal: Journal, part_size: int, concurrency: int,
+                 compress_level: int | None = None):
         self.store = store
+        # --compress: parts go up as zstd frames (compression.py), compressed in the store threads
+        self.codec = compression.Codec(compress_level) if compress_level else None
+        self.governor = compression.Governor(behind=lambda: cache.waiters > 0)
+        self.stored_bytes = 0  # bytes sent for file data (compressed size where compressed)
+        self._marked = False  # compression.MARKER_KEY is in the store
         self.cache = cache
         self.journal = journal
         self.part_size = part_size
@@ -354,6 +361,8 @@ class Uploader:
             for index, token in task.op.parts.items():
                 task.parts[index] = PartInfo(index + 1, token, task.op.hashes.get(index, ""))
                 task.bytes_sent += task.part_size
+            # (those parts say whether the upload holds frames, whatever this mount's --compress)
+            task.compressed = any(compression.untag(h)[1] is not None for h in task.op.hashes.values())
         if task.stream is not None:
             await self._adopt_stream(task)
         if not task.xxh3 and not task.content.remote:  # the whole file's hash (not streamed: in the metadata)
@@ -377,8 +386,11 @@ class Uploader:
         if task.upload is None:
             task.upload = stream.upload
             task.parts = [None] * task.n_parts()
+            task.compressed = self.codec is not None
         for index, (stamp, part) in stream.sent.items():
             full = task.content.block_length(index) == task.part_size
+            if task.compressed and index == len(task.parts) - 1:
+                continue  # the last part carries the seek table: sent at commit
             if index < len(task.parts) and task.parts[index] is None and index < len(task.stamps) \
                     and task.stamps[index] == stamp and full:
                 task.parts[index] = part
@@ -398,18 +410,28 @@ class Uploader:
     async def _upload_parts(self, task: Task) -> None:
         if task.upload is None:
             # A rename may retarget the op while we work: the upload stays under this key.
+            task.compressed = self.codec is not None
             task.upload = await self._create_upload(task.op.key, {
                 "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size),
-                integrity.MANIFEST_META: integrity.ALGORITHM})
+                integrity.MANIFEST_META: integrity.ALGORITHM, **self._format_meta(task.compressed)})
             task.parts = [None] * task.n_parts()
             task.bytes_sent = 0
         upload = task.upload
         gone: list[int] = []
+        # A compressed object's last part holds the seek table, made of every frame's size: it
+        # goes once the others are sent (sent before, as by an earlier try, it goes again).
+        last = len(task.parts)
+        if task.compressed and task.parts[last - 1] is not None:
+            task.parts[last - 1] = None
+            task.bytes_sent -= task.op.size - (last - 1) * task.part_size
         async with trio.open_nursery() as parts:
-            for number in range(1, len(task.parts) + 1):
+            for number in range(1, last + (not task.compressed)):
                 if task.parts[number - 1] is None:
                     await self.part_slots.acquire()
                     parts.start_soon(self._send_part, task, upload, number, gone)
+        if task.compressed and not gone:
+            await self.part_slots.acquire()
+            await self._send_part(task, upload, last, gone)
         if gone and await self._is_complete(upload):  # completed just before a crash
             task.completed = True
             return
@@ -428,6 +450,8 @@ class Uploader:
             def send() -> PartInfo:
                 with self.part_buffers.body(length, lambda out: self._from_cache(content.read_into, start, out)) as body:
                     digest = integrity.part_hash(body)  # sealed: what the manifest records
+                    if task.compressed:
+                        return self._send_frame(upload, number, body, digest, self._seek_table_after(task, number))
                     return replace(self.store.upload_part(upload.key, upload.upload_id, number, body), xxh3=digest)
 
             try:
@@ -437,6 +461,8 @@ class Uploader:
                 return
             task.bytes_sent += length
             self.uploaded_bytes += length
+            if not task.compressed:
+                self.stored_bytes += length
         finally:
             self.part_slots.release()
 
@@ -451,12 +477,16 @@ class Uploader:
                         if stream.upload is None:
                             stream.upload = await self._create_upload(stream.key, {
                                 "ckptfs-part-size": str(self.part_size),
-                                integrity.MANIFEST_META: integrity.ALGORITHM})
+                                integrity.MANIFEST_META: integrity.ALGORITHM,
+                                **self._format_meta(self.codec is not None)})
                     upload, size = stream.upload, self.cache.block_size
+                    compressed = self.codec is not None
 
                     def send() -> PartInfo:
                         with self.part_buffers.body(size, lambda out: self._from_cache(self.cache.read_into, ref, 0, out)) as body:
                             digest = integrity.part_hash(body)  # sealed: what the manifest records
+                            if compressed:
+                                return self._send_frame(upload, index + 1, body, digest, None)
                             return replace(self.store.upload_part(upload.key, upload.upload_id, index + 1, body),
                                            xxh3=digest)
 
@@ -466,6 +496,8 @@ class Uploader:
                         return  # the upload vanished: the commit sends this part again
                     stream.sent[index] = (stamp, part)
                     self.uploaded_bytes += size
+                    if not compressed:
+                        self.stored_bytes += size
                     self.streamed_bytes += size
         finally:
             stream.scopes.discard(scope)
@@ -548,6 +580,8 @@ class Uploader:
             if not task.completed:
                 # The manifest first: an object that is visible has its part checksums.
                 # (Found already complete: the manifest was written before that completion.)
+                if task.compressed:
+                    await self._mark_compressed(op.key)
                 if checksums is not None:
                     await self._put_manifest(op.key, checksums)
                 await self._call(op.key, self.store.complete_multipart, op.key, upload.upload_id, task.parts)
@@ -568,21 +602,72 @@ class Uploader:
     async def _publish_one(self, task: Task) -> None:
         op = task.op
         data = await trio.to_thread.run_sync(task.content.read, 0, op.size, limiter=self.hash_threads)
-        await self._call(op.key, self.store.put, op.key, data, {integrity.XXH3_META: task.xxh3})
+        metadata = {integrity.XXH3_META: task.xxh3}
+        checksums = integrity.Checksums.whole_file(op.size, task.xxh3)
+        if self.codec is not None and op.size >= compression.ONE_PUT_MIN:
+            frame, by = await trio.to_thread.run_sync(compression.encode_part, self.codec, None, data,
+                                                      limiter=self.hash_threads)
+            if by != compression.RAW:  # (one that does not compress stays a plain object)
+                data = frame + compression.seek_table([(len(frame), op.size)])
+                metadata.update(self._format_meta(True), **{compression.SIZE_META: str(op.size),
+                                                           compression.FRAMES_META: f"{len(frame)}:{by}"})
+                checksums = replace(checksums, frames=((len(frame), by),))
+                await self._mark_compressed(op.key)
+        await self._call(op.key, self.store.put, op.key, data, metadata)
         task.bytes_sent = op.size
         self.uploaded_bytes += op.size
-        task.content.checksums = integrity.Checksums.whole_file(op.size, task.xxh3)
+        self.stored_bytes += len(data)
+        task.content.checksums = checksums
+
+    # -- compression ---------------------------------------------------------------------------
+    @staticmethod
+    def _format_meta(compressed: bool) -> dict[str, str]:
+        return {compression.FORMAT_META: compression.FORMAT} if compressed else {}
+
+    def _send_frame(self, upload: Upload, number: int, body, digest: str, table: Callable[[int], bytes] | None):
+        """Upload part ``number`` as a zstd frame (in a store thread). ``table``: this is the last
+        part, followed by the seek table that ``table(its frame's size)`` gives; the others are
+        padded to S3's smallest part. PartInfo.xxh3 carries the frame (compression.tag)."""
+        frame, by = compression.encode_part(self.codec, self.governor, body)
+        stored = len(frame)
+        if table is None:
+            frame = compression.pad_to(frame, min(compression.MIN_PART, self.part_size))
+            stored = len(frame)
+        else:
+            frame += table(stored)
+        started = time.perf_counter()
+        part = self.store.upload_part(upload.key, upload.upload_id, number, frame)
+        self.governor.uploaded(len(frame), time.perf_counter() - started)
+        self.stored_bytes += len(frame)
+        return replace(part, xxh3=compression.tag(digest, stored, by))
+
+    def _seek_table_after(self, task: Task, number: int) -> Callable[[int], bytes] | None:
+        """For the last part of a compressed upload: the seek table, given the last frame's size."""
+        if number != len(task.parts):
+            return None
+        frames = [compression.untag(part.xxh3)[1][0] for part in task.parts[:-1]]
+        sizes = [task.part_size] * len(frames) + [task.op.size - len(frames) * task.part_size]
+        return lambda last: compression.seek_table(list(zip(frames + [last], sizes)))
+
+    async def _mark_compressed(self, key: str) -> None:
+        """Before the bucket's first compressed object: the marker that tells mounts to look for
+        uncompressed sizes (compression.LogicalStore)."""
+        if not self._marked:
+            await self._call(key, self.store.put, compression.MARKER_KEY, b"", {})
+            self._marked = True
 
     # -- checksums ---------------------------------------------------------------------------
     def _checksums(self, task: Task) -> integrity.Checksums | None:
         """The manifest of a multipart put: every part's xxh3 (None if one is unknown: a part
         resumed from the journal of an older version; the object then reads as unverified)."""
-        hashes = [part.xxh3 if part is not None else "" for part in task.parts]
-        if not all(hashes):
+        tags = [compression.untag(part.xxh3) if part is not None else ("", None) for part in task.parts]
+        hashes = [digest for digest, _ in tags]
+        frames = tuple(frame for _, frame in tags) if task.compressed else ()
+        if not all(hashes) or None in frames:
             log.warning("%s: part checksums unknown (journal of an older version): no manifest", task.op.key)
             return None
         return integrity.Checksums(task.op.size, task.part_size, hashes, task.xxh3, task.upload.journal_id,
-                                   "manifest")
+                                   "manifest", frames)
 
     async def _put_manifest(self, key: str, checksums: integrity.Checksums) -> None:
         mkey = integrity.manifest_key(checksums.upload)

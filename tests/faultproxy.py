@@ -22,6 +22,9 @@ Actions: ``status(code, s3_code)``, ``delay(seconds)``, ``reset_mid_body()``,
 ``verify_checksums = True`` makes the proxy check what AWS S3 checks and the servers here
 (Swift 2.30, moto 5.2) do not: a request body sent with ``x-amz-checksum-crc32c`` that does not
 match it (after any corruption the proxy itself applied) is answered 400 BadDigest, unforwarded.
+
+``proxy.rate`` (bytes per second, None: no limit) throttles the whole proxy like a link: request
+bodies share one budget upstream, response bodies another downstream, across all connections.
 """
 
 from __future__ import annotations
@@ -212,11 +215,33 @@ def _exact(f, n: int):
         yield piece, True
 
 
-def _copy(body, out: socket.socket, length: int, corrupt: bool = False, cut: bool = False) -> bool:
+class _Link:
+    """One direction of a throttled link: each piece waits for its turn on the wire."""
+
+    def __init__(self, proxy: FaultProxy):
+        self.proxy = proxy
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def __call__(self, n: int) -> None:
+        rate = self.proxy.rate
+        if not rate:
+            return
+        with self._lock:
+            start = max(time.monotonic(), self._free_at)
+            self._free_at = start + n / rate
+            done = self._free_at
+        time.sleep(max(0.0, done - time.monotonic()))
+
+
+def _copy(body, out: socket.socket, length: int, corrupt: bool = False, cut: bool = False, pace=None) -> bool:
     """Send a body to ``out``, flipping its middle byte (``corrupt``) or stopping at its middle
-    (``cut``: then True). Without a length (chunked), the middle of its first payload piece."""
+    (``cut``: then True). Without a length (chunked), the middle of its first payload piece.
+    ``pace(n)`` is called before each piece (a throttled link)."""
     middle, sent = length // 2, 0
     for piece, payload in body:
+        if pace is not None:
+            pace(len(piece))
         if payload and (corrupt or cut) and (not length or sent + len(piece) > middle):
             i = middle - sent if length else len(piece) // 2
             if cut:
@@ -325,7 +350,7 @@ class _Handler(socketserver.BaseRequestHandler):
             length = int(headers.get("content-length", "0") or 0)
             has_body = length > 0 or _chunked(headers)
             if _copy(body, up, length, corrupt=corrupt,
-                     cut=action.name == "reset_mid_body"):
+                     cut=action.name == "reset_mid_body", pace=proxy._up):
                 _reset(up)
                 _reset(sock)
                 return False
@@ -355,7 +380,8 @@ class _Handler(socketserver.BaseRequestHandler):
             _reset(sock)  # nothing to cut in half: the server acted, the client hears a reset
             return False
         sock.sendall(b"".join(head) + b"\r\n")
-        if _copy(body, sock, length, corrupt=action.name == "corrupt_response_body" and not no_body, cut=cut):
+        if _copy(body, sock, length, corrupt=action.name == "corrupt_response_body" and not no_body, cut=cut,
+                 pace=self.server.proxy._down):
             _reset(sock)
             return False
         framed = no_body or "content-length" in headers or _chunked(headers)
@@ -382,6 +408,8 @@ class FaultProxy:
         self.refused_checksums = 0  # bodies refused so (BadDigest)
         self.requests: list[Request] = []  # every request seen, in order, with the action taken
         self.url = ""
+        self.rate: float | None = None  # bytes per second each way, all connections together
+        self._up, self._down = _Link(self), _Link(self)
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> Self:

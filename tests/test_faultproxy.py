@@ -131,6 +131,22 @@ def test_delay(s3_server, s3_bucket, proxy):
     assert time.monotonic() - start < 1.5
 
 
+def test_rate_throttles_bodies_both_ways(s3_server, s3_bucket, proxy):
+    """4 MiB up and down at 8 MiB/s: at least half a second each way (a generous lower bound:
+    the proxy may only slow bodies down); unthrottled again once the rate is cleared."""
+    client = _client(s3_server, proxy)
+    body = os.urandom(4 << 20)
+    proxy.rate = 8 << 20
+    start = time.monotonic()
+    client.put_object(Bucket=s3_bucket, Key="throttled", Body=body)
+    assert time.monotonic() - start >= 0.45
+    start = time.monotonic()
+    assert client.get_object(Bucket=s3_bucket, Key="throttled")["Body"].read() == body
+    assert time.monotonic() - start >= 0.45
+    proxy.rate = None
+    client.put_object(Bucket=s3_bucket, Key="free", Body=body)
+
+
 def test_drop_response_after_put_leaves_the_object(s3_server, s3_bucket, proxy):
     client = _client(s3_server, proxy)
     proxy.add_rule(Rule(drop_response(), kind="put", count=1))
