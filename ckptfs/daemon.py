@@ -35,7 +35,7 @@ from .health import StoreHealth, describe
 from .journal import Journal
 from .namespace import Namespace
 from .paths import check_mount_paths
-from .compression import LogicalStore
+from .logical_store import LogicalStore
 from .store import open_store
 from .store.base import StoreError
 from .uploader import Uploader

@@ -234,7 +234,7 @@ class Fetcher:
                 if not fresh.compressed and metadata.get(compression.FORMAT_META) == compression.FORMAT:
                     raise IntegrityError("stored compressed, but its frames are not recorded: it cannot be decoded")
                 if fresh.compressed:
-                    data = await trio.to_thread.run_sync(self._decompress, fresh, first, last, data,
+                    data = await trio.to_thread.run_sync(fresh.decompress, first, last, data,
                                                          limiter=self.threads)
                 if fresh.verified:
                     await trio.to_thread.run_sync(fresh.check, begin, data, limiter=self.threads)
@@ -248,16 +248,6 @@ class Fetcher:
         if not fresh.verified:
             self.unverified_reads += 1
         await self._attach(content, begin, data)
-
-    @staticmethod
-    def _decompress(checks: Checksums, first: int, last: int, data: bytes) -> bytes:
-        """The uncompressed parts [first, last) from their stored frames (IntegrityError if a frame
-        does not decode: zstd checks each frame's own checksum)."""
-        sizes = [min(checks.part_size, checks.size - i * checks.part_size) for i in range(first, last)]
-        try:
-            return compression.decode(data, list(checks.frames[first:last]), sizes)
-        except compression.CorruptFrame as exc:
-            raise IntegrityError(f"parts {first + 1}-{last}: {exc}") from None
 
     async def _known_compressed(self, content: Content) -> None:
         """Before the first fetch of an object the store layer already HEADed (a listing of a bucket

@@ -86,6 +86,15 @@ class Checksums:
         offset = sum(stored for stored, _ in self.frames[:first])
         return offset, sum(stored for stored, _ in self.frames[first:last]), first, last
 
+    def decompress(self, first: int, last: int, data: bytes) -> bytes:
+        """The uncompressed parts [first, last) from their stored frames ``data`` (IntegrityError
+        if a frame does not decode: zstd checks each frame's own checksum)."""
+        sizes = [min(self.part_size, self.size - i * self.part_size) for i in range(first, last)]
+        try:
+            return compression.decode(data, list(self.frames[first:last]), sizes)
+        except compression.CorruptFrame as exc:
+            raise IntegrityError(f"parts {first + 1}-{last}: {exc}") from None
+
     @property
     def verified(self) -> bool:
         return bool(self.parts)

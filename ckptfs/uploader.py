@@ -651,7 +651,7 @@ class Uploader:
 
     async def _mark_compressed(self, key: str) -> None:
         """Before the bucket's first compressed object: the marker that tells mounts to look for
-        uncompressed sizes (compression.LogicalStore)."""
+        uncompressed sizes (logical_store.LogicalStore)."""
         if not self._marked:
             await self._call(key, self.store.put, compression.MARKER_KEY, b"", {})
             self._marked = True

@@ -161,8 +161,14 @@ async def _check_part(store: ObjectStore, key: str, checks: integrity.Checksums,
     try:
         length = min(checks.part_size, checks.size - start)
         for attempt in (1, 2):  # a second read: bytes bent on the wire are not damage in the store
-            data = await trio.to_thread.run_sync(store.get_range, key, start, length, abandon_on_cancel=True)
             try:
+                if checks.compressed:  # the part's frame, decoded (zstd checks the frame, xxh3 the part)
+                    stored, stored_length, first, last = checks.stored_range(start, length)
+                    frame = await trio.to_thread.run_sync(store.get_range, key, stored, stored_length,
+                                                          abandon_on_cancel=True)
+                    data = checks.decompress(first, last, frame)
+                else:
+                    data = await trio.to_thread.run_sync(store.get_range, key, start, length, abandon_on_cancel=True)
                 checks.check(start, data)
                 break
             except IntegrityError as exc:

@@ -11,6 +11,7 @@ import trio
 
 from ckptfs import target
 from ckptfs.cli_support import ProgressBar, _call, _fmt, _positive_int, _relative_paths
+from ckptfs.logical_store import LogicalStore
 from ckptfs.verify import JOBS, failed, run
 
 
@@ -55,7 +56,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_url(where, args: argparse.Namespace, bar) -> dict:
-    store = where.open_store(max_connections=args.jobs + 4)
+    # (sizes as a mount shows them: a compressed object's is its uncompressed size)
+    store = LogicalStore(where.open_store(max_connections=args.jobs + 4))
     try:
         store.check()
 

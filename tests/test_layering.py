@@ -28,10 +28,11 @@ PACKAGE = ROOT / "ckptfs"
 # Bottom first. A module may import modules of lower layers only (never its own layer or above).
 LAYERS: list[tuple[str, set[str]]] = [
     ("leaves: no ckptfs imports", {"errors", "config", "background", "store.base", "stats", "dcpmeta"}),
-    ("files and stores, figures", {"private", "logs", "limits", "integrity", "store.local", "store.s3", "health", "series",
+    ("files and stores, figures", {"private", "logs", "limits", "compression", "store.local", "store.s3", "health", "series",
                                    "metrics"}),
-    ("store choice, cache arenas", {"store", "cache"}),
-    ("cache users, mount checks, admin targets", {"journal", "clean_index", "paths", "target"}),
+    ("store choice, cache arenas, checksums", {"store", "cache", "integrity"}),
+    ("cache users, mount checks, admin targets", {"journal", "clean_index", "paths", "target",
+                                                  "logical_store"}),
     ("transfer", {"uploader", "fetcher", "prefill", "openers", "verify"}),
     ("model", {"namespace"}),
     ("FUSE glue, admin channel", {"fuse_ops", "control", "catalog_handler"}),
