@@ -17,7 +17,8 @@ directory holds the series):
 A step is complete when every file is durable, every DCP directory in it has its ``.metadata``
 and that names only files present, every ``*.index.json`` shard index names only files present,
 an HF Trainer step has ``trainer_state.json`` (when the series' other steps show the Trainer
-writes one), and no pointer file of the series names an older step (Megatron and DeepSpeed write
+writes one), a step of accelerate's ``save_state`` has its ``random_states_R.pkl`` (likewise),
+and no pointer file of the series names an older step (Megatron and DeepSpeed write
 it after every rank saved: a newer step is still being written or was abandoned).
 """
 
@@ -46,6 +47,9 @@ _LIGHTNING_LAST = re.compile(r"last(?:-v\d+)?\.ckpt\Z")
 POINTER_NAMES = ("latest_checkpointed_iteration.txt", "latest", "latest.txt", "LATEST")
 DCP_METADATA = ".metadata"
 HF_TRAINER_STATE = "trainer_state.json"
+# accelerate's save_state writes each process's RNG state after the model, optimizer, scheduler,
+# sampler and scaler files; it names its steps checkpoint_N (the "step" layout).
+ACCELERATE_RNG_STATE = re.compile(r"random_states_\d+\.pkl\Z")
 POINTER_MAX_BYTES = 4096
 METADATA_MAX_BYTES = 256 << 20  # a DCP .metadata of a very large model is tens of MB
 INDEX_MAX_BYTES = 64 << 20
@@ -249,6 +253,8 @@ def _assess(step: Step, series: Series, files: set[str], read: Reader) -> None:
         if step.layout == "hf-trainer" and _trainer_writes_state(series) \
                 and posixpath.join(step.path, HF_TRAINER_STATE) not in files:
             reasons.append(f"no {HF_TRAINER_STATE} (the Trainer writes it last)")
+        if _accelerate_writes_rng_state(series) and not _has_accelerate_rng_state(step):
+            reasons.append("no random_states_N.pkl (accelerate's save_state writes it last)")
     for pointer in series.pointers:
         named = next((s for s in series.steps if s.path == pointer.names), None)
         if named is not None and step.number is not None and named.number is not None \
@@ -260,6 +266,18 @@ def _assess(step: Step, series: Series, files: set[str], read: Reader) -> None:
 def _trainer_writes_state(series: Series) -> bool:
     return any(s.layout == "hf-trainer" and any(posixpath.basename(e.path) == HF_TRAINER_STATE for e in s.entries)
                for s in series.steps)
+
+
+def _has_accelerate_rng_state(step: Step) -> bool:
+    return any(not e.is_dir and posixpath.dirname(e.path) == step.path
+               and ACCELERATE_RNG_STATE.match(posixpath.basename(e.path)) for e in step.entries)
+
+
+def _accelerate_writes_rng_state(series: Series) -> bool:
+    """Some directory step of the series holds accelerate's RNG state: its steps come from
+    save_state, and one without it was cut short (save_state writes no other marker, and with
+    ``total_limit`` it removes the oldest step before writing the new one)."""
+    return any(not s.is_file and _has_accelerate_rng_state(s) for s in series.steps)
 
 
 def _dcp_problems(step: Step, files: set[str], read: Reader) -> list[str]:

@@ -2,7 +2,9 @@
 
 Each test saves with the framework's own API onto a ckptfs mount, runs `ckptfs sync`, checks the
 objects in the bucket (boto3 listing), then loads back through a fresh mount with an empty cache
-dir (every byte from the store) and compares bit for bit. Tiny models, few steps: the whole file
+dir (every byte from the store) and compares bit for bit. Before that restart, `ckptfs checkpoints`
+and `ckptfs gc` run on what the framework wrote (`checkpoints_then_gc`), so the restart also
+proves the job resumes from what gc left. Tiny models, few steps: the whole file
 takes about 3 minutes of wall time on 2 cores at load 8 to 12 (Swift's start included), about one
 minute of CPU. The frameworks' own logging and warnings are silenced inside each test only
 (`quiet`).
@@ -11,6 +13,7 @@ minute of CPU. The frameworks' own logging and warnings are silenced inside each
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import select
@@ -25,7 +28,7 @@ import pytest
 import torch
 
 from tests.conftest import S3StoreView
-from tests.mounting import Mount
+from tests.mounting import Mount, ckptfs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,6 +99,44 @@ def restart(mount_factory, store, tmp_path):
 
 def fetched(m) -> int:
     return m.status()["fetched_bytes"]
+
+
+def ckptfs_json(*args: str) -> dict:
+    return json.loads(ckptfs(*args, "--json").stdout)
+
+
+def checkpoints_then_gc(m: Mount, store, directory: str, restart_step: str, older: set[str] = frozenset(),
+                        others: set[str] = frozenset()) -> None:
+    """After a framework's save and `ckptfs sync`, the admin commands as a user runs them:
+    `ckptfs checkpoints` on the mount finds the series in ``directory``: its steps are
+    ``restart_step`` (the restart), ``older`` and ``others`` (unnumbered: last.ckpt, DCP
+    directories), each complete; on the mount, `gc --keep-last 1 --dry-run` would delete exactly
+    ``older`` and deletes nothing, and `gc --keep-last 1` deletes exactly ``older``; after a sync
+    the bucket has lost exactly their objects, and `checkpoints` on the store URL lists what is
+    left, complete, with the same restart step. The test then resumes from what is left. (gc on
+    a store URL is tests/test_admin_catalog.py's: here the mount is live, and a subprocess on the
+    URL costs twice one on the mount.)"""
+    url = [store.url, "--endpoint-url", store.endpoint]
+
+    def series(found: dict) -> set[str]:
+        [one] = [s for s in found["series"] if s["directory"] == directory]
+        assert one["restart"] == restart_step, one
+        assert all(step["complete"] for step in one["steps"]), one
+        return {step["path"] for step in one["steps"]}
+
+    assert series(ckptfs_json("checkpoints", str(m.path))) == {restart_step, *older, *others}
+    before = store.keys()
+    dry = ckptfs_json("gc", str(m.path), "--keep-last", "1", "--dry-run")
+    assert {s["path"] for s in dry["steps"] if s["action"] == "delete"} == older, dry
+    assert store.keys() == before and all((m.path / step).exists() for step in older)
+    done = ckptfs_json("gc", str(m.path), "--keep-last", "1")
+    assert {s["path"] for s in done["steps"] if s["action"] == "delete"} == older and not done["failures"], done
+    assert not any((m.path / step).exists() for step in older)
+    m.sync()
+    gone = {k for k in before if any(k == step or k.startswith(step + "/") for step in older)}
+    assert bool(gone) == bool(older)
+    assert store.keys() == before - gone
+    assert series(ckptfs_json("checkpoints", *url)) == {restart_step, *others}
 
 
 # =============================================================================================
@@ -172,6 +213,8 @@ def test_torch_distributed_checkpoint_two_ranks_save_async_save_and_resharded_lo
         for name in ("dcp-sync", "dcp-async"):
             for f in layout:
                 assert store.read(f"{name}/{f}") == (m.path / name / f).read_bytes()
+        # Two DCP directories with no step number: the newer is the restart, gc deletes neither.
+        checkpoints_then_gc(m, store, "", "dcp-async", others={"dcp-sync"})
         m.stop()
 
         fresh = restart(m)
@@ -214,6 +257,7 @@ def test_safetensors_save_file_load_file_and_safe_open(store, mount_factory, res
     saved = (m.path / "step-1000" / "model.safetensors").read_bytes()
     assert store.keys() == {"step-1000/model.safetensors"}
     assert store.read("step-1000/model.safetensors") == saved
+    checkpoints_then_gc(m, store, "", "step-1000")
     m.stop()
 
     fresh = restart(m)
@@ -285,6 +329,9 @@ def test_transformers_save_pretrained_sharded_and_from_pretrained(store, mount_f
     assert {"tiny-gpt2/config.json", "tiny-gpt2/model.safetensors.index.json"} <= keys
     for key in keys:
         assert store.read(key) == (m.path / key).read_bytes()
+    # A model directory is not a checkpoint series: gc, even keeping none, leaves it alone.
+    done = ckptfs_json("gc", str(m.path), "--keep-last", "0")
+    assert done["steps"] == [] and {k for k in store.keys() if k.startswith("tiny-gpt2/")} == keys
     m.stop()
 
     fresh = restart(m)
@@ -334,11 +381,12 @@ def test_transformers_trainer_save_steps_rotation_and_resume(store, mount_factor
     assert _checkpoint_dirs(store, "run") == {"checkpoint-4", "checkpoint-6"}  # checkpoint-2 gone from the store
     saved = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"}
     assert {f"run/checkpoint-6/{f}" for f in saved} <= store.keys()
+    checkpoints_then_gc(m, store, "run", "run/checkpoint-6", older={"run/checkpoint-4"})
     m.stop()
 
     fresh = restart(m)
     resumed, steps = _trainer(fresh.path / "run", max_steps=8)
-    resumed.train(resume_from_checkpoint=True)  # finds checkpoint-6 by listing the fresh mount
+    resumed.train(resume_from_checkpoint=True)  # finds checkpoint-6 (all gc left) by listing the fresh mount
     assert steps.steps == 2 and resumed.state.global_step == 8  # resumed at 6, not from scratch
     # Model, optimizer moments, scheduler, RNG and data order all came back: bit-identical to the
     # run that never stopped.
@@ -412,6 +460,10 @@ def test_lightning_model_checkpoint_top_k_last_and_resume(store, mount_factory, 
         m.sync()
         assert store.keys() == {f"ckpts/{name}" for name in kept}
         assert store.read("ckpts/last.ckpt") == (m.path / "ckpts" / "last.ckpt").read_bytes()
+        # last.ckpt, saved after the newest top-k file, is what Lightning resumes from; gc keeps it
+        # (no step number) and the newest numbered file.
+        checkpoints_then_gc(m, store, "ckpts", "ckpts/last.ckpt", older={"ckpts/epoch=2-step=12.ckpt"},
+                            others={"ckpts/epoch=3-step=16.ckpt"})
         m.stop()
 
         fresh = restart(m)
@@ -423,6 +475,7 @@ def test_lightning_model_checkpoint_top_k_last_and_resume(store, mount_factory, 
         assert record.start_epoch == 4 and record.batches == 8 and trainer.global_step == 24
         assert_same_tensors(resumed.state_dict(), reference.state_dict())  # as if it never stopped
         fresh.sync()  # the callback's state came back with the checkpoint: it rotates the old files out
+        # (epoch=2-step=12.ckpt, which gc deleted, is forgotten without an error)
         assert store.keys() == {"ckpts/epoch=4-step=20.ckpt", "ckpts/epoch=5-step=24.ckpt", "ckpts/last.ckpt"}
         fresh.stop()
 
@@ -486,6 +539,8 @@ def test_accelerate_save_state_and_load_state(store, mount_factory, restart, fre
         m.sync()
         files = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}
         assert store.keys() == {f"project/checkpoints/checkpoint_{n}/{f}" for n in (1, 2) for f in files}
+        checkpoints_then_gc(m, store, "project/checkpoints", "project/checkpoints/checkpoint_2",
+                            older={"project/checkpoints/checkpoint_1"})
         m.stop()
 
         AcceleratorState._reset_state(True)  # a new job
@@ -493,7 +548,7 @@ def test_accelerate_save_state_and_load_state(store, mount_factory, restart, fre
         fresh = restart(m)
         accelerator, model2, optimizer2, scheduler2 = _accelerate_job(fresh.path / "project")
         torch.manual_seed(123)
-        accelerator.load_state()  # the newest of project/checkpoints, found by listing the fresh mount
+        accelerator.load_state()  # the newest of project/checkpoints (checkpoint_2, all gc left), found by listing
         assert_same_tensors(model2.state_dict(), model.state_dict())
         for param, state in optimizer.state_dict()["state"].items():
             assert_same_tensors(optimizer2.state_dict()["state"][param], state)

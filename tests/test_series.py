@@ -67,6 +67,29 @@ def test_hf_trainer_step_without_trainer_state_is_incomplete():
     assert s.layout == "hf-trainer"
 
 
+ACCELERATE_FILES = ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl")  # its write order
+
+
+def test_accelerate_save_state_cut_short_is_incomplete_and_gc_keeps_the_last_whole_one():
+    """accelerate's save_state (automatic_checkpoint_naming, total_limit=2), the names
+    tests/test_frameworks.py sees it write: it removes checkpoint_1 before writing checkpoint_3,
+    and a job killed after optimizer.bin leaves checkpoint_3 with no RNG state. Every file is
+    durable, but a restart from it fails: checkpoint_2 is the restart step and gc keeps it."""
+    whole = [f"project/checkpoints/checkpoint_2/{f}" for f in ACCELERATE_FILES]
+    cut = [f"project/checkpoints/checkpoint_3/{f}" for f in ACCELERATE_FILES[:2]]
+    s = one_series(files(*whole, *cut))
+    steps = by_name(s)
+    assert steps["checkpoint_2"].complete and steps["checkpoint_2"].restart
+    assert not steps["checkpoint_3"].complete and "random_states" in steps["checkpoint_3"].reasons[0]
+    plan = _plan(files(*whole, *cut), keep_last=1)
+    assert plan["checkpoint_2"] == (False, "newest complete step (the restart point)")
+    assert plan["checkpoint_3"] == (False, "among the newest 1")
+    whole3 = [f"project/checkpoints/checkpoint_3/{f}" for f in ACCELERATE_FILES]
+    assert one_series(files(*whole, *whole3)).restart.name == "checkpoint_3"
+    # Without accelerate's RNG state in any step, a step is whatever files it holds.
+    assert one_series(files("checkpoint_2/model.pt", "checkpoint_3/model.pt")).restart.name == "checkpoint_3"
+
+
 def test_megatron_tracker_names_the_step_and_newer_ones_are_incomplete():
     entries = files("iter_0000100/mp_rank_00/model_optim_rng.pt", "iter_0000200/mp_rank_00/model_optim_rng.pt",
                     "iter_0000300/mp_rank_00/model_optim_rng.pt", "latest_checkpointed_iteration.txt")
