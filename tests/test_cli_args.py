@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import cli
+from ckptfs import cli, cli_support
 from ckptfs.config import MiB, MountConfig, default_cache_dir, default_store_dir
 from ckptfs.errors import UsageError
 
@@ -126,7 +126,7 @@ def test_read_ready():
 def test_umount_timeout_default_and_progress_lines_off_a_terminal(monkeypatch, capsys):
     assert cli.build_parser().parse_args(["umount", "/m"]).timeout == cli.UMOUNT_TIMEOUT_S
     assert cli.build_parser().parse_args(["umount", "/m", "--timeout", "2"]).timeout == 2
-    monkeypatch.setattr(cli, "PROGRESS_LINE_S", 0)
+    monkeypatch.setattr(cli_support, "PROGRESS_LINE_S", 0)
     bar = cli.ProgressBar("drain")  # stderr is not a terminal here: lines instead of a bar
     bar({"pending_files": 2, "pending_bytes": 3 * MiB, "total_bytes": 4 * MiB,
          "store": "unreachable since 12:00:01 (35 s): UploadPart a.bin: cannot reach http://h:9: read timeout"})
