@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from ckptfs.integrity import MANIFEST_PREFIX
+from ckptfs.integrity import MANIFEST_PREFIX, SWEEP_STAMP
 from tests.faultproxy import Rule, blackhole
 from tests.mounting import Mount, ckptfs
 
@@ -239,7 +239,7 @@ def test_gc_on_the_url_deletes_manifests_and_markers(store, mount_factory):
     assert len(manifests(store)) == 1
     done = as_json("gc", *url_args(store), "--keep-last", "1")
     assert [s["path"] for s in done["steps"] if s["action"] == "delete"] == ["step-1"]
-    assert store_keys(store) == {"step-2/x.pt"}
+    assert store_keys(store) - {SWEEP_STAMP} == {"step-2/x.pt"}  # (the mount's sweep stamp stays)
     listed = ckptfs("ls", *url_args(store), "step-1", check=False)
     one_line_error(listed, 1, "no such file or directory in the store")
 
@@ -311,3 +311,27 @@ def test_ls_shows_the_recorded_xxh3_of_a_one_put_file_too_large_to_check_per_rea
     monkeypatch.setattr(integrity, "WHOLE_FILE_CHECK_MAX", 100)  # reads of it go unchecked: it is recorded all the same
     [listed] = catalog.ls(resolve(f"file://{tmp_path / 'store'}"))
     assert listed.checksum == f"xxh3:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_gc_on_a_mount_never_deletes_outside_it(store, mount_factory, tmp_path):
+    # gc lists from the daemon's tree, then deletes through the kernel: whatever is mounted over a
+    # step since (any user may FUSE-mount on a directory of theirs) must not lead root elsewhere.
+    import subprocess
+
+    m = mount_factory().start()
+    write(m.path, {"step-1/sub/victim": b"x", "step-2/x.pt": b"x"})
+    m.sync()
+    outside = tmp_path / "outside"
+    write(outside, {"victim": b"precious"})
+    cover = tmp_path / "cover"
+    cover.mkdir()
+    (cover / "sub").symlink_to(outside)
+    subprocess.run(["mount", "--bind", str(cover), str(m.path / "step-1")], check=True)
+    try:
+        done = ckptfs("gc", str(m.path), "--keep-last", "1", "--json", check=False)
+    finally:
+        subprocess.run(["umount", str(m.path / "step-1")], check=True)
+    assert (outside / "victim").read_bytes() == b"precious"
+    assert (m.path / "step-1" / "sub" / "victim").exists()  # not deleted either: gc said so
+    assert done.returncode == 1 and json.loads(done.stdout)["failures"], done.stdout
