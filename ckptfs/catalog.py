@@ -72,10 +72,14 @@ class Checkpoints:
 def checkpoints(url_or_mountpoint: str, endpoint_url: str | None = None) -> Checkpoints:
     """The checkpoint series at ``url_or_mountpoint`` (a store URL, a mountpoint or a path on a
     ckptfs mount): steps, completeness, and ``.restart``, the step to restart from (None if no
-    step is complete). Each step's ``location`` is a path on the mount or a URL in the store."""
+    step is complete). Each step's ``location`` is a path on the mount or a URL in the store.
+    Raises CkptfsError (a bad URL, a path on no ckptfs mount, a store or daemon that fails)."""
     target = resolve(url_or_mountpoint, endpoint_url)
-    with _Source(target) as source:
-        return source.checkpoints(target.prefix)
+    try:
+        with _Source(target) as source:
+            return source.checkpoints(target.prefix)
+    except StoreError as e:  # (the API's errors are CkptfsErrors: the store module's are not exported)
+        raise CkptfsError(str(e)) from None
 
 
 # --- sources --------------------------------------------------------------------------------------

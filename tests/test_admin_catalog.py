@@ -335,3 +335,15 @@ def test_gc_on_a_mount_never_deletes_outside_it(store, mount_factory, tmp_path):
     assert (outside / "victim").read_bytes() == b"precious"
     assert (m.path / "step-1" / "sub" / "victim").exists()  # not deleted either: gc said so
     assert done.returncode == 1 and json.loads(done.stdout)["failures"], done.stdout
+
+
+def test_a_file_url_naming_no_directory_is_one_line_and_creates_nothing(tmp_path):
+    # Like a missing bucket (and `ls /typo`): not an empty store; and these commands only read,
+    # so none of them makes the directory (as root, anywhere the URL says).
+    missing = tmp_path / "typo" / "store"
+    (tmp_path / "plain").write_bytes(b"x")
+    for command in (["ls"], ["checkpoints"], ["gc", "--keep-last", "1"], ["verify"]):
+        one_line_error(ckptfs(command[0], f"file://{missing}", *command[1:], check=False), 1, "no such directory")
+        one_line_error(ckptfs(command[0], f"file://{tmp_path / 'plain'}", *command[1:], check=False), 1,
+                       "not a directory")
+    assert not (tmp_path / "typo").exists()
