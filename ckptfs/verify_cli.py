@@ -10,7 +10,7 @@ import sys
 import trio
 
 from ckptfs import target
-from ckptfs.cli_support import ProgressBar, _call, _fmt, _positive_int, _relative_paths
+from ckptfs.cli_support import ProgressBar, _call, _fmt, _positive_int
 from ckptfs.logical_store import LogicalStore
 from ckptfs.verify import JOBS, failed, run
 
@@ -44,18 +44,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     where = target.resolve(args.target, args.endpoint_url)
     bar = ProgressBar("verify")
     try:
+        # PATHs as for ls: relative to the target (or, on a mount, absolute paths inside it)
+        paths = [target.sub_path(where, p) for p in args.paths or [None]]
+        paths = [] if "" in paths else paths  # (all of it)
         if where.is_mount:
-            paths = _relative_paths(where.mountpoint, args.paths) if args.paths else \
-                [where.prefix] if where.prefix else []
             result = _call(where.mountpoint, "verify", {"paths": paths, "jobs": args.jobs}, on_progress=bar)
         else:
-            result = _verify_url(where, args, bar)
+            result = _verify_url(where, paths, args, bar)
     finally:
         bar.close()
     return report(result, args.json, args.strict)
 
 
-def _verify_url(where, args: argparse.Namespace, bar) -> dict:
+def _verify_url(where, paths: list[str], args: argparse.Namespace, bar) -> dict:
     # (sizes as a mount shows them: a compressed object's is its uncompressed size)
     store = LogicalStore(where.open_store(max_connections=args.jobs + 4))
     try:
@@ -64,7 +65,7 @@ def _verify_url(where, args: argparse.Namespace, bar) -> dict:
         async def progress(update: dict) -> None:
             bar(update)
 
-        return trio.run(run, store, [p.lstrip("/") for p in args.paths], progress, args.jobs)
+        return trio.run(run, store, paths, progress, args.jobs)
     finally:
         store.close()
 

@@ -347,3 +347,19 @@ def test_a_file_url_naming_no_directory_is_one_line_and_creates_nothing(tmp_path
         one_line_error(ckptfs(command[0], f"file://{tmp_path / 'plain'}", *command[1:], check=False), 1,
                        "not a directory")
     assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_verify_paths_are_relative_to_the_target_as_for_ls(store, mount_factory):
+    m = mount_factory().start()
+    write(m.path, {"run/step-1/x.pt": b"x", "run/step-2/y.pt": b"y"})
+    m.sync()
+    # (the command runs in the worktree, not on the mount: a PATH is not taken from the cwd)
+    for target in (str(m.path), *url_args(store)):
+        done = ckptfs("verify", target, "run/step-1", "--json", check=False)
+        assert done.returncode == 0, done.stderr
+        assert [f["key"] for f in json.loads(done.stdout)["files"]] == ["run/step-1/x.pt"]
+    done = ckptfs("verify", str(m.path / "run"), "step-2", "--json")
+    assert [f["key"] for f in json.loads(done.stdout)["files"]] == ["run/step-2/y.pt"]
+    one_line_error(ckptfs("verify", *url_args(store), "../../etc/passwd", check=False), 2, "is outside")
+    one_line_error(ckptfs("verify", str(m.path), "../..", check=False), 2, "is outside")
