@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
                    help="s3://bucket[/prefix] or file:///path (opened directly), or a ckptfs mountpoint "
                         "(its daemon reads the store)")
     p.add_argument("paths", nargs="*", metavar="PATH",
-                   help="files or directories: keys under the store URL, or paths on the mount (default: all)")
+                   help="files or directories, relative to the target as for ls (or absolute paths inside the mount); default: all")
     p.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint (with an s3:// STORE_URL)")
     p.add_argument("--jobs", type=_jobs, default=JOBS, metavar="N", help=f"parts read at once (default {JOBS})")
     p.add_argument("--strict", action="store_true", help="objects with no checksum recorded count as failures")
