@@ -363,3 +363,18 @@ def test_verify_paths_are_relative_to_the_target_as_for_ls(store, mount_factory)
     assert [f["key"] for f in json.loads(done.stdout)["files"]] == ["run/step-2/y.pt"]
     one_line_error(ckptfs("verify", *url_args(store), "../../etc/passwd", check=False), 2, "is outside")
     one_line_error(ckptfs("verify", str(m.path), "../..", check=False), 2, "is outside")
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    # `ckptfs ls URL | head -1`: the reader leaving is no error to report (as for ls(1)).
+    import subprocess
+
+    from ckptfs.store.local import LocalStore
+    from tests.mounting import CKPTFS
+
+    store = LocalStore(tmp_path / "store")
+    for n in range(5000):
+        store.put(f"step-1/shard-{n:05d}.pt", b"s")
+    done = subprocess.run(f"{' '.join(CKPTFS)} ls file://{tmp_path / 'store'} | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("STATE") and done.stderr == "", done.stderr
