@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -71,10 +72,14 @@ class Checkpoints:
 def checkpoints(url_or_mountpoint: str, endpoint_url: str | None = None) -> Checkpoints:
     """The checkpoint series at ``url_or_mountpoint`` (a store URL, a mountpoint or a path on a
     ckptfs mount): steps, completeness, and ``.restart``, the step to restart from (None if no
-    step is complete). Each step's ``location`` is a path on the mount or a URL in the store."""
+    step is complete). Each step's ``location`` is a path on the mount or a URL in the store.
+    Raises CkptfsError (a bad URL, a path on no ckptfs mount, a store or daemon that fails)."""
     target = resolve(url_or_mountpoint, endpoint_url)
-    with _Source(target) as source:
-        return source.checkpoints(target.prefix)
+    try:
+        with _Source(target) as source:
+            return source.checkpoints(target.prefix)
+    except StoreError as e:  # (the API's errors are CkptfsErrors: the store module's are not exported)
+        raise CkptfsError(str(e)) from None
 
 
 # --- sources --------------------------------------------------------------------------------------
@@ -162,8 +167,20 @@ class _Source:
     # reading small files (pointers, DCP metadata, shard indexes)
     def read(self, path: str, limit: int) -> bytes:
         if self.target.is_mount:
-            fd = os.open(os.path.join(self.target.mountpoint, path), os.O_RDONLY | os.O_NOFOLLOW)
+            # (as gc deletes: one name at a time, on the mount alone; root reads what it names)
+            mount_fd = os.open(self.target.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                parent, name = posixpath.split(path)
+                dir_fd = _open_dir_on(mount_fd, os.fstat(mount_fd).st_dev, parent)
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+                finally:
+                    os.close(dir_fd)
+            finally:
+                os.close(mount_fd)
             with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file")
                 return f.read(limit)
         try:
             return self.store.get_range(path, 0, limit)
@@ -257,21 +274,61 @@ def gc(target: Target, keep_last: int, keep_every: int | None = None, pattern: s
 
 
 def _delete_on_mount(target: Target, step: Step) -> list[str]:
-    """Unlink the step's files through the mount, in parallel, then its directories, deepest first."""
-    root = os.path.join(target.mountpoint, step.path)
-    files = [os.path.join(target.mountpoint, e.path) for e in step.entries if not e.is_dir]
-    failures = _parallel(os.unlink, files, target.mountpoint)
-    if step.is_file or failures:
+    """Unlink the step's files through the mount, in parallel, then its directories, deepest first.
+    Paths are walked from the mountpoint one name at a time, never through a link and never off
+    the mount's filesystem: what gc listed is the daemon's tree, and something may since have been
+    mounted over a directory of it (any user may FUSE-mount on a directory they own), which must
+    not lead root to delete elsewhere."""
+    mountpoint = target.mountpoint
+    try:
+        mount_fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        return [f"{mountpoint}: {e.strerror}"]
+    try:
+        device = os.fstat(mount_fd).st_dev
+
+        def remove(path: str, rmdir: bool = False) -> None:
+            parent, name = posixpath.split(path)
+            fd = _open_dir_on(mount_fd, device, parent)
+            try:
+                (os.rmdir if rmdir else os.unlink)(name, dir_fd=fd)
+            finally:
+                os.close(fd)
+
+        files = [e.path for e in step.entries if not e.is_dir]
+        failures = _parallel(remove, files, None)
+        if step.is_file or failures:
+            return failures
+        dirs = {e.path for e in step.entries if e.is_dir} | {step.path}
+        for directory in sorted(dirs, key=lambda d: -d.count("/")):  # (names made since the listing stay, and so does their dir)
+            try:
+                remove(directory, rmdir=True)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                failures.append(f"{directory}: {e.strerror}")
         return failures
-    dirs = []
-    for directory, _, _ in os.walk(root, topdown=False):  # (names made since the listing stay, and so does their dir)
-        dirs.append(directory)
-    for directory in dirs:
-        try:
-            os.rmdir(directory)
-        except OSError as e:
-            failures.append(f"{os.path.relpath(directory, target.mountpoint)}: {e.strerror}")
-    return failures
+    finally:
+        os.close(mount_fd)
+
+
+def _open_dir_on(mount_fd: int, device: int, path: str) -> int:
+    """A descriptor of the directory ``path`` (relative to the mount), reached one name at a time
+    with O_NOFOLLOW, each on the mount's own filesystem (EXDEV otherwise)."""
+    fd = os.dup(mount_fd)
+    try:
+        for name in [p for p in path.split("/") if p]:
+            if name in (".", ".."):
+                raise OSError(errno.EINVAL, f"{name!r} in a path on the mount")
+            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            if os.fstat(fd).st_dev != device:
+                raise OSError(errno.EXDEV, "another filesystem is mounted there: not deleted through it")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _delete_in_store(store: ObjectStore, step: Step, etags: dict[str, str]) -> list[str]:

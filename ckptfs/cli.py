@@ -207,6 +207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreError as e:
         print(f"ckptfs: {_one_line(str(e))}", file=sys.stderr)
         return 1
+    except BrokenPipeError as e:
+        if not _stdout_gone():
+            print(f"ckptfs: {_one_line(e.strerror or str(e))}", file=sys.stderr)
+            return 1
+        # The reader of our output left (`ckptfs ls ... | head`): nothing to report, as for ls(1).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush must not fail too)
+        return 141  # (128 + SIGPIPE, what a shell shows for a command the pipe ended)
     except OSError as e:  # a path the checks could not foresee (/proc, a full disk): one line, not a traceback
         where = f": {e.filename}" if e.filename is not None else ""
         print(f"ckptfs: {_one_line(e.strerror or str(e))}{where}", file=sys.stderr)
@@ -214,6 +221,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ckptfs: interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 # --- mount ----------------------------------------------------------------------

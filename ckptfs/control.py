@@ -315,10 +315,12 @@ def call_socket(
                 sock.sendall(_encode({"cmd": cmd, **(args or {})}))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the server answered early (a refusal) and closed: read why below
-            buf = b""
-            while True:
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
+            buf, scanned = bytearray(), 0  # (grown in place, searched only where new: a catalog
+            while True:                      # answer of ~100 MiB must not be copied per chunk)
+                while (end := buf.find(b"\n", scanned)) >= 0:
+                    line = bytes(buf[:end])
+                    del buf[:end + 1]
+                    scanned = 0
                     message = _decode(line, name)
                     if "progress" in message:
                         if on_progress is not None:
@@ -332,6 +334,7 @@ def call_socket(
                 chunk = sock.recv(65536)
                 if not chunk:
                     raise ControlError(f"the ckptfs daemon at {name} closed the connection without an answer (see its log)")
+                scanned = len(buf)
                 buf += chunk
         except TimedOut:
             raise  # the daemon's own answer (a TimeoutError too)

@@ -70,27 +70,32 @@ def referenced_files(data: bytes) -> set[str]:
     except Exception as e:  # noqa: BLE001 - a corrupt pickle can raise almost anything
         raise MetadataError(f"not a readable DCP .metadata ({type(e).__name__})") from None
     names: set[str] = set()
-    _collect(root, names, 0)
+    _collect(root, names, set(), 0)
     if not names:
         raise MetadataError("the DCP .metadata names no files")
     return names
 
 
-def _collect(value: object, names: set[str], depth: int) -> None:
-    if depth > MAX_DEPTH:
+def _collect(value: object, names: set[str], seen: set[int], depth: int) -> None:
+    if depth > MAX_DEPTH or not isinstance(value, (_Inert, dict, list, tuple, set, frozenset)):
         return
+    if id(value) in seen:  # a pickle shares objects through its memo: each is walked once
+        return             # (or a hostile one makes the walk exponential); all stay alive meanwhile
+    seen.add(id(value))
     if isinstance(value, _Inert):
-        state = value._state
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) of a slotted class
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict) and isinstance(state.get("relative_path"), str):
-            names.add(state["relative_path"])
+        state = value._state  # (walked as it came: a merged copy would be a new object each time)
+        fields = state
+        if isinstance(state, tuple) and len(state) == 2 \
+                and all(isinstance(s, dict) or s is None for s in state):  # (dict, slots) of a slotted class
+            fields = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(fields, dict) and isinstance(fields.get("relative_path"), str):
+            names.add(fields["relative_path"])
         for part in (value._args, value._kwargs, state, value.__dict__.get("_items", ())):
-            _collect(part, names, depth + 1)
+            _collect(part, names, seen, depth + 1)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _collect(key, names, depth + 1)
-            _collect(item, names, depth + 1)
-    elif isinstance(value, (list, tuple, set, frozenset)):
+            _collect(key, names, seen, depth + 1)
+            _collect(item, names, seen, depth + 1)
+    else:
         for item in value:
-            _collect(item, names, depth + 1)
+            _collect(item, names, seen, depth + 1)

@@ -37,9 +37,16 @@ class Target:
         from ckptfs.store import open_store  # boto3 is slow to import: only for store URLs
 
         try:
-            return open_store(self.url, endpoint_url=self.endpoint_url, max_connections=max_connections)
+            store = open_store(self.url, endpoint_url=self.endpoint_url, max_connections=max_connections)
         except StoreError as e:  # open_store does no I/O: what it rejects is the command line
             raise UsageError(str(e)) if e.errno == errno.EINVAL else e
+        root = getattr(store, "root", None)  # a local store: its directory must be there already, as
+        if root is not None and not os.path.isdir(root):  # a bucket must; the admin commands never make it
+            store.close()
+            if os.path.lexists(root):
+                raise StoreError(f"local store {root}: not a directory", errno_=errno.ENOTDIR)
+            raise StoreError(f"local store {root}: no such directory", errno_=errno.ENOENT)
+        return store
 
 
 def is_url(spec: str) -> bool:

@@ -76,7 +76,10 @@ async def run(store: ObjectStore, paths: list[str], progress: Callable[[dict], A
     """Verify the objects at or under ``paths`` (keys relative to the store; [] for all).
     Returns {"store", "files": [Result as dict], "total_bytes", "seconds"}."""
     started = time.monotonic()
-    targets = await trio.to_thread.run_sync(_targets, store, paths, abandon_on_cancel=True)
+    # Threads of its own: in the daemon the default limiter carries the journal's fsyncs and the
+    # cache's copies, which a verify of a whole store must not hold up.
+    threads = trio.CapacityLimiter(jobs)
+    targets = await trio.to_thread.run_sync(_targets, store, paths, abandon_on_cancel=True, limiter=threads)
     total = sum(info.size for _, info in targets if info is not None)
     state = {"done_bytes": 0, "total_bytes": total, "files": len(targets), "files_done": 0}
     results: list[Result] = []
@@ -85,7 +88,7 @@ async def run(store: ObjectStore, paths: list[str], progress: Callable[[dict], A
 
     async def one(key: str, info: ObjectInfo | None) -> None:
         try:
-            results.append(await _verify(store, key, info, parts, state))
+            results.append(await _verify(store, key, info, parts, threads, state))
         finally:
             state["files_done"] += 1
             objects.release()
@@ -112,13 +115,13 @@ async def _report(progress, state: dict) -> None:
 
 
 async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: trio.Semaphore,
-                  state: dict, again: bool = False) -> Result:
+                  threads: trio.CapacityLimiter, state: dict, again: bool = False) -> Result:
     if info is None:
         return Result(key, 0, "missing", "not in the store")
     size = info.size
     try:
         # HEAD: a listing carries no user metadata (and the object may have changed since).
-        head = await trio.to_thread.run_sync(store.head, key, abandon_on_cancel=True)
+        head = await trio.to_thread.run_sync(store.head, key, abandon_on_cancel=True, limiter=threads)
         if head is None:
             state["done_bytes"] += size
             return Result(key, size, "missing", "deleted from the store while verifying")
@@ -127,7 +130,7 @@ async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: 
             size = head.size
         try:
             checks = await trio.to_thread.run_sync(integrity.load_checksums, store, head.size, head.metadata,
-                                                   abandon_on_cancel=True)
+                                                   abandon_on_cancel=True, limiter=threads)
         except IntegrityError as exc:
             state["done_bytes"] += size
             return Result(key, size, "missing-manifest" if isinstance(exc, integrity.ManifestMissing) else "mismatch",
@@ -139,13 +142,13 @@ async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: 
         async with trio.open_nursery() as nursery:
             for start in range(0, max(size, 1), checks.part_size):
                 await parts.acquire()
-                nursery.start_soon(_check_part, store, key, checks, start, parts, state, bad)
+                nursery.start_soon(_check_part, store, key, checks, start, parts, threads, state, bad)
         if bad:
-            now = await trio.to_thread.run_sync(store.head, key, abandon_on_cancel=True)
+            now = await trio.to_thread.run_sync(store.head, key, abandon_on_cancel=True, limiter=threads)
             if not again and now is not None and (now.etag, now.size) != (head.etag, head.size):
                 # Replaced while we read it (a mount wrote a new version): check the new one.
                 state["total_bytes"] += now.size
-                return await _verify(store, key, now, parts, state, again=True)
+                return await _verify(store, key, now, parts, threads, state, again=True)
             more = f" (and {len(bad) - 1} more parts)" if len(bad) > 1 else ""
             return Result(key, size, "mismatch", min(bad)[1] + more)
         return Result(key, size, "ok", f"{len(checks.parts)} part{'s' if len(checks.parts) != 1 else ''} "
@@ -157,19 +160,22 @@ async def _verify(store: ObjectStore, key: str, info: ObjectInfo | None, parts: 
 
 
 async def _check_part(store: ObjectStore, key: str, checks: integrity.Checksums, start: int,
-                      parts: trio.Semaphore, state: dict, bad: list[tuple[int, str]]) -> None:
+                      parts: trio.Semaphore, threads: trio.CapacityLimiter, state: dict,
+                      bad: list[tuple[int, str]]) -> None:
     try:
         length = min(checks.part_size, checks.size - start)
+
+        def read_and_check() -> None:  # (in a thread: decoding and hashing 8 MiB would stall a daemon's loop)
+            if checks.compressed:  # the part's frame, decoded (zstd checks the frame, xxh3 the part)
+                stored, stored_length, first, last = checks.stored_range(start, length)
+                data = checks.decompress(first, last, store.get_range(key, stored, stored_length))
+            else:
+                data = store.get_range(key, start, length)
+            checks.check(start, data)
+
         for attempt in (1, 2):  # a second read: bytes bent on the wire are not damage in the store
             try:
-                if checks.compressed:  # the part's frame, decoded (zstd checks the frame, xxh3 the part)
-                    stored, stored_length, first, last = checks.stored_range(start, length)
-                    frame = await trio.to_thread.run_sync(store.get_range, key, stored, stored_length,
-                                                          abandon_on_cancel=True)
-                    data = checks.decompress(first, last, frame)
-                else:
-                    data = await trio.to_thread.run_sync(store.get_range, key, start, length, abandon_on_cancel=True)
-                checks.check(start, data)
+                await trio.to_thread.run_sync(read_and_check, abandon_on_cancel=True, limiter=threads)
                 break
             except IntegrityError as exc:
                 if attempt == 2:

@@ -10,7 +10,7 @@ import sys
 import trio
 
 from ckptfs import target
-from ckptfs.cli_support import ProgressBar, _call, _fmt, _positive_int, _relative_paths
+from ckptfs.cli_support import ProgressBar, _call, _fmt, _positive_int
 from ckptfs.logical_store import LogicalStore
 from ckptfs.verify import JOBS, failed, run
 
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
                    help="s3://bucket[/prefix] or file:///path (opened directly), or a ckptfs mountpoint "
                         "(its daemon reads the store)")
     p.add_argument("paths", nargs="*", metavar="PATH",
-                   help="files or directories: keys under the store URL, or paths on the mount (default: all)")
+                   help="files or directories, relative to the target as for ls (or absolute paths inside the mount); default: all")
     p.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint (with an s3:// STORE_URL)")
     p.add_argument("--jobs", type=_jobs, default=JOBS, metavar="N", help=f"parts read at once (default {JOBS})")
     p.add_argument("--strict", action="store_true", help="objects with no checksum recorded count as failures")
@@ -44,18 +44,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     where = target.resolve(args.target, args.endpoint_url)
     bar = ProgressBar("verify")
     try:
+        # PATHs as for ls: relative to the target (or, on a mount, absolute paths inside it)
+        paths = [target.sub_path(where, p) for p in args.paths or [None]]
+        paths = [] if "" in paths else paths  # (all of it)
         if where.is_mount:
-            paths = _relative_paths(where.mountpoint, args.paths) if args.paths else \
-                [where.prefix] if where.prefix else []
             result = _call(where.mountpoint, "verify", {"paths": paths, "jobs": args.jobs}, on_progress=bar)
         else:
-            result = _verify_url(where, args, bar)
+            result = _verify_url(where, paths, args, bar)
     finally:
         bar.close()
     return report(result, args.json, args.strict)
 
 
-def _verify_url(where, args: argparse.Namespace, bar) -> dict:
+def _verify_url(where, paths: list[str], args: argparse.Namespace, bar) -> dict:
     # (sizes as a mount shows them: a compressed object's is its uncompressed size)
     store = LogicalStore(where.open_store(max_connections=args.jobs + 4))
     try:
@@ -64,7 +65,7 @@ def _verify_url(where, args: argparse.Namespace, bar) -> dict:
         async def progress(update: dict) -> None:
             bar(update)
 
-        return trio.run(run, store, [p.lstrip("/") for p in args.paths], progress, args.jobs)
+        return trio.run(run, store, paths, progress, args.jobs)
     finally:
         store.close()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from ckptfs.integrity import MANIFEST_PREFIX
+from ckptfs.integrity import MANIFEST_PREFIX, SWEEP_STAMP
 from tests.faultproxy import Rule, blackhole
 from tests.mounting import Mount, ckptfs
 
@@ -239,7 +239,7 @@ def test_gc_on_the_url_deletes_manifests_and_markers(store, mount_factory):
     assert len(manifests(store)) == 1
     done = as_json("gc", *url_args(store), "--keep-last", "1")
     assert [s["path"] for s in done["steps"] if s["action"] == "delete"] == ["step-1"]
-    assert store_keys(store) == {"step-2/x.pt"}
+    assert store_keys(store) - {SWEEP_STAMP} == {"step-2/x.pt"}  # (the mount's sweep stamp stays)
     listed = ckptfs("ls", *url_args(store), "step-1", check=False)
     one_line_error(listed, 1, "no such file or directory in the store")
 
@@ -311,3 +311,70 @@ def test_ls_shows_the_recorded_xxh3_of_a_one_put_file_too_large_to_check_per_rea
     monkeypatch.setattr(integrity, "WHOLE_FILE_CHECK_MAX", 100)  # reads of it go unchecked: it is recorded all the same
     [listed] = catalog.ls(resolve(f"file://{tmp_path / 'store'}"))
     assert listed.checksum == f"xxh3:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_gc_on_a_mount_never_deletes_outside_it(store, mount_factory, tmp_path):
+    # gc lists from the daemon's tree, then deletes through the kernel: whatever is mounted over a
+    # step since (any user may FUSE-mount on a directory of theirs) must not lead root elsewhere.
+    import subprocess
+
+    m = mount_factory().start()
+    write(m.path, {"step-1/sub/victim": b"x", "step-2/x.pt": b"x"})
+    m.sync()
+    outside = tmp_path / "outside"
+    write(outside, {"victim": b"precious"})
+    cover = tmp_path / "cover"
+    cover.mkdir()
+    (cover / "sub").symlink_to(outside)
+    subprocess.run(["mount", "--bind", str(cover), str(m.path / "step-1")], check=True)
+    try:
+        done = ckptfs("gc", str(m.path), "--keep-last", "1", "--json", check=False)
+    finally:
+        subprocess.run(["umount", str(m.path / "step-1")], check=True)
+    assert (outside / "victim").read_bytes() == b"precious"
+    assert (m.path / "step-1" / "sub" / "victim").exists()  # not deleted either: gc said so
+    assert done.returncode == 1 and json.loads(done.stdout)["failures"], done.stdout
+
+
+def test_a_file_url_naming_no_directory_is_one_line_and_creates_nothing(tmp_path):
+    # Like a missing bucket (and `ls /typo`): not an empty store; and these commands only read,
+    # so none of them makes the directory (as root, anywhere the URL says).
+    missing = tmp_path / "typo" / "store"
+    (tmp_path / "plain").write_bytes(b"x")
+    for command in (["ls"], ["checkpoints"], ["gc", "--keep-last", "1"], ["verify"]):
+        one_line_error(ckptfs(command[0], f"file://{missing}", *command[1:], check=False), 1, "no such directory")
+        one_line_error(ckptfs(command[0], f"file://{tmp_path / 'plain'}", *command[1:], check=False), 1,
+                       "not a directory")
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_verify_paths_are_relative_to_the_target_as_for_ls(store, mount_factory):
+    m = mount_factory().start()
+    write(m.path, {"run/step-1/x.pt": b"x", "run/step-2/y.pt": b"y"})
+    m.sync()
+    # (the command runs in the worktree, not on the mount: a PATH is not taken from the cwd)
+    for target in (str(m.path), *url_args(store)):
+        done = ckptfs("verify", target, "run/step-1", "--json", check=False)
+        assert done.returncode == 0, done.stderr
+        assert [f["key"] for f in json.loads(done.stdout)["files"]] == ["run/step-1/x.pt"]
+    done = ckptfs("verify", str(m.path / "run"), "step-2", "--json")
+    assert [f["key"] for f in json.loads(done.stdout)["files"]] == ["run/step-2/y.pt"]
+    one_line_error(ckptfs("verify", *url_args(store), "../../etc/passwd", check=False), 2, "is outside")
+    one_line_error(ckptfs("verify", str(m.path), "../..", check=False), 2, "is outside")
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    # `ckptfs ls URL | head -1`: the reader leaving is no error to report (as for ls(1)).
+    import subprocess
+
+    from ckptfs.store.local import LocalStore
+    from tests.mounting import CKPTFS
+
+    store = LocalStore(tmp_path / "store")
+    for n in range(5000):
+        store.put(f"step-1/shard-{n:05d}.pt", b"s")
+    done = subprocess.run(f"{' '.join(CKPTFS)} ls file://{tmp_path / 'store'} | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("STATE") and done.stderr == "", done.stderr

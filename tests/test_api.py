@@ -158,3 +158,12 @@ def test_api_errors_are_clear(mount, tmp_path):
         done = ckptfs_cli("sync", *args, check=False)
         assert done.returncode != 0 and len(done.stderr.splitlines()) == 1, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_checkpoints_errors_are_ckptfs_errors(tmp_path):
+    # What a training script catches: ckptfs.CkptfsError, whatever went wrong (a store that is not
+    # there is no store-module exception the API never exports).
+    (tmp_path / "plain").mkdir()
+    for where in (str(tmp_path / "plain"), "s3://", f"file://{tmp_path / 'no-store'}"):
+        with pytest.raises(ckptfs.CkptfsError):
+            ckptfs.checkpoints(where)

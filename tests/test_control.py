@@ -181,3 +181,33 @@ def test_missing_socket(tmp_path):
         control.call(tmp_path, "status")
     with pytest.raises(control.NoDaemon, match="no ckptfs mount at /x"):
         control.call_socket(tmp_path / "absent.sock", "status", name="/x")
+
+
+def test_a_large_answer_is_read_in_linear_time(tmp_path):
+    # A catalog of a mount with a million files is a ~100 MiB line: reading it must not copy the
+    # buffer once per 64 KiB received (that took minutes, past the catalog's timeout).
+    import threading
+    import time
+
+    path = tmp_path / "s"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(1)
+    size = 100 << 20  # (one long string: what is measured is the reading, not the JSON decoding)
+    answer = b'{"result": {"blob": "' + b"x" * size + b'"}}\n'
+
+    def serve():
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(answer)
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    started = time.monotonic()
+    try:
+        result = control.call_socket(path, "catalog", {}, timeout=300)
+    finally:
+        server.close()
+    elapsed = time.monotonic() - started
+    assert len(result["blob"]) == size
+    assert elapsed < 30, f"a {len(answer) >> 20} MiB answer took {elapsed:.0f} s to read"

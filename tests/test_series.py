@@ -247,3 +247,27 @@ def test_a_hostile_metadata_runs_nothing(tmp_path):
     assert not marker.exists()
     with pytest.raises(dcpmeta.MetadataError):
         dcpmeta.referenced_files(b"\x80\x05garbage")
+
+
+class _StorageInfo:
+    def __init__(self):
+        self.relative_path = "__0_0.distcp"
+
+
+@pytest.mark.timeout(60)
+def test_a_metadata_of_shared_references_is_read_in_linear_time():
+    # Each level holds the one below twice: 2**60 paths through 60 objects. A walk that does
+    # not remember what it has seen would never finish (gc and checkpoints would hang).
+    node = [_StorageInfo()]
+    for _ in range(60):
+        node = [node, node]
+    assert dcpmeta.referenced_files(pickle.dumps({"storage_data": node})) == {"__0_0.distcp"}
+
+
+def test_a_metadata_whose_state_is_not_a_mapping_is_a_metadata_error():
+    # BUILD with a (dict, slots) pair whose parts are lists: unreadable metadata, not a traceback.
+    raw = (b"\x80\x04c__main__\nX\n)\x81"  # GLOBAL __main__.X, empty tuple, NEWOBJ
+           b"]X\x01\x00\x00\x00a\x94a]X\x01\x00\x00\x00b\x94a\x86b."  # ([a], [b]) BUILD
+           )
+    with pytest.raises(dcpmeta.MetadataError):
+        dcpmeta.referenced_files(raw)

@@ -573,3 +573,17 @@ def test_open_store_no_credentials(monkeypatch, tmp_path):
 def test_open_store_bad_endpoint():
     with pytest.raises(StoreError, match="bad endpoint URL"):
         open_store("s3://bucket", endpoint_url="127.0.0.1:9000")
+
+
+def test_open_store_refuses_credentials_in_the_endpoint_url_and_never_prints_them():
+    # The daemon's command line (/proc/PID/cmdline) is world-readable: a password must not get there.
+    with pytest.raises(StoreError, match="credentials") as caught:
+        open_store("s3://bucket", endpoint_url="http://user:se@cret@127.0.0.1:9000")
+    assert caught.value.errno == errno.EINVAL and "cret" not in str(caught.value)
+
+
+def test_redact_url_masks_a_password_holding_at_signs():
+    from ckptfs.store.base import redact_url
+
+    assert redact_url("http://user:p@ss@host:9000/a@b") == "http://***@host:9000/a@b"
+    assert redact_url("s3://bucket/run@1/x") == "s3://bucket/run@1/x"

@@ -182,3 +182,35 @@ def test_verify_reads_compressed_objects_through_their_frames(s3_server, s3_buck
         assert states(out) == {"weights.bin": "mismatch", "train.log": "ok"}
     finally:
         m.cleanup()
+
+
+def test_verify_keeps_off_the_default_thread_limiter(tmp_path):
+    # In the daemon, trio's default limiter (40 threads) carries the journal's fsync and the cache's
+    # copies: an admin's verify (up to 256 jobs) must use threads of its own, or a save waits on it.
+    import trio
+
+    from ckptfs import verify as verify_mod
+    from ckptfs.store.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    for n in range(64):
+        store.put(f"step-1/shard-{n}.pt", b"x" * 1000)
+    most = 0
+
+    async def main():
+        nonlocal most
+        default = trio.to_thread.current_default_thread_limiter()
+        async with trio.open_nursery() as nursery:
+            async def sample():
+                nonlocal most
+                while True:
+                    most = max(most, default.borrowed_tokens)
+                    await trio.sleep(0)
+            nursery.start_soon(sample)
+            result = await verify_mod.run(store, [], None, jobs=16)
+            nursery.cancel_scope.cancel()
+        return result
+
+    result = trio.run(main)
+    assert len(result["files"]) == 64 and {f["state"] for f in result["files"]} == {"unverified"}
+    assert most == 0, f"verify borrowed {most} of the default limiter's threads"

@@ -49,6 +49,10 @@ def open_store(url: str | None, endpoint_url: str | None = None, max_connections
         if not _BUCKET.match(bucket):
             raise StoreError(f"bad bucket name {bucket!r} in store URL {_redact(url)!r}: {_USAGE}",
                              errno_=errno.EINVAL)
+        if endpoint_url is not None and re.match(r"[^/]*//[^/?#]*@", endpoint_url):  # (S3 signs requests: no
+            # use for them, and the daemon's command line, which anyone on the node can read, would show them)
+            raise StoreError(f"bad endpoint URL {_redact(endpoint_url)!r}: do not put credentials in the URL; "
+                             "use the AWS credential chain (AWS_ACCESS_KEY_ID, profiles)", errno_=errno.EINVAL)
         if endpoint_url is not None and not re.match(r"https?://[^/\s]+", endpoint_url):
             raise StoreError(f"bad endpoint URL {_redact(endpoint_url)!r}: use http://host:port or https://host",
                              errno_=errno.EINVAL)

@@ -26,7 +26,7 @@ RESERVED_PREFIX = ".ckptfs-"
 
 def redact_url(url: str) -> str:
     """The URL as it may be printed or logged: any user:password@ part masked."""
-    return re.sub(r"//[^/@]*@", "//***@", url)
+    return re.sub(r"//[^/?#]*@", "//***@", url)  # (to the authority's last @: a password may hold one)
 
 
 class StoreError(Exception):
