@@ -628,7 +628,10 @@ class Uploader:
         """Upload part ``number`` as a zstd frame (in a store thread). ``table``: this is the last
         part, followed by the seek table that ``table(its frame's size)`` gives; the others are
         padded to S3's smallest part. PartInfo.xxh3 carries the frame (compression.tag)."""
-        frame, by = compression.encode_part(self.codec, self.governor, body)
+        if self.codec is None:  # an upload resumed from the journal of a mount that compressed
+            frame, by = compression.raw_frame(body), compression.RAW
+        else:
+            frame, by = compression.encode_part(self.codec, self.governor, body)
         stored = len(frame)
         if table is None:
             frame = compression.pad_to(frame, min(compression.MIN_PART, self.part_size))
