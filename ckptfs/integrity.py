@@ -249,7 +249,8 @@ def orphan_manifests(store, now: float, min_age: float = ORPHAN_MIN_AGE_S,
        may still complete and name it: kept, whatever its key); listed *before* the objects, so
        an upload completing meanwhile is seen in one list or the other;
     3. no object names its upload: the candidates are the objects of exactly the size it
-       records (a rename is a server-side copy that keeps size and metadata), each HEADed.
+       records, or for a compressed object its stored size (a rename is a server-side copy that
+       keeps size and metadata), each HEADed.
     """
     from .store.base import NotFound
 

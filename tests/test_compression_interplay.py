@@ -40,6 +40,9 @@ def written(s3_server, s3_bucket, tmp_path):
         m.start()
         for name, body in files.items():
             (m.path / name).write_bytes(body)
+        m.sync()
+        status = m.status()  # the files' own bytes, and what the store received: less
+        assert status["uploaded_bytes"] >= sum(map(len, files.values())) > status["stored_bytes"] > 0
         m.stop()
         yield files
     finally:
