@@ -58,15 +58,16 @@ def test_the_orphan_sweep_keeps_a_compressed_objects_manifest(s3_server, s3_buck
     manifest = f"{PREFIX}/{integrity.manifest_key(meta['ckptfs-upload'])}"
     later = time.time() + 2 * integrity.ORPHAN_MIN_AGE_S
     raw = S3Store(s3_bucket, PREFIX, endpoint_url=s3_server.endpoint)
+    logical = LogicalStore(raw)
     try:
         assert integrity.orphan_manifests(raw, later) == []
-        assert integrity.orphan_manifests(LogicalStore(raw), later) == []
+        assert integrity.orphan_manifests(logical, later) == []
         client.delete_object(Bucket=s3_bucket, Key=f"{PREFIX}/{compression.MARKER_KEY}")
-        assert integrity.orphan_manifests(LogicalStore(raw), later) == []
+        assert integrity.orphan_manifests(LogicalStore(raw), later) == []  # (a mount started now)
         client.delete_object(Bucket=s3_bucket, Key=f"{PREFIX}/big.bin")  # now it is one
         assert [f"{PREFIX}/{k}" for k in integrity.orphan_manifests(raw, later)] == [manifest]
     finally:
-        raw.close()
+        logical.close()  # (and raw)
 
 
 def test_ls_and_reads_on_a_store_url_see_uncompressed_files(s3_server, s3_bucket, written):
