@@ -1,6 +1,7 @@
 """Compression with the features written beside it (the orphan-manifest sweep, ls/checkpoints on a
-store URL, a resumed upload on a mount without --compress): on the real S3 server (Swift), the
-store read straight through boto3."""
+store URL, S3 checksums): on the real S3 server (Swift), the store read straight through boto3;
+CRC32C on moto behind the fault proxy that refuses a body not matching its CRC32C
+(tests/test_server_checksums.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ckptfs.logical_store import LogicalStore
 from ckptfs.store.s3 import S3Store
 from ckptfs.target import resolve
 from tests.mounting import Mount
+from tests.test_server_checksums import moto, moto_endpoint, verifying  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -82,3 +84,34 @@ def test_ls_and_reads_on_a_store_url_see_uncompressed_files(s3_server, s3_bucket
         for name, body in written.items():
             assert source.read(name, 1 << 30) == body, name
         assert source.read("notes.json", 100) == written["notes.json"][:100]
+
+
+def test_crc32c_covers_the_frames_padding_and_seek_table_sent(verifying, tmp_path):
+    """Where the server verifies CRC32C, a compressed upload's parts (frames padded to S3's
+    smallest part, the last followed by the seek table) and a compressed one-PUT file each carry
+    the CRC32C of the bytes actually sent: none is refused, and the files read back."""
+    proxy, client, bucket = verifying
+    files = {"big.bin": floats(17 * MiB + 3, seed=3), "small.bin": floats(300_000, seed=4)}
+    m = Mount(f"s3://{bucket}/run", tmp_path / "w", endpoint_url=proxy.url, extra=("--compress", "zstd"))
+    fresh = Mount(f"s3://{bucket}/run", tmp_path / "r", endpoint_url=proxy.url)
+    try:
+        m.start()
+        assert m.status()["server_checksums"] is True
+        refused = proxy.refused_checksums  # (the probe at mount)
+        for name, body in files.items():
+            (m.path / name).write_bytes(body)
+        m.sync(timeout=120)
+        assert proxy.refused_checksums == refused
+        for name, body in files.items():
+            head = client.head_object(Bucket=bucket, Key=f"run/{name}", ChecksumMode="ENABLED")
+            assert head["Metadata"].get("ckptfs-format") == "zstd-seekable" and head["ContentLength"] < len(body)
+            assert head.get("ChecksumCRC32C"), name
+        parts_sent = [r for r in proxy.requests if r.kind == "upload_part"]
+        assert len(parts_sent) >= 3 and all("x-amz-checksum-crc32c" in r.headers for r in parts_sent)
+        m.stop()
+        fresh.start()
+        for name, body in files.items():
+            assert (fresh.path / name).read_bytes() == body, name
+    finally:
+        m.cleanup()
+        fresh.cleanup()
