@@ -22,10 +22,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckptfs import control, integrity
+from ckptfs import compression, control, integrity
 from ckptfs.catalog_handler import describe
 from ckptfs.config import ckptfs_mounts
 from ckptfs.errors import CkptfsError
+from ckptfs.logical_store import LogicalStore
 from ckptfs.series import Decision, Entry, Series, Step, analyse, plan_gc
 from ckptfs.store.base import RESERVED_PREFIX, ObjectStore, StoreError
 from ckptfs.target import Target, resolve, sub_path
@@ -95,7 +96,8 @@ class _Source:
 
     def __enter__(self) -> _Source:
         if not self.target.is_mount:
-            self.store = self.target.open_store(max_connections=DELETE_THREADS)
+            # (the sizes a mount shows: a compressed object's uncompressed size)
+            self.store = LogicalStore(self.target.open_store(max_connections=DELETE_THREADS))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -183,9 +185,29 @@ class _Source:
                     raise OSError(errno.EINVAL, "not a regular file")
                 return f.read(limit)
         try:
-            return self.store.get_range(path, 0, limit)
+            data, metadata = self.store.get_range_meta(path, 0, limit)
+            if metadata.get(compression.FORMAT_META) != compression.FORMAT:
+                return data
+            return self._read_compressed(path, limit)
         except StoreError as e:
             raise OSError(e.errno, str(e)) from None
+        except integrity.IntegrityError as e:
+            raise OSError(errno.EIO, f"{path}: {e}") from None
+
+    def _read_compressed(self, key: str, limit: int) -> bytes:
+        """The first ``limit`` bytes of a compressed object, decoded from the frames holding them."""
+        info = self.store.head(key)  # (its uncompressed size, and the metadata naming its manifest)
+        if info is None:
+            raise OSError(errno.ENOENT, f"{key}: deleted from the store while read")
+        checks = integrity.load_checksums(self.store, info.size, info.metadata)
+        if not checks.compressed:
+            raise integrity.IntegrityError("stored compressed, but its frames are not recorded")
+        length = min(limit, checks.size)
+        if length <= 0:
+            return b""
+        stored, stored_length, first, last = checks.stored_range(0, length)
+        plain = checks.decompress(first, last, self.store.get_range(key, stored, stored_length))
+        return plain[:length]
 
     def checkpoints(self, path: str) -> Checkpoints:
         entries, _ = self.entries(path)

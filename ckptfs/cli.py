@@ -580,7 +580,7 @@ def _lazy_unmount(mountpoint: str) -> None:
 
 
 _STATUS_KEYS = {"mountpoint", "store", "cache_dir", "pid", "uptime_s", "part_size", "ram", "disk", "clean_bytes",
-                "pending", "uploading", "uploaded_bytes", "durable_files", "errors", "upload_rate_bytes_per_s",
+                "pending", "uploading", "uploaded_bytes", "stored_bytes", "durable_files", "errors", "upload_rate_bytes_per_s",
                 "oldest_pending_s", "training_at_risk_s", "retries", "latest_checkpoint", "metrics_url",
                 "written_bytes", "committed_bytes"}
 
@@ -628,6 +628,7 @@ def format_status(s: dict) -> str:
         ("training at risk", _seconds_ago(s.get("training_at_risk_s"))),
         ("upload rate", f"{_fmt(s['upload_rate_bytes_per_s'])}/s" if "upload_rate_bytes_per_s" in s else None),
         ("uploaded", _fmt(s["uploaded_bytes"]) if "uploaded_bytes" in s else None),
+        ("stored (compressed)", _fmt(s["stored_bytes"]) if "stored_bytes" in s else None),
         ("written", _fmt(s["written_bytes"]) if "written_bytes" in s else None),
         ("committed", _fmt(s["committed_bytes"]) if "committed_bytes" in s else None),
         ("durable files", get("durable_files")),

@@ -323,6 +323,7 @@ class Daemon:
             "written_bytes": self.ops.written_bytes,
             "committed_bytes": up.committed_bytes,
             "uploaded_bytes": up.uploaded_bytes,
+            "stored_bytes": up.stored_bytes,
             "fetched_bytes": self.fetcher.fetched_bytes,
             "durable_files": up.durable_files,
             "pending_files": files,
@@ -406,7 +407,9 @@ class Daemon:
             if not await trio.to_thread.run_sync(integrity.sweep_due, self.store, time.time(),
                                                 abandon_on_cancel=True):
                 return
-            orphans = await trio.to_thread.run_sync(integrity.orphan_manifests, self.store, time.time(),
+            # The store's own listing: a manifest matches its object by either size (the LogicalStore
+            # would HEAD every object of a bucket with compressed ones to give uncompressed sizes).
+            orphans = await trio.to_thread.run_sync(integrity.orphan_manifests, self.store.inner, time.time(),
                                                     abandon_on_cancel=True)
             for key in orphans:
                 await trio.to_thread.run_sync(self.store.delete, key, abandon_on_cancel=True)
@@ -435,6 +438,7 @@ class Daemon:
             "pending": {"files": up.pending_count(), "bytes": up.pending_bytes()},
             "uploading": {"parts_in_flight": self.config.upload_concurrency - up.part_slots.value},
             "uploaded_bytes": up.uploaded_bytes,
+            "stored_bytes": up.stored_bytes,  # (compressed size where compressed)
             "durable_files": up.durable_files,
             "fetched_bytes": self.fetcher.fetched_bytes,
             "page_cache_pushed_bytes": self.namespace.prefill.pushed_bytes,

@@ -225,6 +225,18 @@ def sweep_due(store, now: float, every: float = SWEEP_EVERY_S) -> bool:
     return True
 
 
+def _object_sizes(rec: dict) -> set[int]:
+    """The sizes a listing may give for the object a manifest record describes: the size it
+    records, and for a compressed object also its stored size (every frame, then the seek table):
+    a store that is not a LogicalStore, or one that has not seen the bucket's compression marker
+    (deleted, or not copied along with the objects), lists that one."""
+    sizes = {int(rec["size"])}
+    if rec.get("compression") is not None:
+        frames = _frames(rec["compression"], len(rec["parts"]))
+        sizes.add(sum(stored for stored, _ in frames) + compression.seek_table_length(len(frames)))
+    return sizes
+
+
 def orphan_manifests(store, now: float, min_age: float = ORPHAN_MIN_AGE_S,
                      limit: int = ORPHAN_SWEEP_MAX) -> list[str]:
     """The manifest keys in ``store`` that no object can ever need again (blocking).
@@ -237,7 +249,8 @@ def orphan_manifests(store, now: float, min_age: float = ORPHAN_MIN_AGE_S,
        may still complete and name it: kept, whatever its key); listed *before* the objects, so
        an upload completing meanwhile is seen in one list or the other;
     3. no object names its upload: the candidates are the objects of exactly the size it
-       records (a rename is a server-side copy that keeps size and metadata), each HEADed.
+       records, or for a compressed object its stored size (a rename is a server-side copy that
+       keeps size and metadata), each HEADed.
     """
     from .store.base import NotFound
 
@@ -258,22 +271,22 @@ def orphan_manifests(store, now: float, min_age: float = ORPHAN_MIN_AGE_S,
             continue
         try:
             rec = json.loads(store.get_range(info.key, 0, MANIFEST_MAX))
-            sizes[name] = int(rec["size"])
+            sizes[name] = _object_sizes(rec)
         except NotFound:
             continue
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue  # not one of ours to judge: kept
     if not sizes:
         return orphans
-    wanted = set(sizes.values())
+    wanted = set().union(*sizes.values())
     by_size: dict[int, list[str]] = {}
     for obj in store.list(""):
         if obj.size in wanted and not obj.key.startswith(".ckptfs-") and not obj.key.endswith("/"):
             by_size.setdefault(obj.size, []).append(obj.key)
     named: dict[str, str | None] = {}  # object key -> the upload its metadata names
-    for name, size in sizes.items():
+    for name, candidates in sizes.items():
         live = False
-        for key in by_size.get(size, []):
+        for key in (k for size in candidates for k in by_size.get(size, [])):
             if key not in named:
                 head = store.head(key)
                 named[key] = head.metadata.get(UPLOAD_META) if head is not None else None

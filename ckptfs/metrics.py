@@ -56,7 +56,10 @@ class FiguresCollector:
         yield counter("ckptfs_written_bytes", "Bytes applications wrote to the mount.", f["written_bytes"])
         yield counter("ckptfs_committed_bytes", "Bytes of files committed (closed after writing), "
                       "including those resumed from the journal at mount.", f["committed_bytes"])
-        yield counter("ckptfs_uploaded_bytes", "Bytes sent to the store (parts and whole objects).", f["uploaded_bytes"])
+        yield counter("ckptfs_uploaded_bytes", "Bytes of files uploaded to the store (their own size, compressed "
+                      "or not).", f["uploaded_bytes"])
+        yield counter("ckptfs_stored_bytes", "Bytes the store received for file data (compressed size where "
+                      "--compress compressed them).", f["stored_bytes"])
         yield counter("ckptfs_fetched_bytes", "Bytes read from the store into the cache.", f["fetched_bytes"])
         yield counter("ckptfs_durable_files", "Files that became durable in the store.", f["durable_files"])
         yield gauge("ckptfs_pending_files", "Files committed and not yet durable in the store.", f["pending_files"])

@@ -1010,7 +1010,14 @@ class Namespace:
     async def _truncate(self, node: Node, fh: int | None, size: int) -> None:
         handle = self.handles.get(fh) if fh is not None else None
         if handle is not None and handle.staged is not None:  # ftruncate: the writer's staged copy
-            await handle.staged.truncate(size)
+            staged, bs = handle.staged, self.cache.block_size
+            if self.uploader.codec is not None and size < staged.size and size % bs == 0 \
+                    and size // bs - 1 in staged.remote:
+                # A compressed upload's last part is sent again at commit, followed by the seek
+                # table: an evicted block cannot be read back to be that part.
+                raise FsError(errno.EIO, "the file's new last block was uploaded and evicted from the cache "
+                                         "(cache full): a compressed file cannot end there before it is closed")
+            await staged.truncate(size)
             handle.dirty = True
             return
         # No writer: truncate(path) is open + truncate + close.

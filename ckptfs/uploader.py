@@ -177,7 +177,10 @@ class Uploader:
         # --compress: parts go up as zstd frames (compression.py), compressed in the store threads
         self.codec = compression.Codec(compress_level) if compress_level else None
         self.governor = compression.Governor(behind=lambda: cache.waiters > 0)
-        self.stored_bytes = 0  # bytes sent for file data (compressed size where compressed)
+        # Bytes the store received for file data (compressed size where compressed; uploaded_bytes
+        # counts the files' own bytes). Frames are counted from store threads: under a lock.
+        self.stored_bytes = 0
+        self._stored_lock = threading.Lock()
         self._marked = False  # compression.MARKER_KEY is in the store
         self.cache = cache
         self.journal = journal
@@ -462,7 +465,7 @@ class Uploader:
             task.bytes_sent += length
             self.uploaded_bytes += length
             if not task.compressed:
-                self.stored_bytes += length
+                self._count_stored(length)
         finally:
             self.part_slots.release()
 
@@ -497,7 +500,7 @@ class Uploader:
                     stream.sent[index] = (stamp, part)
                     self.uploaded_bytes += size
                     if not compressed:
-                        self.stored_bytes += size
+                        self._count_stored(size)
                     self.streamed_bytes += size
         finally:
             stream.scopes.discard(scope)
@@ -616,10 +619,14 @@ class Uploader:
         await self._call(op.key, self.store.put, op.key, data, metadata)
         task.bytes_sent = op.size
         self.uploaded_bytes += op.size
-        self.stored_bytes += len(data)
+        self._count_stored(len(data))
         task.content.checksums = checksums
 
     # -- compression ---------------------------------------------------------------------------
+    def _count_stored(self, size: int) -> None:
+        with self._stored_lock:
+            self.stored_bytes += size
+
     @staticmethod
     def _format_meta(compressed: bool) -> dict[str, str]:
         return {compression.FORMAT_META: compression.FORMAT} if compressed else {}
@@ -628,7 +635,10 @@ class Uploader:
         """Upload part ``number`` as a zstd frame (in a store thread). ``table``: this is the last
         part, followed by the seek table that ``table(its frame's size)`` gives; the others are
         padded to S3's smallest part. PartInfo.xxh3 carries the frame (compression.tag)."""
-        frame, by = compression.encode_part(self.codec, self.governor, body)
+        if self.codec is None:  # an upload resumed from the journal of a mount that compressed
+            frame, by = compression.raw_frame(body), compression.RAW
+        else:
+            frame, by = compression.encode_part(self.codec, self.governor, body)
         stored = len(frame)
         if table is None:
             frame = compression.pad_to(frame, min(compression.MIN_PART, self.part_size))
@@ -638,7 +648,7 @@ class Uploader:
         started = time.perf_counter()
         part = self.store.upload_part(upload.key, upload.upload_id, number, frame)
         self.governor.uploaded(len(frame), time.perf_counter() - started)
-        self.stored_bytes += len(frame)
+        self._count_stored(len(frame))
         return replace(part, xxh3=compression.tag(digest, stored, by))
 
     def _seek_table_after(self, task: Task, number: int) -> Callable[[int], bytes] | None:
