@@ -21,10 +21,10 @@ from pathlib import Path
 import humanfriendly
 
 from ckptfs import compression, control, limits, logs, private
-from ckptfs.cli_support import (ProgressBar, _call, _fmt, _mount_of, _mountpoint, _one_line, _positive_int,
+from ckptfs.cli_support import (ProgressBar, _call, _fmt, _mount_of, _mountpoint, _positive_int,
                                 _relative_paths, _size)
 from ckptfs.config import MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
-from ckptfs.errors import CkptfsError, MountError, UsageError
+from ckptfs.errors import CkptfsError, MountError, UsageError, one_line
 from ckptfs.paths import check_mount_paths
 from ckptfs.health import describe as describe_health
 from ckptfs.store.base import ObjectStore, StoreError
@@ -202,14 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except CkptfsError as e:
-        print(f"ckptfs: {_one_line(str(e))}", file=sys.stderr)
+        print(f"ckptfs: {one_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except StoreError as e:
-        print(f"ckptfs: {_one_line(str(e))}", file=sys.stderr)
+        print(f"ckptfs: {one_line(str(e))}", file=sys.stderr)
         return 1
     except OSError as e:  # a path the checks could not foresee (/proc, a full disk): one line, not a traceback
         where = f": {e.filename}" if e.filename is not None else ""
-        print(f"ckptfs: {_one_line(e.strerror or str(e))}{where}", file=sys.stderr)
+        print(f"ckptfs: {one_line(e.strerror or str(e))}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("ckptfs: interrupted", file=sys.stderr)
@@ -333,7 +333,7 @@ def _serve(config: MountConfig, ready_fd: int | None) -> int:
         daemon.run(config, on_ready)
     except (CkptfsError, StoreError) as e:
         if ready_fd is not None and not ready:
-            _report(ready_fd, f"error: {_one_line(str(e))}")
+            _report(ready_fd, f"error: {one_line(str(e))}")
         raise
     return 0
 
@@ -558,7 +558,7 @@ def _lazy_unmount(mountpoint: str) -> None:
             continue
         if done.returncode == 0:
             return
-        why = _one_line(done.stderr) or f"{command[0]} exited with status {done.returncode}"
+        why = one_line(done.stderr) or f"{command[0]} exited with status {done.returncode}"
     raise CkptfsError(f"could not unmount {mountpoint}: {why}")
 
 
@@ -635,7 +635,7 @@ def format_status(s: dict) -> str:
         e = e if isinstance(e, dict) else {"message": e}
         when = e.get("time")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else str(when or "")
-        lines.append(f"  {when} {e.get('key', '')}: {_one_line(str(e.get('message', '')))}".rstrip())
+        lines.append(f"  {when} {e.get('key', '')}: {one_line(str(e.get('message', '')))}".rstrip())
     integrity = s.get("integrity_errors")
     if isinstance(integrity, list) and integrity:  # reads failed (EIO): store bytes never matched their checksum
         lines.append(f"integrity errors: {len(integrity)} (reads failed: bytes from the store do not match their checksum)")
@@ -643,5 +643,5 @@ def format_status(s: dict) -> str:
             e = e if isinstance(e, dict) else {"message": e}
             when = e.get("time")
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else ""
-            lines.append(f"  {when} {e.get('key', '')}: {_one_line(str(e.get('message', '')))}".rstrip())
+            lines.append(f"  {when} {e.get('key', '')}: {one_line(str(e.get('message', '')))}".rstrip())
     return "\n".join(lines)
