@@ -25,7 +25,7 @@ from ckptfs.cli_support import (ProgressBar, _call, _fmt, _mount_of, _mountpoint
                                 _relative_paths, _size)
 from ckptfs.config import MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
 from ckptfs.errors import CkptfsError, MountError, UsageError, one_line
-from ckptfs.paths import check_mount_paths
+from ckptfs.paths import check_mount_paths, check_mountpoint
 from ckptfs.health import describe as describe_health
 from ckptfs.store.base import ObjectStore, StoreError
 
@@ -224,7 +224,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.ready_fd is None:  # the detached daemon's parent already checked these
         store = _open_store(config)
         try:
-            _check_mountpoint(config.mountpoint)
+            check_mountpoint(config.mountpoint)
             check_mount_paths(config)
             _check_limits(config)
             store.check()
@@ -275,32 +275,6 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
 def _check_limits(config: MountConfig) -> None:
     for warning in limits.check(config):  # (raises UsageError for what this machine cannot honour)
         print(f"ckptfs: warning: {warning}", file=sys.stderr)
-
-
-def _check_mountpoint(mountpoint: str) -> None:
-    if mountpoint in ckptfs_mounts():
-        try:
-            control.call(mountpoint, "status", timeout=10)
-        except control.NoDaemon:
-            return  # a dead daemon's mount: the new daemon clears it and resumes its uploads
-        except CkptfsError:
-            pass  # alive but not answering: still taken
-        raise UsageError(f"{mountpoint} is already a ckptfs mount (see 'ckptfs status {mountpoint}')")
-    try:
-        os.stat(mountpoint)
-    except FileNotFoundError:
-        raise UsageError(f"mountpoint {mountpoint} does not exist") from None
-    except OSError as e:  # EACCES on a parent, ELOOP, ENAMETOOLONG: not "does not exist"
-        raise UsageError(f"cannot reach mountpoint {mountpoint}: {e.strerror}") from None
-    if not os.path.isdir(mountpoint):
-        raise UsageError(f"mountpoint {mountpoint} is not a directory")
-    try:
-        with os.scandir(mountpoint) as entries:
-            empty = next(entries, None) is None
-    except OSError as e:
-        raise UsageError(f"cannot read mountpoint {mountpoint}: {e.strerror}") from None
-    if not empty:
-        raise UsageError(f"mountpoint {mountpoint} is not empty")
 
 
 def _open_store(config: MountConfig) -> ObjectStore:
