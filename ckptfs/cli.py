@@ -21,11 +21,11 @@ from pathlib import Path
 import humanfriendly
 
 from ckptfs import compression, control, limits, logs, private
-from ckptfs.cli_support import (ProgressBar, _call, _fmt, _mount_of, _mountpoint, _one_line, _positive_int,
+from ckptfs.cli_support import (ProgressBar, _call, _fmt, _mount_of, _mountpoint, _positive_int,
                                 _relative_paths, _size)
 from ckptfs.config import MountConfig, ckptfs_mounts, default_cache_dir, default_store_dir
-from ckptfs.errors import CkptfsError, MountError, UsageError
-from ckptfs.paths import check_mount_paths
+from ckptfs.errors import CkptfsError, MountError, UsageError, one_line
+from ckptfs.paths import check_mount_paths, check_mountpoint
 from ckptfs.health import describe as describe_health
 from ckptfs.store.base import ObjectStore, StoreError
 
@@ -202,10 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except CkptfsError as e:
-        print(f"ckptfs: {_one_line(str(e))}", file=sys.stderr)
+        print(f"ckptfs: {one_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except StoreError as e:
-        print(f"ckptfs: {_one_line(str(e))}", file=sys.stderr)
+        print(f"ckptfs: {one_line(str(e))}", file=sys.stderr)
         return 1
     except BrokenPipeError as e:
         if not _stdout_gone():
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # (128 + SIGPIPE, what a shell shows for a command the pipe ended)
     except OSError as e:  # a path the checks could not foresee (/proc, a full disk): one line, not a traceback
         where = f": {e.filename}" if e.filename is not None else ""
-        print(f"ckptfs: {_one_line(e.strerror or str(e))}{where}", file=sys.stderr)
+        print(f"ckptfs: {one_line(e.strerror or str(e))}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("ckptfs: interrupted", file=sys.stderr)
@@ -241,7 +241,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.ready_fd is None:  # the detached daemon's parent already checked these
         store = _open_store(config)
         try:
-            _check_mountpoint(config.mountpoint)
+            check_mountpoint(config.mountpoint)
             check_mount_paths(config)
             _check_limits(config)
             store.check()
@@ -294,32 +294,6 @@ def _check_limits(config: MountConfig) -> None:
         print(f"ckptfs: warning: {warning}", file=sys.stderr)
 
 
-def _check_mountpoint(mountpoint: str) -> None:
-    if mountpoint in ckptfs_mounts():
-        try:
-            control.call(mountpoint, "status", timeout=10)
-        except control.NoDaemon:
-            return  # a dead daemon's mount: the new daemon clears it and resumes its uploads
-        except CkptfsError:
-            pass  # alive but not answering: still taken
-        raise UsageError(f"{mountpoint} is already a ckptfs mount (see 'ckptfs status {mountpoint}')")
-    try:
-        os.stat(mountpoint)
-    except FileNotFoundError:
-        raise UsageError(f"mountpoint {mountpoint} does not exist") from None
-    except OSError as e:  # EACCES on a parent, ELOOP, ENAMETOOLONG: not "does not exist"
-        raise UsageError(f"cannot reach mountpoint {mountpoint}: {e.strerror}") from None
-    if not os.path.isdir(mountpoint):
-        raise UsageError(f"mountpoint {mountpoint} is not a directory")
-    try:
-        with os.scandir(mountpoint) as entries:
-            empty = next(entries, None) is None
-    except OSError as e:
-        raise UsageError(f"cannot read mountpoint {mountpoint}: {e.strerror}") from None
-    if not empty:
-        raise UsageError(f"mountpoint {mountpoint} is not empty")
-
-
 def _open_store(config: MountConfig) -> ObjectStore:
     from ckptfs.store import open_store  # the s3 store pulls in boto3: only `mount` needs it
 
@@ -350,7 +324,7 @@ def _serve(config: MountConfig, ready_fd: int | None) -> int:
         daemon.run(config, on_ready)
     except (CkptfsError, StoreError) as e:
         if ready_fd is not None and not ready:
-            _report(ready_fd, f"error: {_one_line(str(e))}")
+            _report(ready_fd, f"error: {one_line(str(e))}")
         raise
     return 0
 
@@ -575,7 +549,7 @@ def _lazy_unmount(mountpoint: str) -> None:
             continue
         if done.returncode == 0:
             return
-        why = _one_line(done.stderr) or f"{command[0]} exited with status {done.returncode}"
+        why = one_line(done.stderr) or f"{command[0]} exited with status {done.returncode}"
     raise CkptfsError(f"could not unmount {mountpoint}: {why}")
 
 
@@ -653,7 +627,7 @@ def format_status(s: dict) -> str:
         e = e if isinstance(e, dict) else {"message": e}
         when = e.get("time")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else str(when or "")
-        lines.append(f"  {when} {e.get('key', '')}: {_one_line(str(e.get('message', '')))}".rstrip())
+        lines.append(f"  {when} {e.get('key', '')}: {one_line(str(e.get('message', '')))}".rstrip())
     integrity = s.get("integrity_errors")
     if isinstance(integrity, list) and integrity:  # reads failed (EIO): store bytes never matched their checksum
         lines.append(f"integrity errors: {len(integrity)} (reads failed: bytes from the store do not match their checksum)")
@@ -661,5 +635,5 @@ def format_status(s: dict) -> str:
             e = e if isinstance(e, dict) else {"message": e}
             when = e.get("time")
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else ""
-            lines.append(f"  {when} {e.get('key', '')}: {_one_line(str(e.get('message', '')))}".rstrip())
+            lines.append(f"  {when} {e.get('key', '')}: {one_line(str(e.get('message', '')))}".rstrip())
     return "\n".join(lines)

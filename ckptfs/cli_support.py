@@ -83,10 +83,6 @@ def _relative_paths(mountpoint: str, paths: list[str]) -> list[str]:
 # --- output ---------------------------------------------------------------------
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def _fmt(n: object) -> str:
     return humanfriendly.format_size(n, binary=True) if isinstance(n, (int, float)) else "?"
 

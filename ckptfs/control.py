@@ -39,7 +39,7 @@ import trio
 
 from ckptfs import private
 from ckptfs.config import control_socket_path, mount_owner
-from ckptfs.errors import CkptfsError, ControlError, MountError, TimedOut
+from ckptfs.errors import CkptfsError, ControlError, MountError, TimedOut, one_line
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,6 @@ class NoDaemon(ControlError):
 def _encode(message: dict) -> bytes:
     # json.dumps escapes control characters, so the line never contains a raw newline.
     return json.dumps(message).encode() + b"\n"
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 def _peer_uid(sock: Any) -> int:
@@ -165,7 +161,7 @@ class ControlServer:
                 reply = _encode({"result": {} if result is None else result})
             except CkptfsError as e:
                 timed_out = {"timed_out": True} if isinstance(e, TimedOut) else {}  # (a client raises TimedOut)
-                reply = _encode({"error": _one_line(str(e)) or type(e).__name__, **timed_out})
+                reply = _encode({"error": one_line(e) or type(e).__name__, **timed_out})
             except Exception as e:
                 log.exception("control: command %r failed", cmd)
                 reply = _encode({"error": f"internal error in {cmd!r} ({type(e).__name__}); see the daemon log"})

@@ -27,14 +27,14 @@ import trio
 from . import catalog_handler, clean_index, control, integrity, limits, private, verify
 from .background import BackgroundThreads
 from .cache import RAM, Cache
-from .config import MountConfig, ckptfs_mounts, control_socket_path, mount_table
+from .config import MountConfig, control_socket_path, mount_table
 from .errors import CkptfsError, FsError, MountError, TimedOut
 from .fetcher import Fetcher
 from .fuse_ops import Operations
 from .health import StoreHealth, describe
 from .journal import Journal
 from .namespace import Namespace
-from .paths import check_mount_paths
+from .paths import DEAD, LIVE, SILENT, check_mount_paths, mount_at
 from .logical_store import LogicalStore
 from .store import open_store
 from .store.base import StoreError
@@ -207,36 +207,17 @@ class Daemon:
 
     # -- start-up helpers ---------------------------------------------------------------
     def _prepare_mountpoint(self) -> None:
-        if self.mountpoint in ckptfs_mounts():
-            # Ask the daemon, not stat(): the kernel answers stat from its attribute cache
-            # for a while after the daemon died.
-            try:
-                self._ask_daemon()
-            except control.NoDaemon:
-                # A daemon died and left its mount behind: clear it so we can mount again.
-                log.warning("%s: clearing a stale mount left by a dead daemon", self.mountpoint)
-                subprocess.run(["umount", "-l", self.mountpoint] if os.geteuid() == 0
-                               else ["fusermount3", "-u", "-z", self.mountpoint], check=False)
-            except CkptfsError:
-                raise MountError(f"{self.mountpoint} is already a mount point (its daemon does not answer)") from None
-            else:
-                raise MountError(f"{self.mountpoint} is already a mount point")
+        found = mount_at(self.mountpoint)
+        if found == DEAD:  # a daemon died and left its mount behind: clear it to mount again
+            log.warning("%s: clearing a stale mount left by a dead daemon", self.mountpoint)
+            subprocess.run(["umount", "-l", self.mountpoint] if os.geteuid() == 0
+                           else ["fusermount3", "-u", "-z", self.mountpoint], check=False)
+        elif found == SILENT:
+            raise MountError(f"{self.mountpoint} is already a mount point (its daemon does not answer)")
+        elif found == LIVE:
+            raise MountError(f"{self.mountpoint} is already a mount point")
         if not os.path.isdir(self.mountpoint):
             raise MountError(f"mount point {self.mountpoint} is not a directory")
-
-    def _ask_daemon(self) -> None:
-        """status, asked a few times: a daemon being killed can still hold its socket (its last
-        threads are exiting) and leave a connection unanswered for a moment."""
-        for attempt in range(3):
-            try:
-                control.call(self.mountpoint, "status", timeout=5)
-                return
-            except control.NoDaemon:
-                raise
-            except CkptfsError:
-                if attempt == 2:
-                    raise
-                time.sleep(1)
 
     def _drop_ram_tier(self) -> None:
         """Give the RAM arena (and the weights in it) back to the node, unless asked to keep it or

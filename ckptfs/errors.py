@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -42,3 +43,50 @@ class FsError(Exception):
     def __init__(self, errno: int, message: str = ""):
         super().__init__(message or os.strerror(errno))
         self.errno = errno
+
+
+class StoreError(Exception):
+    """A store call failed. ``transient`` says whether retrying may help. (Defined here, below
+    the stores, so that ``to_errno`` can map it; ``ckptfs.store.base`` exports it.)"""
+
+    def __init__(self, message: str, *, transient: bool = False, errno_: int = errno.EIO):
+        super().__init__(message)
+        self.transient = transient
+        self.errno = errno_
+
+
+class NotFound(StoreError):
+    def __init__(self, message: str):
+        super().__init__(message, transient=False, errno_=errno.ENOENT)
+
+
+# A store's errno a caller may see, where a local disk would return the same for the same cause:
+# the store (or its quota) is full, the file or name is larger than the store holds, the store is
+# read-only. Any other store failure is EIO, as a disk's media error is: ENOENT (an object behind
+# a name the mount holds has gone: ENOENT would tell the kernel the name itself is absent), EAGAIN
+# (a blocking read() must not say "try again"), EACCES (the store's credentials, not the caller's
+# permissions), EINVAL, ETIMEDOUT...
+STORE_ERRNOS_KEPT = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ENAMETOOLONG, errno.EROFS})
+
+
+def to_errno(exc: BaseException) -> int:
+    """The errno a request that failed with ``exc`` answers the kernel with: an FsError's or an
+    OSError's own (EIO where it has none), a StoreError's where STORE_ERRNOS_KEPT has it, EIO for
+    anything else. Cancellation, KeyboardInterrupt and SystemExit are not failures to answer:
+    they are raised again, never swallowed into an errno."""
+    if not isinstance(exc, Exception):
+        raise exc
+    if isinstance(exc, FsError):
+        return exc.errno
+    if isinstance(exc, StoreError):
+        return exc.errno if exc.errno in STORE_ERRNOS_KEPT else errno.EIO
+    if isinstance(exc, OSError):
+        return exc.errno or errno.EIO
+    return errno.EIO
+
+
+def one_line(text: object, limit: int | None = None) -> str:
+    """``text`` on one line (every run of whitespace, newlines included, one space), cut to
+    ``limit`` characters with "..." where given: for error messages, logs and the admin reply."""
+    line = " ".join(str(text).split())
+    return line if limit is None or len(line) <= limit else line[:limit] + "..."

@@ -1,9 +1,9 @@
 """pyfuse3 request handlers: thin wrappers over the namespace, and the one place errors become errno.
 
 Each handler decodes its arguments, calls the namespace and turns the result into
-pyfuse3's types. ``FsError`` becomes ``FUSEError(errno)``; any other exception is
-logged and answered with EIO, because an exception escaping a handler would take
-the whole mount down.
+pyfuse3's types. What a handler raises becomes ``FUSEError(errors.to_errno(exc))``
+(an FsError's errno; EIO for a bug), because an exception escaping a handler would
+take the whole mount down.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import pyfuse3
 
-from .errors import FsError
+from .errors import FsError, StoreError, to_errno
 from .namespace import Attr, Namespace
 from .openers import Openers
 from .stats import STALL_BUCKETS, Histogram
@@ -31,24 +31,48 @@ XXH3_XATTR = b"user.ckptfs.xxh3"  # the whole file's recorded xxh3-64, where the
 
 
 def _errno_boundary(handler):
+    """Every request handler's: what it raises becomes ``FUSEError(to_errno(exc))``. An exception
+    escaping a handler would take the whole mount down; cancellation is not caught (not an Exception)."""
     @functools.wraps(handler)
     async def wrapper(*args, **kwargs):
         try:
             return await handler(*args, **kwargs)
         except pyfuse3.FUSEError:
             raise
-        except FsError as exc:
-            if exc.errno not in (errno.ENOENT, pyfuse3.ENOATTR):
-                log.info("%s: %s", handler.__name__, exc)
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except OSError as exc:
-            log.error("%s failed: %s", handler.__name__, exc)
-            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
-        except Exception:
-            log.exception("%s failed unexpectedly", handler.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception as exc:
+            number = to_errno(exc)
+            _log_failure(handler.__name__, exc, number)
+            raise pyfuse3.FUSEError(number) from None
 
     return wrapper
+
+
+def _no_reply_boundary(handler):
+    """For forget, which has no reply: pyfuse3 answers the kernel first, then awaits the handler
+    with no except around it, so anything it raises (a FUSEError too) ends pyfuse3's request
+    loop and the mount with it. Nothing may escape: the failure is logged and dropped."""
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        try:
+            await handler(*args, **kwargs)
+        except Exception as exc:
+            _log_failure(handler.__name__, exc, to_errno(exc))
+
+    return wrapper
+
+
+def _log_failure(handler: str, exc: Exception, number: int) -> None:
+    """One log record per failed request: expected refusals (ENOENT, ENOATTR) not at all, an
+    FsError at info, a store or OS failure at error; anything else is a bug, at error, with its
+    traceback when debug logging is on."""
+    if isinstance(exc, FsError):
+        if exc.errno not in (errno.ENOENT, pyfuse3.ENOATTR):
+            log.info("%s: %s", handler, exc)
+    elif isinstance(exc, (StoreError, OSError)):
+        log.error("%s failed: %s (%s)", handler, exc, errno.errorcode.get(number, number))
+    else:
+        log.error("%s failed unexpectedly: %s: %s", handler, type(exc).__name__, exc,
+                  exc_info=log.isEnabledFor(logging.DEBUG))
 
 
 def _name(raw: bytes) -> str:
@@ -119,6 +143,7 @@ class Operations(pyfuse3.Operations):
         entry.entry_timeout = min(ttl, NEGATIVE_TIMEOUT_MAX)
         return entry
 
+    @_no_reply_boundary
     async def forget(self, inode_list):
         for inode, count in inode_list:
             self.ns.forget(inode, count)
@@ -176,9 +201,11 @@ class Operations(pyfuse3.Operations):
                 break
             self.ns.looked_up(attr.ino)  # READDIRPLUS: the kernel now holds the entry, as after a lookup
 
+    @_errno_boundary
     async def releasedir(self, fh):
         self._dir_listings.pop(fh, None)
 
+    @_errno_boundary
     async def fsyncdir(self, fh, datasync):
         pass
 
@@ -271,8 +298,10 @@ class Operations(pyfuse3.Operations):
             return [STATE_XATTR]
         return [STATE_XATTR, VERIFIED_XATTR, XXH3_XATTR]
 
+    @_errno_boundary
     async def setxattr(self, inode, name, value, ctx):
         raise pyfuse3.FUSEError(errno.ENOTSUP)
 
+    @_errno_boundary
     async def removexattr(self, inode, name, ctx):
         raise pyfuse3.FUSEError(errno.ENOTSUP)

@@ -5,16 +5,72 @@ the daemon would wait on its own FUSE requests and `umount` would hang. A mountp
 cache dir or the local store would hide or publish the daemon's own files. Each mistake is one
 UsageError that names the path and says what to do. The `mount` command runs these checks before
 it starts the daemon, and the daemon runs them again (a foreground mount, or anyone calling
-``daemon.run``). Nothing here looks inside a mount that is up.
+``daemon.run``). Nothing here looks inside a mount that is up: whether a ckptfs mount already at
+the mountpoint is served is asked of its daemon over the admin channel (``mount_at``), for the
+CLI's check (``check_mountpoint``) and the daemon's (which clears a dead daemon's mount).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
-from ckptfs.config import MountConfig
-from ckptfs.errors import UsageError
+from ckptfs import control
+from ckptfs.config import MountConfig, ckptfs_mounts
+from ckptfs.errors import CkptfsError, UsageError
+
+# What ``mount_at`` finds at a mountpoint.
+NO_MOUNT = "no ckptfs mount"
+LIVE = "served by a daemon that answers"
+SILENT = "served by a daemon that does not answer"
+DEAD = "left by a dead daemon"
+
+
+def mount_at(mountpoint: str) -> str:
+    """Whether a ckptfs mount is at ``mountpoint`` and its daemon answers: NO_MOUNT, LIVE, SILENT or
+    DEAD. The daemon is asked, not stat(): the kernel answers stat from its attribute cache for a
+    while after the daemon died. Asked up to 3 times: a daemon being killed can still hold its
+    socket (its last threads are exiting) and leave a connection unanswered for a moment."""
+    if mountpoint not in ckptfs_mounts():
+        return NO_MOUNT
+    for attempt in range(3):
+        try:
+            control.call(mountpoint, "status", timeout=5)
+            return LIVE
+        except control.NoDaemon:
+            return DEAD
+        except CkptfsError:
+            if attempt == 2:
+                return SILENT
+            time.sleep(1)
+    raise AssertionError("unreachable")
+
+
+def check_mountpoint(mountpoint: str) -> None:
+    """`ckptfs mount`'s check of the mountpoint before the daemon starts: an existing, empty
+    directory, not a ckptfs mount in use (a dead daemon's mount passes: the new daemon clears it
+    and resumes its uploads). One UsageError saying what is wrong."""
+    found = mount_at(mountpoint)
+    if found == DEAD:
+        return
+    if found != NO_MOUNT:
+        raise UsageError(f"{mountpoint} is already a ckptfs mount (see 'ckptfs status {mountpoint}')")
+    try:
+        os.stat(mountpoint)
+    except FileNotFoundError:
+        raise UsageError(f"mountpoint {mountpoint} does not exist") from None
+    except OSError as e:  # EACCES on a parent, ELOOP, ENAMETOOLONG: not "does not exist"
+        raise UsageError(f"cannot reach mountpoint {mountpoint}: {e.strerror}") from None
+    if not os.path.isdir(mountpoint):
+        raise UsageError(f"mountpoint {mountpoint} is not a directory")
+    try:
+        with os.scandir(mountpoint) as entries:
+            empty = next(entries, None) is None
+    except OSError as e:
+        raise UsageError(f"cannot read mountpoint {mountpoint}: {e.strerror}") from None
+    if not empty:
+        raise UsageError(f"mountpoint {mountpoint} is not empty")
 
 
 def check_mount_paths(config: MountConfig) -> None:

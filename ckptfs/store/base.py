@@ -9,11 +9,12 @@ marker (a zero-byte object, as S3 tools make for empty folders).
 
 from __future__ import annotations
 
-import errno
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from ckptfs.errors import NotFound, StoreError  # (defined below the stores, for to_errno)
 
 # S3 limits: at most 10,000 parts per upload, parts of 5 MiB..5 GiB (but the
 # last), keys of at most 1024 bytes, user metadata of at most 2 KiB.
@@ -27,20 +28,6 @@ RESERVED_PREFIX = ".ckptfs-"
 def redact_url(url: str) -> str:
     """The URL as it may be printed or logged: any user:password@ part masked."""
     return re.sub(r"//[^/?#]*@", "//***@", url)  # (to the authority's last @: a password may hold one)
-
-
-class StoreError(Exception):
-    """A store call failed. ``transient`` says whether retrying may help."""
-
-    def __init__(self, message: str, *, transient: bool = False, errno_: int = errno.EIO):
-        super().__init__(message)
-        self.transient = transient
-        self.errno = errno_
-
-
-class NotFound(StoreError):
-    def __init__(self, message: str):
-        super().__init__(message, transient=False, errno_=errno.ENOENT)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import boto3
 import botocore.exceptions as bex
 from botocore.config import Config
 
+from ..errors import one_line
 from .base import (
     MAX_KEY_BYTES,
     DirListing,
@@ -69,9 +70,8 @@ def crc32c_b64(data) -> str | None:
     return base64.b64encode(checksums.crc32c(data).to_bytes(4, "big")).decode()
 
 
-def _one_line(text: object, limit: int = 300) -> str:
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[:limit] + "..."
+def _brief(text: object) -> str:
+    return one_line(text, limit=300)  # (a proxy's answer can be a whole HTML page)
 
 
 def _reason(e: BaseException) -> str:
@@ -84,7 +84,7 @@ def _reason(e: BaseException) -> str:
         return "connect timeout"
     if isinstance(e, bex.ReadTimeoutError):
         return "read timeout"
-    return _one_line(inner) or type(e).__name__
+    return _brief(inner) or type(e).__name__
 
 
 def _as_bytes(data: bytes | memoryview) -> bytes | bytearray:
@@ -136,7 +136,7 @@ class S3Store(ObjectStore):
         try:
             self._client = self._session.client("s3", endpoint_url=endpoint_url, config=self._config)
         except ValueError as e:  # botocore: "Invalid endpoint: ..."
-            raise StoreError(f"bad S3 endpoint URL {redact_url(endpoint_url or '')!r}: {_one_line(redact_url(str(e)))}",
+            raise StoreError(f"bad S3 endpoint URL {redact_url(endpoint_url or '')!r}: {_brief(redact_url(str(e)))}",
                              errno_=errno.EINVAL) from None
         # CreateMultipartUpload is not idempotent: a retry after a lost answer makes a second
         # upload. It goes through a client that never retries, so the caller sees every attempt.
@@ -203,7 +203,7 @@ class S3Store(ObjectStore):
             code = str(err.get("Code", ""))
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             # HEAD answers have no body: the code is then just the status ("404").
-            detail = _one_line(err.get("Message") or code or f"HTTP {status}")
+            detail = _brief(err.get("Message") or code or f"HTTP {status}")
             if code in ("NoSuchUpload",):
                 raise NotFound(f"{op} {where}: no such upload") from None
             if code == "NoSuchBucket":
@@ -220,7 +220,7 @@ class S3Store(ObjectStore):
             raise StoreError(f"{op} {where}: no AWS credentials found: set AWS_ACCESS_KEY_ID and "
                              "AWS_SECRET_ACCESS_KEY or configure an AWS profile", errno_=errno.EACCES) from None
         if isinstance(e, bex.ParamValidationError):
-            raise StoreError(f"{op} {where}: invalid request: {_one_line(e)}", errno_=errno.EINVAL) from None
+            raise StoreError(f"{op} {where}: invalid request: {_brief(e)}", errno_=errno.EINVAL) from None
         if isinstance(e, bex.SSLError):
             raise StoreError(f"{op} {where}: TLS error talking to {self.endpoint}: {_reason(e)}") from None
         if isinstance(e, (bex.ConnectionError, bex.HTTPClientError, OSError)):
@@ -228,7 +228,7 @@ class S3Store(ObjectStore):
             raise StoreError(f"{op} {where}: cannot reach {self.endpoint}: {_reason(e)}", transient=True) from None
         # Anything else from botocore (truncated body, checksum mismatch in flight, ...):
         # assume a retry may help; the retry layer above gives up eventually.
-        raise StoreError(f"{op} {where}: {type(e).__name__}: {_one_line(e)}", transient=True) from None
+        raise StoreError(f"{op} {where}: {type(e).__name__}: {_brief(e)}", transient=True) from None
 
     def _call(self, op: str, key: str, method: str, client=None, **kwargs: Any) -> dict[str, Any]:
         try:
@@ -259,7 +259,7 @@ class S3Store(ObjectStore):
             if status == 403 or code in _DENIED_CODES:
                 raise StoreError(f"access denied to {where}: check the AWS credentials",
                                  errno_=errno.EACCES) from None
-            raise StoreError(f"cannot use {where}: {code or status} {_one_line(err.get('Message', ''))}".rstrip(),
+            raise StoreError(f"cannot use {where}: {code or status} {_brief(err.get('Message', ''))}".rstrip(),
                              transient=status >= 500) from None
         except (bex.NoCredentialsError, bex.PartialCredentialsError):
             raise StoreError("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
@@ -303,12 +303,12 @@ class S3Store(ObjectStore):
                 else:
                     log.info("S3 checksum probe answered %s %s: checksums not sent", status, code)
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
-            log.info("S3 checksum probe failed (%s): checksums not sent", _one_line(e))
+            log.info("S3 checksum probe failed (%s): checksums not sent", _brief(e))
         finally:
             try:
                 self._client.delete_object(Bucket=self.bucket, Key=self._key(probe))
             except (bex.BotoCoreError, bex.ClientError, OSError) as e:  # (a leftover is collected as an orphan)
-                log.info("could not delete the S3 checksum probe %s: %s", probe, _one_line(e))
+                log.info("could not delete the S3 checksum probe %s: %s", probe, _brief(e))
         self.server_checksums = verifies
         log.info("%s %s CRC32C checksums: %s", self.endpoint, "verifies" if verifies else "does not verify",
                  "sent with every part" if verifies else "not sent (xxh3 manifests only)")
