@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError as e:
         if not _stdout_gone():
-            print(f"ckptfs: {_one_line(e.strerror or str(e))}", file=sys.stderr)
+            print(f"ckptfs: {one_line(e.strerror or str(e))}", file=sys.stderr)
             return 1
         # The reader of our output left (`ckptfs ls ... | head`): nothing to report, as for ls(1).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush must not fail too)

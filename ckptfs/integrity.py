@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import xxhash
 
 from . import compression
+from .store.base import RESERVED_PREFIX
 
 MANIFEST_PREFIX = ".ckptfs-manifest/"  # under store.base.RESERVED_PREFIX: never a path on the mount
 MANIFEST_META = "ckptfs-manifest"  # object metadata: "xxh3-64" when a manifest was written for it
@@ -48,7 +49,9 @@ def manifest_key(upload: str) -> str:
 
 
 def is_reserved(key: str) -> bool:
-    return key.startswith(MANIFEST_PREFIX) or key == compression.MARKER_KEY
+    """ckptfs's own objects at the top of a store (manifests, the compression marker, the sweep
+    stamp): never a file on a mount."""
+    return key.startswith(RESERVED_PREFIX)
 
 
 class IntegrityError(Exception):

@@ -18,7 +18,8 @@ class LogicalStore(ObjectStore):
     uncompressed size. Listings carry no metadata, so an object is HEADed (and its manifest read,
     for a streamed object whose size was unknown when its upload began) the first time this mount
     sees that version; once per version, and never in a bucket where no mount ever stored a
-    compressed object (MARKER_KEY absent: a plain bucket costs one HEAD per MARKER_RECHECK_S)."""
+    compressed object (MARKER_KEY absent: a plain bucket costs one HEAD per listing that shows an
+    object version not listed before, and one per MARKER_RECHECK_S)."""
 
     MARKER_RECHECK_S = 30.0
     MAX_KNOWN = 100_000
@@ -30,6 +31,7 @@ class LogicalStore(ObjectStore):
         self._marker_seen = False  # (a compressing mount sets it with its first compressed object)
         self._marker_checked = float("-inf")
         self._known: dict[str, tuple[tuple, dict[str, str], int]] = {}  # key -> (stamp, metadata, size)
+        self._seen_plain: dict[str, tuple] = {}  # key -> stamp of versions listed while no marker was seen
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="ckptfs-sizes")
 
@@ -39,14 +41,32 @@ class LogicalStore(ObjectStore):
             found = self._known.get(key)
         return found[1] if found is not None else None
 
-    def _may_be_compressed(self) -> bool:
+    def _may_be_compressed(self, infos: list[ObjectInfo] | None = None) -> bool:
+        """Whether any object may be compressed. The marker is stored before a bucket's first
+        compressed object, so it is asked again at once when a listing shows an object version
+        this mount has not seen: otherwise another mount's first compressed objects would show
+        their stored size until the next recheck."""
         if self._marker_seen:
             return True
         now = time.monotonic()
-        if now - self._marker_checked >= self.MARKER_RECHECK_S:
+        unseen = bool(infos) and self._unseen(infos)
+        if unseen or now - self._marker_checked >= self.MARKER_RECHECK_S:
             self._marker_checked = now
             self._marker_seen = self.inner.head(MARKER_KEY) is not None
         return self._marker_seen
+
+    def _unseen(self, infos: list[ObjectInfo]) -> bool:
+        """Whether ``infos`` hold an object version not listed before (and remember them)."""
+        new = False
+        with self._lock:
+            if len(self._seen_plain) >= self.MAX_KNOWN:
+                self._seen_plain.clear()
+            for info in infos:
+                stamp = (info.size, info.etag or info.mtime)
+                if self._seen_plain.get(info.key) != stamp:
+                    self._seen_plain[info.key] = stamp
+                    new = True
+        return new
 
     def _logical(self, info: ObjectInfo, headed: bool = False) -> ObjectInfo:
         """``info`` (from a listing, or a HEAD if ``headed``) with the size the mount shows."""
@@ -83,7 +103,7 @@ class LogicalStore(ObjectStore):
             return info.size  # (a damaged object: reads of it fail with EIO)
 
     def _resolve(self, infos: list[ObjectInfo]) -> list[ObjectInfo]:
-        if not infos or not self._may_be_compressed():
+        if not infos or not self._may_be_compressed(infos):
             return infos
         return list(self._pool.map(self._logical, infos))
 

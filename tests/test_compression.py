@@ -311,8 +311,9 @@ def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, mounts
 
 
 def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client, mounts, tmp_path):
-    plain_mount = mounts(tmp_path / "p", s3_server.endpoint)
-    zmount = mounts(tmp_path / "z", s3_server.endpoint, "--compress", "zstd")
+    # (--list-ttl 0: each writing mount then sees what the other made durable at once)
+    plain_mount = mounts(tmp_path / "p", s3_server.endpoint, "--list-ttl", "0")
+    zmount = mounts(tmp_path / "z", s3_server.endpoint, "--compress", "zstd", "--list-ttl", "0")
     files = {"plain/big.bin": floats(2 * PART + 77, seed=6), "plain/small.bin": floats(100_000, seed=7),
              "z/big.bin": floats(2 * PART + 99, seed=8), "z/small.bin": floats(200_000, seed=9),
              "z/random.bin": os.urandom(PART + 5), "z/tiny.txt": b"hi\n"}

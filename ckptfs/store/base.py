@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ckptfs.errors import NotFound, StoreError  # (defined below the stores, for to_errno)
+from ckptfs.errors import NotFound, StoreError  # noqa: F401  (re-exported: defined in errors for to_errno)
 
 # S3 limits: at most 10,000 parts per upload, parts of 5 MiB..5 GiB (but the
 # last), keys of at most 1024 bytes, user metadata of at most 2 KiB.
