@@ -181,6 +181,13 @@ class Fetcher:
             finally:
                 del self.inflight[slot]
                 event.set()
+            if content.blocks[index] is None and content.holders <= 0:
+                # _attach keeps no block for a content nobody holds: fetching again would spin
+                # forever (seen once in the model test: a read of a content whose holders had
+                # dropped to 0 while the kernel still read it). Fail the read instead.
+                log.error("%s: block %d fetched for a version no open file holds (holders %d): read fails",
+                          content.key, index, content.holders)
+                raise FsError(errno.EIO, f"{content.key}: this version is no longer held open")
 
     async def _download_in_time(self, content: Content, index: int) -> None:
         """``_download``, given up with EIO once the store has been in trouble for ``read_timeout``

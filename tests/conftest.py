@@ -186,6 +186,28 @@ class S3StoreView:
         return self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
 
 
+# client: a boto3 client of s3_server, to look at (or damage) the bucket behind ckptfs's back.
+@pytest.fixture
+def client(s3_server):
+    return s3_server.client()
+
+
+# s3_mounts: make(root, endpoint, *extra) -> a started Mount of s3://<s3_bucket>/run (endpoint:
+# the server's or a proxy's); every mount made is stopped at the end of the test.
+@pytest.fixture
+def s3_mounts(s3_bucket):
+    made: list[Mount] = []
+
+    def make(root, endpoint: str, *extra: str, **kwargs) -> Mount:
+        m = Mount(f"s3://{s3_bucket}/run", root, endpoint_url=endpoint, extra=extra, **kwargs)
+        made.append(m)
+        return m.start()
+
+    yield make
+    for m in made:
+        m.cleanup()
+
+
 # proxy: a FaultProxy (tests/faultproxy.py) in front of s3_server, stopped after the test.
 @pytest.fixture
 def proxy(s3_server):

@@ -22,7 +22,6 @@ import zstandard
 from ckptfs import compression
 from ckptfs.integrity import Checksums, manifest_key
 from tests.faultproxy import Rule, corrupt_response_body
-from tests.mounting import Mount
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -144,27 +143,7 @@ def test_compress_flag_values():
             compression.parse_spec(bad)
 
 
-# -- through real mounts on the real S3 server ---------------------------------------------------------
-@pytest.fixture
-def client(s3_server):
-    return s3_server.client()
-
-
-@pytest.fixture
-def mounts(s3_bucket):
-    """make(root, endpoint, *extra): a started mount of s3://bucket/run; all stopped at the end."""
-    made: list[Mount] = []
-
-    def make(root, endpoint: str, *extra: str, **kwargs) -> Mount:
-        m = Mount(f"s3://{s3_bucket}/{PREFIX}", root, endpoint_url=endpoint, extra=extra, **kwargs)
-        made.append(m)
-        return m.start()
-
-    yield make
-    for m in made:
-        m.cleanup()
-
-
+# -- through real mounts on the real S3 server ---------------------------------------------------
 def stored(client, bucket: str, name: str) -> tuple[bytes, dict[str, str]]:
     obj = client.get_object(Bucket=bucket, Key=f"{PREFIX}/{name}")
     return obj["Body"].read(), obj["Metadata"]
@@ -202,10 +181,10 @@ def state_dict():
     return sd  # about 24 MiB: 3 parts and a tail
 
 
-def test_torch_save_load_mmap_and_another_mount_without_compress(s3_server, s3_bucket, client, mounts, tmp_path):
+def test_torch_save_load_mmap_and_another_mount_without_compress(s3_server, s3_bucket, client, s3_mounts, tmp_path):
     import torch
 
-    w = mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:3")
+    w = s3_mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:3")
     sd = state_dict()
     torch.save(sd, w.path / "ckpt.pt")
     notes = b"".join(b"step %d loss %.4f lr 3e-4\n" % (i, 1 / (i + 1)) for i in range(400_000))  # ~10 MiB text
@@ -222,27 +201,27 @@ def test_torch_save_load_mmap_and_another_mount_without_compress(s3_server, s3_b
     # Ungrouped frames (text): zstd -d of the raw object is the file.
     assert zstd_cli_decompress(stored(client, s3_bucket, "train.log")[0]) == notes
 
-    r = mounts(tmp_path / "r", s3_server.endpoint)  # no --compress: reads them all the same
+    r = s3_mounts(tmp_path / "r", s3_server.endpoint)  # no --compress: reads them all the same
     assert os.stat(r.path / "ckpt.pt").st_size == len(plain)
     assert {e.name: e.stat().st_size for e in os.scandir(r.path)} == {
         "ckpt.pt": len(plain), "train.log": len(notes), "config.json": os.stat(w.path / "config.json").st_size}
     loaded = torch.load(r.path / "ckpt.pt", mmap=True, weights_only=True)
     assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
-    r2 = mounts(tmp_path / "r2", s3_server.endpoint, "--compress", "zstd")
+    r2 = s3_mounts(tmp_path / "r2", s3_server.endpoint, "--compress", "zstd")
     with open(r2.path / "ckpt.pt", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
         assert zlib.crc32(m) == zlib.crc32(plain)
     assert r.status()["integrity_errors"] == []
 
 
-def test_random_reads_at_frame_boundaries(s3_server, s3_bucket, mounts, tmp_path):
-    w = mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
+def test_random_reads_at_frame_boundaries(s3_server, s3_bucket, s3_mounts, tmp_path):
+    w = s3_mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
     body = floats(3 * PART + 12345, numpy.float32, seed=1)
     half = bytearray(floats(2 * PART, numpy.float16, seed=2))
     half[PART:PART + MiB] = os.urandom(MiB)  # one part partly incompressible
     (w.path / "a.bin").write_bytes(body)
     (w.path / "b.bin").write_bytes(bytes(half))
     w.stop()
-    r = mounts(tmp_path / "r", s3_server.endpoint, ram_cache="64MiB")
+    r = s3_mounts(tmp_path / "r", s3_server.endpoint, ram_cache="64MiB")
     rng = random.Random(3)
     for name, data in (("a.bin", body), ("b.bin", bytes(half))):
         points = [k * PART + d for k in range(len(data) // PART + 1) for d in (-3, 0, 1)]
@@ -255,15 +234,15 @@ def test_random_reads_at_frame_boundaries(s3_server, s3_bucket, mounts, tmp_path
         assert (r.path / name).read_bytes() == data
 
 
-def test_a_cold_ranged_read_fetches_only_the_frames_it_needs(s3_server, s3_bucket, client, proxy, mounts, tmp_path):
-    w = mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
+def test_a_cold_ranged_read_fetches_only_the_frames_it_needs(s3_server, s3_bucket, client, proxy, s3_mounts, tmp_path):
+    w = s3_mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
     body = floats(5 * PART, numpy.float32, seed=4)
     (w.path / "big.bin").write_bytes(body)
     w.stop()
     data, meta = stored(client, s3_bucket, "big.bin")
     frames = json.loads(manifest_of(client, s3_bucket, meta))["compression"]["frames"]
     assert len(frames) == 5 and all(by == 4 for _, by in frames)
-    r = mounts(tmp_path / "r", proxy.url)
+    r = s3_mounts(tmp_path / "r", proxy.url)
     proxy.reset_counts()
     with open(r.path / "big.bin", "rb", buffering=0) as f:
         f.seek(3 * PART + 100)
@@ -274,14 +253,14 @@ def test_a_cold_ranged_read_fetches_only_the_frames_it_needs(s3_server, s3_bucke
     assert r.status()["fetched_bytes"] == PART  # one part's worth, uncompressed
 
 
-def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, mounts, tmp_path):
+def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, s3_mounts, tmp_path):
     """Bent on the wire: fetched again, right bytes. Bent in the store: EIO for that part only."""
-    w = mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
+    w = s3_mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
     body = floats(3 * PART, numpy.float32, seed=5)
     (w.path / "big.bin").write_bytes(body)
     (w.path / "small.bin").write_bytes(body[:300_000])  # one PUT, one frame
     w.stop()
-    r = mounts(tmp_path / "r", proxy.url)
+    r = s3_mounts(tmp_path / "r", proxy.url)
     rule = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"/big\.bin$", count=2))
     assert (r.path / "big.bin").read_bytes() == body
     assert rule.hits == 2 and r.status()["integrity_retries"] >= 2
@@ -294,7 +273,7 @@ def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, mounts
     small, small_meta = stored(client, s3_bucket, "small.bin")
     del small_meta["ckptfs-frames"]
     client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/small.bin", Body=small, Metadata=small_meta)
-    c = mounts(tmp_path / "c", s3_server.endpoint)
+    c = s3_mounts(tmp_path / "c", s3_server.endpoint)
     with open(c.path / "big.bin", "rb", buffering=0) as f:
         assert f.read(PART) == body[:PART]
         f.seek(2 * PART)
@@ -310,10 +289,10 @@ def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, mounts
     assert "big.bin" in {e["key"] for e in c.status()["integrity_errors"]}
 
 
-def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client, mounts, tmp_path):
+def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client, s3_mounts, tmp_path):
     # (--list-ttl 0: each writing mount then sees what the other made durable at once)
-    plain_mount = mounts(tmp_path / "p", s3_server.endpoint, "--list-ttl", "0")
-    zmount = mounts(tmp_path / "z", s3_server.endpoint, "--compress", "zstd", "--list-ttl", "0")
+    plain_mount = s3_mounts(tmp_path / "p", s3_server.endpoint, "--list-ttl", "0")
+    zmount = s3_mounts(tmp_path / "z", s3_server.endpoint, "--compress", "zstd", "--list-ttl", "0")
     files = {"plain/big.bin": floats(2 * PART + 77, seed=6), "plain/small.bin": floats(100_000, seed=7),
              "z/big.bin": floats(2 * PART + 99, seed=8), "z/small.bin": floats(200_000, seed=9),
              "z/random.bin": os.urandom(PART + 5), "z/tiny.txt": b"hi\n"}
@@ -327,7 +306,7 @@ def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client
     assert kinds == {"plain/big.bin": None, "plain/small.bin": None, "z/big.bin": "zstd-seekable",
                      "z/small.bin": "zstd-seekable", "z/random.bin": "zstd-seekable", "z/tiny.txt": None}
     assert len(stored(client, s3_bucket, "z/random.bin")[0]) < len(files["z/random.bin"]) * 1.001  # raw frames
-    for m in (plain_mount, zmount, mounts(tmp_path / "third", s3_server.endpoint)):
+    for m in (plain_mount, zmount, s3_mounts(tmp_path / "third", s3_server.endpoint)):
         for name, body in files.items():
             assert os.stat(m.path / name).st_size == len(body), (m.path, name)
             assert (m.path / name).read_bytes() == body, (m.path, name)
@@ -335,7 +314,7 @@ def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client
     (plain_mount.path / "z/small.bin").write_bytes(b"now plain " * 10)
     plain_mount.sync()
     zmount.stop()
-    z2 = mounts(tmp_path / "z2", s3_server.endpoint, "--compress", "zstd")
+    z2 = s3_mounts(tmp_path / "z2", s3_server.endpoint, "--compress", "zstd")
     assert (z2.path / "z/small.bin").read_bytes() == b"now plain " * 10
 
 

@@ -12,32 +12,12 @@ import xxhash
 
 from ckptfs.integrity import Checksums, IntegrityError, manifest_key
 from tests.faultproxy import Rule, corrupt_request_body, corrupt_response_body
-from tests.mounting import Mount, ckptfs
+from tests.mounting import ckptfs
 
 pytestmark = pytest.mark.timeout(240)
 
 PREFIX = "run"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def client(s3_server):
-    return s3_server.client()
-
-
-@pytest.fixture
-def mounts(s3_bucket):
-    """make(root, endpoint, *extra): a started mount of s3://bucket/run; all stopped at the end."""
-    made: list[Mount] = []
-
-    def make(root, endpoint: str, *extra: str, **kwargs) -> Mount:
-        m = Mount(f"s3://{s3_bucket}/{PREFIX}", root, endpoint_url=endpoint, extra=extra, **kwargs)
-        made.append(m)
-        return m.start()
-
-    yield make
-    for m in made:
-        m.cleanup()
 
 
 def files() -> dict[str, bytes]:
@@ -47,9 +27,9 @@ def files() -> dict[str, bytes]:
     }
 
 
-def save(mounts, root, endpoint: str, data: dict[str, bytes]) -> None:
+def save(s3_mounts, root, endpoint: str, data: dict[str, bytes]) -> None:
     """Write the files through a mount of their own and unmount (drains the uploads)."""
-    m = mounts(root, endpoint, "--log-level", "debug")
+    m = s3_mounts(root, endpoint, "--log-level", "debug")
     for name, body in data.items():
         (m.path / name).write_bytes(body)
     m.stop()
@@ -82,13 +62,13 @@ def assert_matches_its_manifest(client, bucket: str, key: str) -> Checksums:
 
 
 def test_flipped_bytes_in_get_bodies_are_fetched_again_on_another_mount(s3_server, s3_bucket, proxy, client,
-                                                                        mounts, tmp_path):
+                                                                        s3_mounts, tmp_path):
     """A cold read on a mount that did not write the files (the checksums come from the store:
     the manifest, the metadata): each GET whose body was bent is fetched again; right bytes."""
     data = files()
-    save(mounts, tmp_path / "w", s3_server.endpoint, data)
+    save(s3_mounts, tmp_path / "w", s3_server.endpoint, data)
     assert len(manifests(client, s3_bucket)) == 1  # big.bin's; small.bin carries its xxh3 itself
-    r = mounts(tmp_path / "r", proxy.url)
+    r = s3_mounts(tmp_path / "r", proxy.url)
     rules = {name: proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=rf"/{name}$", count=2))
              for name in data}
     rules["manifest"] = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"/\.ckptfs-manifest/", count=1))
@@ -105,10 +85,10 @@ def test_flipped_bytes_in_get_bodies_are_fetched_again_on_another_mount(s3_serve
         assert os.getxattr(r.path / name, "user.ckptfs.xxh3") == xxhash.xxh3_64_hexdigest(body).encode()
 
 
-def test_flipped_bytes_in_get_bodies_are_fetched_again_on_the_writing_mount(proxy, mounts, tmp_path):
+def test_flipped_bytes_in_get_bodies_are_fetched_again_on_the_writing_mount(proxy, s3_mounts, tmp_path):
     """The mount that wrote the files reads back what its small cache evicted: checked against
     the checksums it recorded at upload."""
-    m = mounts(tmp_path / "w", proxy.url, ram_cache="16MiB", cache_size="32MiB")
+    m = s3_mounts(tmp_path / "w", proxy.url, ram_cache="16MiB", cache_size="32MiB")
     data = {"big.bin": os.urandom(64 * MiB), "small.bin": os.urandom(3 * MiB)}
     for name, body in data.items():
         (m.path / name).write_bytes(body)
@@ -122,10 +102,10 @@ def test_flipped_bytes_in_get_bodies_are_fetched_again_on_the_writing_mount(prox
 
 
 def test_every_get_body_bent_fails_the_read_with_eio_never_wrong_bytes(s3_server, s3_bucket, proxy, client,
-                                                                       mounts, tmp_path):
+                                                                       s3_mounts, tmp_path):
     data = files()
-    save(mounts, tmp_path / "w", s3_server.endpoint, data)
-    r = mounts(tmp_path / "r", proxy.url)
+    save(s3_mounts, tmp_path / "w", s3_server.endpoint, data)
+    r = s3_mounts(tmp_path / "r", proxy.url)
     rule = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"\.bin$"))
     for name in data:
         assert read_or_errno(r.path / name) == errno.EIO
@@ -139,18 +119,18 @@ def test_every_get_body_bent_fails_the_read_with_eio_never_wrong_bytes(s3_server
         assert (r.path / name).read_bytes() == body
 
 
-def test_an_object_damaged_in_the_store_reads_as_eio(s3_server, s3_bucket, client, mounts, tmp_path):
+def test_an_object_damaged_in_the_store_reads_as_eio(s3_server, s3_bucket, client, s3_mounts, tmp_path):
     """Bytes changed in the store behind ckptfs's back (metadata and manifest kept): EIO, logged,
     in status; never the damaged bytes."""
     data = files()
-    save(mounts, tmp_path / "w", s3_server.endpoint, data)
+    save(s3_mounts, tmp_path / "w", s3_server.endpoint, data)
     for name, body in data.items():
         key = f"{PREFIX}/{name}"
         meta = client.head_object(Bucket=s3_bucket, Key=key)["Metadata"]
         bent = bytearray(body)
         bent[len(bent) // 3] ^= 0x01
         client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(bent), Metadata=meta)
-    r = mounts(tmp_path / "r", s3_server.endpoint)
+    r = s3_mounts(tmp_path / "r", s3_server.endpoint)
     for name in data:
         assert read_or_errno(r.path / name) == errno.EIO
         assert os.getxattr(r.path / name, "user.ckptfs.verified") == b"yes"  # it has checksums: they fail
@@ -161,12 +141,12 @@ def test_an_object_damaged_in_the_store_reads_as_eio(s3_server, s3_bucket, clien
         assert f.read(MiB) == data["big.bin"][:MiB]
 
 
-def test_an_object_put_by_another_tool_reads_fine_and_says_unverified(s3_server, s3_bucket, client, mounts,
+def test_an_object_put_by_another_tool_reads_fine_and_says_unverified(s3_server, s3_bucket, client, s3_mounts,
                                                                       tmp_path):
     foreign = {"foreign-big.bin": os.urandom(20 * MiB), "foreign-small.bin": os.urandom(1000)}
     for name, body in foreign.items():
         client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/{name}", Body=body)
-    r = mounts(tmp_path / "r", s3_server.endpoint)
+    r = s3_mounts(tmp_path / "r", s3_server.endpoint)
     (r.path / "ours.bin").write_bytes(b"checked" * 1000)
     r.sync()
     for name, body in foreign.items():
@@ -182,10 +162,10 @@ def test_an_object_put_by_another_tool_reads_fine_and_says_unverified(s3_server,
 
 
 def test_a_part_bent_on_upload_is_sent_again_and_the_object_matches_its_manifest(s3_server, s3_bucket, proxy,
-                                                                                 client, mounts, tmp_path):
+                                                                                 client, s3_mounts, tmp_path):
     """SigV4 (plain http) makes the server refuse the bent part; the manifest, written from the
     bytes before they left, matches what the store finally holds."""
-    m = mounts(tmp_path / "w", proxy.url)
+    m = s3_mounts(tmp_path / "w", proxy.url)
     rule = proxy.add_rule(Rule(corrupt_request_body(), kind="upload_part", query="partNumber=2", count=1))
     body = os.urandom(30 * MiB)
     (m.path / "model.bin").write_bytes(body)
@@ -195,12 +175,12 @@ def test_a_part_bent_on_upload_is_sent_again_and_the_object_matches_its_manifest
     assert len(checks.parts) == 4 and checks.part_size == 8 * MiB
 
 
-def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, client, mounts, tmp_path):
+def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, client, s3_mounts, tmp_path):
     """A rename of a durable file is a server-side copy: the copy names the same manifest. An
     overwrite removes the manifest of the object it replaced, a delete the manifest after the
     object: no manifest outlives its objects."""
     data = files()
-    a = mounts(tmp_path / "a", s3_server.endpoint)
+    a = s3_mounts(tmp_path / "a", s3_server.endpoint)
     for name, body in data.items():
         (a.path / name).write_bytes(body)
     a.sync()
@@ -208,7 +188,7 @@ def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, clie
     a.sync()
     assert len(manifests(client, s3_bucket)) == 1
     assert_matches_its_manifest(client, s3_bucket, "moved.bin")
-    b = mounts(tmp_path / "b", s3_server.endpoint)
+    b = s3_mounts(tmp_path / "b", s3_server.endpoint)
     assert (b.path / "moved.bin").read_bytes() == data["big.bin"]
     assert os.getxattr(b.path / "moved.bin", "user.ckptfs.verified") == b"yes"
     assert b.status()["unverified_reads"] == 0
@@ -218,7 +198,7 @@ def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, clie
     assert len(manifests(client, s3_bucket)) == 1
     assert_matches_its_manifest(client, s3_bucket, "moved.bin")
     # ... and by one that never read it (it asks the store which manifest the old object names).
-    c = mounts(tmp_path / "c", s3_server.endpoint)
+    c = s3_mounts(tmp_path / "c", s3_server.endpoint)
     (c.path / "moved.bin").write_bytes(os.urandom(9 * MiB))
     c.sync()
     assert len(manifests(client, s3_bucket)) == 1
@@ -230,13 +210,13 @@ def test_rename_keeps_and_delete_removes_the_manifest(s3_server, s3_bucket, clie
     assert os.listdir(a.path) == []  # the reserved prefix is never shown
 
 
-def test_request_cost_per_file(s3_server, s3_bucket, proxy, mounts, tmp_path):
+def test_request_cost_per_file(s3_server, s3_bucket, proxy, s3_mounts, tmp_path):
     """What the checksums cost in requests (docs/architecture.md, Integrity), counted at the proxy:
     a multipart file: one PUT (its manifest) when written, one GET (the manifest) per mount that
     reads it cold, a HEAD and a DELETE more when deleted; a one-PUT file: nothing; a rename: nothing.
     A mount: one PUT and one DELETE (the probe for S3 checksums, store/s3.py)."""
     data = files()
-    w = mounts(tmp_path / "w", proxy.url)
+    w = s3_mounts(tmp_path / "w", proxy.url)
     probes = [req for req in proxy.requests if "checksum-probe-" in req.path]
     assert [req.kind for req in probes] == ["put", "delete"]
     proxy.reset_counts()
@@ -249,7 +229,7 @@ def test_request_cost_per_file(s3_server, s3_bucket, proxy, mounts, tmp_path):
     assert proxy.count(kind="upload_part") == 4 and proxy.count(kind="complete_multipart") == 1
 
     proxy.reset_counts()
-    r = mounts(tmp_path / "r", proxy.url)
+    r = s3_mounts(tmp_path / "r", proxy.url)
     for name, body in data.items():
         assert (r.path / name).read_bytes() == body
     gets = [req.path for req in proxy.requests if req.kind == "get"]

@@ -21,11 +21,6 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def client(s3_server):
-    return s3_server.client()
-
-
-@pytest.fixture
 def store(s3_server, s3_bucket):
     s = S3Store(s3_bucket, PREFIX, endpoint_url=s3_server.endpoint)
     yield s

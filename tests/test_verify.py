@@ -19,11 +19,6 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def client(s3_server):
-    return s3_server.client()
-
-
-@pytest.fixture
 def written(s3_server, s3_bucket, tmp_path):
     """A mount of s3://bucket/run that wrote and synced three files (one streamed with a manifest,
     two one-PUT with an xxh3); yields (mount, {name: bytes}); unmounted at the end."""
