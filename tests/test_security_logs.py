@@ -239,18 +239,15 @@ def test_trace_is_a_log_level_of_the_cli():
 
 
 def test_an_endpoint_password_is_never_printed(monkeypatch):
+    """Credentials in --endpoint-url are refused (S3 signs requests, and the detached daemon's
+    command line is readable by every user on the node); the refusal itself never prints them."""
     from ckptfs.store import StoreError, open_store
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "fake-id")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-secret")
-    store = open_store("s3://bucket/p", endpoint_url="http://user:hunter22@127.0.0.1:9")
-    try:
-        assert store.endpoint == "http://***@127.0.0.1:9"
-        with pytest.raises(StoreError) as exc:
-            store.check()  # nothing listens on port 9
-        assert "hunter22" not in str(exc.value) and "http://***@127.0.0.1:9" in str(exc.value)
-    finally:
-        store.close()
+    with pytest.raises(StoreError) as exc:
+        open_store("s3://bucket/p", endpoint_url="http://user:hunter22@127.0.0.1:9")
+    assert "hunter22" not in str(exc.value) and "http://***@127.0.0.1:9" in str(exc.value)
 
 
 def test_bytes_inside_containers_are_replaced_and_lines_survive(monkeypatch):
