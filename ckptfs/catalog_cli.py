@@ -11,12 +11,9 @@ import time
 import humanfriendly
 
 from ckptfs import catalog
+from ckptfs.cli_support import ENDPOINT_HELP, TARGET_HELP
 from ckptfs.errors import CkptfsError
 from ckptfs.target import resolve
-
-TARGET_HELP = "a store URL (s3://bucket[/prefix], file:///path), read directly, or a ckptfs mountpoint (or a path on one)"
-ENDPOINT_HELP = "S3-compatible endpoint for an s3:// STORE_URL (as for mount)"
-
 
 def _count(text: str) -> int:
     try:

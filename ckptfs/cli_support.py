@@ -17,6 +17,9 @@ from ckptfs.config import ckptfs_mounts
 from ckptfs.errors import UsageError
 
 PROGRESS_LINE_S = 10.0  # not on a terminal: a progress line this often
+# The STORE_URL|MOUNTPOINT argument and --endpoint-url of the admin commands (ls, checkpoints, gc, verify)
+TARGET_HELP = "a store URL (s3://bucket[/prefix], file:///path), read directly, or a ckptfs mountpoint (or a path on one)"
+ENDPOINT_HELP = "S3-compatible endpoint for an s3:// STORE_URL (as for mount)"
 
 
 def _size(text: str) -> int:

@@ -10,7 +10,7 @@ import sys
 import trio
 
 from ckptfs import target
-from ckptfs.cli_support import ProgressBar, _call, _fmt, _positive_int
+from ckptfs.cli_support import ENDPOINT_HELP, TARGET_HELP, ProgressBar, _call, _fmt, _positive_int
 from ckptfs.logical_store import LogicalStore
 from ckptfs.verify import JOBS, failed, run
 
@@ -21,12 +21,10 @@ def add_parser(sub) -> None:
                                    "and check it against the checksums ckptfs recorded when it uploaded it. "
                                    "Exit 1 on any mismatch, missing object or missing manifest (and, with "
                                    "--strict, on objects with no checksum recorded).")
-    p.add_argument("target", metavar="STORE_URL|MOUNTPOINT",
-                   help="s3://bucket[/prefix] or file:///path (opened directly), or a ckptfs mountpoint "
-                        "(its daemon reads the store)")
+    p.add_argument("target", metavar="STORE_URL|MOUNTPOINT", help=TARGET_HELP)
     p.add_argument("paths", nargs="*", metavar="PATH",
                    help="files or directories, relative to the target as for ls (or absolute paths inside the mount); default: all")
-    p.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint (with an s3:// STORE_URL)")
+    p.add_argument("--endpoint-url", metavar="URL", help=ENDPOINT_HELP)
     p.add_argument("--jobs", type=_jobs, default=JOBS, metavar="N", help=f"parts read at once (default {JOBS})")
     p.add_argument("--strict", action="store_true", help="objects with no checksum recorded count as failures")
     p.add_argument("--json", action="store_true", help="print every object's result as JSON on stdout")

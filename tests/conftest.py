@@ -192,6 +192,12 @@ def client(s3_server):
     return s3_server.client()
 
 
+# bucket_read: read(name) -> the bytes of s3://<s3_bucket>/run/<name>, straight from the server.
+@pytest.fixture
+def bucket_read(client, s3_bucket):
+    return lambda name: client.get_object(Bucket=s3_bucket, Key=f"run/{name}")["Body"].read()
+
+
 # s3_mounts: make(root, endpoint, *extra) -> a started Mount of s3://<s3_bucket>/run (endpoint:
 # the server's or a proxy's); every mount made is stopped at the end of the test.
 @pytest.fixture

@@ -27,12 +27,6 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def bucket_read(s3_server, s3_bucket):
-    client = s3_server.client()
-    return lambda key: client.get_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}")["Body"].read()
-
-
-@pytest.fixture
 def mount(s3_bucket, proxy, tmp_path):
     """A started mount of s3://bucket/run through the fault proxy; cleaned up with the store back."""
     shm = Path("/dev/shm") / f"ckptfs-api-tests-{uuid.uuid4().hex[:8]}"

@@ -98,12 +98,6 @@ def check_mounted(place, bucket_read) -> None:
     assert bucket_read(name) == data
 
 
-@pytest.fixture
-def bucket_read(s3_server, s3_bucket):
-    client = s3_server.client()
-    return lambda key: client.get_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}")["Body"].read()
-
-
 def test_the_helper_called_as_mount8_calls_it(place, bin_dir, bucket_read):
     done = subprocess.run([str(HELPER), place.source, str(place.mountpoint), "-o", "rw," + place.options],
                           env=helper_env(bin_dir), capture_output=True, text=True, timeout=120)

@@ -32,12 +32,6 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def bucket_read(s3_server, s3_bucket):
-    client = s3_server.client()
-    return lambda key: client.get_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}")["Body"].read()
-
-
-@pytest.fixture
 def make_mount(s3_bucket, proxy, tmp_path):
     """Mounts of s3://bucket/run through the fault proxy, serving metrics on a free port (not
     started); cleaned up with the store back. RAM tiers in a tmpfs directory of their own."""
