@@ -326,6 +326,7 @@ class Daemon:
 
     async def _serve(self, pending, open_uploads, listing, clean, on_ready) -> None:
         self.stop_requested = trio.Event()
+        self.serving = trio.Event()  # the start-up stat through the mount has returned
         self.trio_token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             await nursery.start(self.uploader.run, open_uploads)
@@ -361,7 +362,10 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _when_serving(self, on_ready) -> None:
-        st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
+        try:
+            st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
+        finally:
+            self.serving.set()
         bdi = Path(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb")
         try:
             bdi.write_text(str(READ_AHEAD_KB))
@@ -378,6 +382,10 @@ class Daemon:
 
     async def _stopper(self) -> None:
         await self.stop_requested.wait()
+        # Our own calls through the mount (the start-up stat, the prefill's stat and invalidate)
+        # end first: once the FUSE loop stops they would wait forever for the daemon's answer.
+        await self.serving.wait()
+        await self.namespace.prefill.stop()
         await trio.sleep(0.05)  # let the umount reply reach the client
         pyfuse3.terminate()
 

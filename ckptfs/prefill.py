@@ -47,6 +47,8 @@ class Prefill:
         # Pushes put off because the file was open (ino -> (node, version)): they go ahead when
         # its last handle closes, so a reader racing the push does not cancel it for good.
         self.deferred: dict[int, tuple[object, object]] = {}
+        self._scope: trio.CancelScope | None = None
+        self._stopped = trio.Event()
 
     def want(self, node, version) -> None:
         """Push ``version`` of ``node`` when idle (the newest request for a node wins)."""
@@ -63,21 +65,35 @@ class Prefill:
             await event.wait()
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            await self.wakeup.wait()
-            self.wakeup = trio.Event()
-            while self.queue:
-                while self.busy():
-                    await trio.sleep(IDLE_POLL_S)
-                if not self.queue:
-                    break
-                ino, (node, version) = self.queue.popitem(last=True)  # the newest first
-                self.pushing = 1
-                try:
-                    await self._push(node, version)
-                finally:
-                    self.pushing = 0
+        try:
+            with trio.CancelScope() as self._scope:
+                task_status.started()
+                while True:
+                    await self.wakeup.wait()
+                    self.wakeup = trio.Event()
+                    while self.queue:
+                        while self.busy():
+                            await trio.sleep(IDLE_POLL_S)
+                        if not self.queue:
+                            break
+                        ino, (node, version) = self.queue.popitem(last=True)  # the newest first
+                        self.pushing = 1
+                        try:
+                            await self._push(node, version)
+                        finally:
+                            self.pushing = 0
+        finally:
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """Stop pushing and wait for the call in flight. Called while the mount still answers
+        FUSE requests: a stat or an invalidate through the mount waits for the daemon's own
+        answer, and once the FUSE loop has stopped nobody would give it."""
+        self.store_pages = None  # no new pushes (want() is a no-op from now on)
+        self.queue.clear()
+        if self._scope is not None:
+            self._scope.cancel()
+            await self._stopped.wait()
 
     def closed(self, node) -> None:
         """``node``'s last handle closed: a push put off while it was open goes ahead."""

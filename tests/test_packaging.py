@@ -265,10 +265,6 @@ class Unit:
         return main
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "since today's merges, ExecStop's `ckptfs umount` of the --foreground daemon gets the drain's answer "
-    "but the mount is still there 60 s later and the daemon logs nothing after its start (passed on the "
-    "h-ops branch alone); open, see the closing note of the session that merged issue 18"))
 def test_the_systemd_unit_starts_drains_on_stop_and_resumes_after_a_crash(place, proxy, bin_dir, bucket_read,
                                                                           tmp_path, request):
     unit = Unit(UNIT, place.mountpoint, tmp_path, bin_dir)
