@@ -17,10 +17,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from . import private
-from .cache import RAM, BlockRef, Cache
+from .blocks import BlockRef, cached_xxh3, decode_block_list, encode_block_list
+from .cache import RAM, Cache
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +40,7 @@ class CleanEntry:
 
 def cached_digest(cache: Cache, size: int, blocks: list[BlockRef | None]) -> str:
     """xxh3 of the cached blocks (index and bytes), what a remount checks before serving them."""
-    hasher = xxhash.xxh3_64()
-    for index, ref in enumerate(blocks):
-        if ref is not None:
-            length = max(0, min(cache.block_size, size - index * cache.block_size))
-            hasher.update(index.to_bytes(8, "little"))
-            hasher.update(cache.view(ref, length))
-    return hasher.hexdigest()
+    return cached_xxh3(cache.view, size, blocks, cache.block_size)
 
 
 def save(path: Path, cache: Cache, entries: list[CleanEntry]) -> None:
@@ -55,7 +48,7 @@ def save(path: Path, cache: Cache, entries: list[CleanEntry]) -> None:
         f.write(json.dumps({"ram": cache.ram_arena_id}) + "\n")
         for e in entries:
             f.write(json.dumps({"key": e.key, "size": e.size, "durable_at": e.durable_at, "digest": e.digest,
-                                "blocks": [list(b) if b is not None else None for b in e.blocks]}) + "\n")
+                                "blocks": encode_block_list(e.blocks)}) + "\n")
         f.flush()
         os.fsync(f.fileno())
     private.replace_from_temp(path)
@@ -74,7 +67,7 @@ def load(path: Path, cache: Cache, taken: set[BlockRef]) -> dict[str, CleanEntry
         same_ram = json.loads(lines[0]).get("ram") == cache.ram_arena_id if lines else False
         for line in lines[1:]:
             rec = json.loads(line)
-            blocks = [tuple(b) if b is not None else None for b in rec["blocks"]]
+            blocks = decode_block_list(rec["blocks"])
             if not same_ram and any(b is not None and b[0] == RAM for b in blocks):
                 continue  # its RAM blocks are gone (the store still has the file)
             if any(b is not None and (not cache.valid_ref(b) or b in taken) for b in blocks):

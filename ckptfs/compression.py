@@ -34,7 +34,7 @@ import numpy
 import xxhash
 import zstandard
 
-from .store.base import PartInfo
+from .store.base import S3_LIMITS, PartInfo
 
 FORMAT = "zstd-seekable"
 FORMAT_META = "ckptfs-format"  # object metadata: FORMAT for a compressed object
@@ -42,7 +42,7 @@ SIZE_META = "ckptfs-size"  # object metadata of a compressed one-PUT object: its
 FRAMES_META = "ckptfs-frames"  # object metadata of a compressed one-PUT object: "stored:group"
 MARKER_KEY = ".ckptfs-compressed"  # exists once any mount stored a compressed object in the bucket
 DEFAULT_LEVEL = 1  # (level 3 measured: a lower ratio on weights, for 35% more CPU; docs/benchmarks.md)
-MIN_PART = 5 << 20  # S3's smallest part but the last
+MIN_PART = S3_LIMITS.min_part_size  # frames are padded to S3's smallest part (on every store)
 WORTH = 0.97  # a compressed frame is kept only if at most this share of the raw bytes (and a
 # grouped one only if at most this share of the ungrouped one, on the samples)
 SAMPLES, SAMPLE_BYTES = 4, 64 << 10  # what the byte-grouping choice compresses (4 x 64 KiB)

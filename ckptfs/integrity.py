@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import xxhash
 
 from . import compression
+from .blocks import block_length, n_blocks
 from .store.base import RESERVED_PREFIX
 
 MANIFEST_PREFIX = ".ckptfs-manifest/"  # under store.base.RESERVED_PREFIX: never a path on the mount
@@ -85,14 +86,14 @@ class Checksums:
         """For whole parts [begin, begin + span) of a compressed object: the stored byte range of
         their frames (offset, length) and the frames' indexes [first, last)."""
         first = begin // self.part_size
-        last = first + max(1, -(-span // self.part_size))
+        last = first + max(1, n_blocks(span, self.part_size))
         offset = sum(stored for stored, _ in self.frames[:first])
         return offset, sum(stored for stored, _ in self.frames[first:last]), first, last
 
     def decompress(self, first: int, last: int, data: bytes) -> bytes:
         """The uncompressed parts [first, last) from their stored frames ``data`` (IntegrityError
         if a frame does not decode: zstd checks each frame's own checksum)."""
-        sizes = [min(self.part_size, self.size - i * self.part_size) for i in range(first, last)]
+        sizes = [block_length(self.size, i, self.part_size) for i in range(first, last)]
         try:
             return compression.decode(data, list(self.frames[first:last]), sizes)
         except compression.CorruptFrame as exc:
@@ -138,7 +139,7 @@ class Checksums:
             rec = json.loads(raw)
             parts, part_size = [str(p) for p in rec["parts"]], int(rec["part_size"])
             ok = rec.get("algorithm") == ALGORITHM and int(rec["size"]) == size and part_size > 0 \
-                and len(parts) == max(1, -(-size // part_size))
+                and len(parts) == max(1, n_blocks(size, part_size))
             frames = _frames(rec.get("compression"), len(parts))
         except (ValueError, KeyError, TypeError):
             ok = False

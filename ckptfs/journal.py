@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import private
-from .cache import RAM, BlockRef
+from .blocks import BlockRef, decode_block_list, encode_block_list
+from .cache import RAM
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class Op:
             rec["src"] = self.src
         if self.kind == PUT:
             rec["size"] = self.size
-            rec["blocks"] = [list(b) if b is not None else None for b in self.blocks]
+            rec["blocks"] = encode_block_list(self.blocks)
             if self.upload:
                 rec["upload"] = list(self.upload)
                 rec["parts"] = {str(i): token for i, token in self.parts.items()}
@@ -66,7 +67,7 @@ class Op:
 
     @classmethod
     def from_record(cls, rec: dict) -> Op:
-        blocks = [tuple(b) if b is not None else None for b in rec.get("blocks", [])]
+        blocks = decode_block_list(rec.get("blocks", []))
         parts = {int(i): token for i, token in rec.get("parts", {}).items()}
         hashes = {int(i): h for i, h in rec.get("hashes", {}).items()}
         return cls(rec["kind"], rec["key"], rec.get("src", ""), rec.get("size", 0), blocks, rec["seq"],

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import humanfriendly
 
-from .config import GiB, MiB, MountConfig
+from .config import MiB, MountConfig
 from .errors import MountError, UsageError
+from .store.base import S3_LIMITS
 
 MIN_PART = 4096  # a part is a cache block: at least a page
-MAX_PART = 5 * GiB  # S3's largest part; larger blocks only make every copy and upload coarser
-S3_MIN_PART = 5 * MiB
+MAX_PART = S3_LIMITS.max_part_size  # S3's largest part; larger blocks only make every copy and upload coarser
+S3_MIN_PART = S3_LIMITS.min_part_size
 # Parts in flight are threads and connections (uploads, and as many fetches): past a few dozen
 # they add memory and contention, not throughput. A fixed cap, not one per core: uploads wait
 # on the network, not the CPU.
@@ -107,7 +108,8 @@ def check(config: MountConfig) -> list[str]:
     if not MIN_PART <= part <= MAX_PART:
         raise UsageError(f"--part-size {fmt(part)} is out of range: between {fmt(MIN_PART)} and {fmt(MAX_PART)}")
     if config.store_url.lower().startswith("s3://") and part < S3_MIN_PART:
-        raise UsageError(f"--part-size {fmt(part)} is out of range: S3 parts must be between 5 MiB and 5 GiB")
+        raise UsageError(f"--part-size {fmt(part)} is out of range: S3 parts must be between {fmt(S3_MIN_PART)} "
+                         f"and {fmt(S3_LIMITS.max_part_size)}")
     if threads > MAX_CONCURRENCY:
         raise UsageError(f"--upload-concurrency {threads} is too many: at most {MAX_CONCURRENCY} "
                          "(each part in flight is a thread, a connection and a part-sized buffer)")

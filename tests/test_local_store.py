@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ckptfs.store import NotFound, PartInfo, StoreError
-from ckptfs.store import local as local_module
+from ckptfs.store import localfs
 from ckptfs.store.local import TMP_DIR, LocalStore
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -43,14 +43,14 @@ def store(tmp_path) -> LocalStore:
 def copied(monkeypatch) -> list[int]:
     """[bytes the store copied from one file to another] (copy, or completing a multipart)."""
     total = [0]
-    real = local_module._copy_range
+    real = localfs.copy_range
 
     def counting(*args, **kwargs) -> int:
         n = real(*args, **kwargs)
         total[0] += n
         return n
 
-    monkeypatch.setattr(local_module, "_copy_range", counting)
+    monkeypatch.setattr(localfs, "copy_range", counting)
     return total
 
 
@@ -144,8 +144,8 @@ def test_identical_retry_writes_nothing(store, monkeypatch):
     uid = store.create_multipart("r.bin")
     first = store.upload_part("r.bin", uid, 1, _blob(MiB, 1))
     writes = []
-    real = local_module._pwrite_all
-    monkeypatch.setattr(local_module, "_pwrite_all", lambda *a: writes.append(a[2]) or real(*a))
+    real = localfs.pwrite_all
+    monkeypatch.setattr(localfs, "pwrite_all", lambda *a: writes.append(a[2]) or real(*a))
     assert store.upload_part("r.bin", uid, 1, _blob(MiB, 1)) == first  # a retry after a timeout
     assert writes == []
     store.complete_multipart("r.bin", uid, [first])

@@ -16,10 +16,27 @@ from dataclasses import dataclass, field
 
 from ckptfs.errors import NotFound, StoreError  # noqa: F401  (re-exported: defined in errors for to_errno)
 
-# S3 limits: at most 10,000 parts per upload, parts of 5 MiB..5 GiB (but the
-# last), keys of at most 1024 bytes, user metadata of at most 2 KiB.
-MAX_PARTS = 10_000
-MAX_KEY_BYTES = 1024
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """What a store accepts: keys of at most ``max_key_bytes`` bytes (UTF-8), multipart uploads of
+    at most ``max_parts`` parts, each of ``min_part_size``..``max_part_size`` bytes but the last
+    (which may be smaller). A store declares its own in ``ObjectStore.limits``."""
+
+    max_key_bytes: int = 1024
+    max_parts: int = 10_000
+    min_part_size: int = 5 * MiB
+    max_part_size: int = 5 * GiB
+
+
+# S3's (and what every ckptfs store keeps to, so that a mount's files fit any of them): at most
+# 10,000 parts per upload, parts of 5 MiB..5 GiB (but the last), keys of at most 1024 bytes.
+# (User metadata: at most 2 KiB.)
+S3_LIMITS = StoreLimits()
+MAX_PARTS = S3_LIMITS.max_parts
+MAX_KEY_BYTES = S3_LIMITS.max_key_bytes
 # Top-level keys starting with this are ckptfs's own (checksum manifests, the local store's files):
 # never a path on a mount, never listed, verified or collected as a checkpoint.
 RESERVED_PREFIX = ".ckptfs-"
@@ -59,6 +76,7 @@ class ObjectStore(ABC):
     """One bucket/prefix (S3) or one directory (local)."""
 
     url: str  # printable location, never with credentials
+    limits: StoreLimits = S3_LIMITS  # what it accepts (keys, part count, part sizes)
 
     server_checksums = False  # whether parts carry a checksum the server verifies (S3: CRC32C)
 

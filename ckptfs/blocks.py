@@ -1,0 +1,65 @@
+"""A file's content as fixed-size blocks: the arithmetic, the block list's JSON form and the
+digests over the blocks, in one place.
+
+Block ``i`` of a file holds its bytes ``[i * block_size, (i + 1) * block_size)``; the last one is
+short (or empty, for an empty file's none). The cache keeps each block in a slot (a ``BlockRef``,
+``(tier, slot)``) or nowhere (``None``: a hole, or a block only the store holds). The journal and
+the clean-cache index record block lists as JSON; the uploader hashes a file's blocks for its
+whole-file xxh3, and the clean-cache index hashes the blocks it kept across mounts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import xxhash
+
+BlockRef = tuple[int, int]  # (tier, slot)
+# The bytes of a cached block: view(ref, length) (Cache.view).
+BlockView = Callable[[BlockRef, int], "bytes | memoryview"]
+
+
+def n_blocks(size: int, block_size: int) -> int:
+    """How many blocks a file of ``size`` bytes has."""
+    return -(-size // block_size)
+
+
+def block_length(size: int, index: int, block_size: int) -> int:
+    """Bytes of block ``index`` in a file of ``size`` bytes (0 past its end)."""
+    return max(0, min(block_size, size - index * block_size))
+
+
+def blocks_touched(offset: int, end: int, block_size: int) -> range:
+    """The indexes of the blocks that bytes ``[offset, end)`` touch (none where ``end <= offset``)."""
+    return range(offset // block_size, n_blocks(end, block_size)) if end > offset else range(0)
+
+
+def encode_block_list(blocks: Sequence[BlockRef | None]) -> list[list[int] | None]:
+    """A block list as JSON holds it: [tier, slot] or null for each block."""
+    return [list(b) if b is not None else None for b in blocks]
+
+
+def decode_block_list(raw: Sequence) -> list[BlockRef | None]:
+    """``encode_block_list``'s inverse."""
+    return [tuple(b) if b is not None else None for b in raw]  # type: ignore[misc]
+
+
+def content_xxh3(view: BlockView, size: int, blocks: Sequence[BlockRef | None], block_size: int) -> str:
+    """xxh3-64 of a file's bytes (holes read as zeros), from its cached blocks: the whole file's
+    checksum, equal to ``integrity.part_hash`` of all of it."""
+    hasher = xxhash.xxh3_64()
+    for index, ref in enumerate(blocks):
+        length = block_length(size, index, block_size)
+        hasher.update(view(ref, length) if ref is not None else bytes(length))
+    return hasher.hexdigest()
+
+
+def cached_xxh3(view: BlockView, size: int, blocks: Sequence[BlockRef | None], block_size: int) -> str:
+    """xxh3-64 of the cached blocks only, each with its index: what the clean-cache index records
+    and a remount checks before serving the blocks it kept."""
+    hasher = xxhash.xxh3_64()
+    for index, ref in enumerate(blocks):
+        if ref is not None:
+            hasher.update(index.to_bytes(8, "little"))
+            hasher.update(view(ref, block_length(size, index, block_size)))
+    return hasher.hexdigest()
