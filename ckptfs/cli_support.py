@@ -1,6 +1,6 @@
 """What every ``ckptfs`` command shares: argument types, finding the mount a path is on, calling
-its daemon, and showing sizes and progress. The commands themselves live in cli.py and in their
-own modules (catalog_cli, verify_cli), which import this one."""
+its daemon, and showing sizes and progress. The commands live in their own modules (mount_cli,
+control_cli, catalog_cli, verify_cli), which import this one; cli.py is the parser over them."""
 
 from __future__ import annotations
 
@@ -27,6 +27,21 @@ def _size(text: str) -> int:
         return humanfriendly.parse_size(text, binary=True)
     except humanfriendly.InvalidSize:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 4GiB, 512M, 8MiB, 1048576)") from None
+
+
+MAX_SECONDS = 366 * 24 * 3600  # a year: longer waits overflow socket timeouts ('inf' among them)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} seconds is more than a year (at most {MAX_SECONDS})")
+    return value
 
 
 def _positive_int(text: str) -> int:

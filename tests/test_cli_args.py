@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import cli, cli_support
+from ckptfs import cli, cli_support, mount_cli
 from ckptfs.config import MiB, MountConfig, default_cache_dir, default_store_dir
 from ckptfs.errors import UsageError
 
@@ -204,7 +204,7 @@ def test_detached_mount_ready(fake_daemon, empty_dir, tmp_path, capsys):
     ("hang", "ckptfs: the daemon did not finish mounting within 2 s (stopped it); see {log}"),
 ])
 def test_detached_mount_failures(mode, needle, fake_daemon, empty_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "READY_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(mount_cli, "READY_TIMEOUT_S", 2.0)
     assert fake_daemon(mode, empty_dir) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == [needle.format(log=tmp_path / "cache" / "ckptfs.log")]

@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("mount checks (ask a mount's daemon)", {"paths"}),
     ("daemon wiring", {"daemon"}),
     ("admin clients, Python API", {"catalog", "api", "cli_support"}),
-    ("commands", {"catalog_cli", "verify_cli"}),
+    ("commands", {"catalog_cli", "verify_cli", "mount_cli", "control_cli"}),
     ("command line", {"cli"}),
     ("python -m ckptfs", {"__main__"}),
 ]
@@ -104,7 +104,8 @@ def test_the_parser_sees_known_imports():
     # (a guard against this test going blind: these imports exist today)
     assert {"namespace", "openers", "errors"} <= imports("fuse_ops")[0]
     assert "pyfuse3" in imports("fuse_ops")[1] and "boto3" in imports("store.s3")[1]
-    assert {"control", "limits", "logs", "private", "store", "daemon"} <= imports("cli")[0]
+    assert {"control", "limits", "logs", "private", "store", "daemon"} <= imports("mount_cli")[0] | imports("control_cli")[0]
+    assert {"mount_cli", "control_cli", "catalog_cli", "verify_cli"} <= imports("cli")[0]
     assert {"store.local", "store.s3", "store.base"} <= imports("store")[0]
 
 
