@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from ckptfs.cli_support import ProgressBar, _call, _fmt, _mount_of, _mountpoint,
 from ckptfs.config import ckptfs_mounts
 from ckptfs.errors import CkptfsError, one_line
 from ckptfs.health import describe as describe_health
+from ckptfs.paths import lazy_unmount
 
 UNMOUNT_WAIT_S = 60.0  # how long `umount` waits for the mount and the daemon to go
 UMOUNT_TIMEOUT_S = 300.0  # how long `umount` waits for uploads to drain (--timeout)
@@ -151,7 +151,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
     except control.NoDaemon:
         if mountpoint not in ckptfs_mounts():
             raise
-        _lazy_unmount(mountpoint)
+        lazy_unmount(mountpoint)
         print(f"ckptfs: the daemon of {mountpoint} was gone; unmounted it lazily "
               "(pending uploads resume at the next mount with the same cache dir)", file=sys.stderr)
         return 0
@@ -191,23 +191,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
-
-
-def _lazy_unmount(mountpoint: str) -> None:
-    commands = [["fusermount3", "-u", "-z", mountpoint]]
-    if os.geteuid() == 0:
-        commands.append(["umount", "-l", mountpoint])
-    why = "fusermount3 not found"
-    for command in commands:
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            why = str(e)
-            continue
-        if done.returncode == 0:
-            return
-        why = one_line(done.stderr) or f"{command[0]} exited with status {done.returncode}"
-    raise CkptfsError(f"could not unmount {mountpoint}: {why}")
 
 
 _STATUS_KEYS = {"mountpoint", "store", "cache_dir", "pid", "uptime_s", "part_size", "ram", "disk", "clean_bytes",

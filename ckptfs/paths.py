@@ -7,18 +7,23 @@ UsageError that names the path and says what to do. The `mount` command runs the
 it starts the daemon, and the daemon runs them again (a foreground mount, or anyone calling
 ``daemon.run``). Nothing here looks inside a mount that is up: whether a ckptfs mount already at
 the mountpoint is served is asked of its daemon over the admin channel (``mount_at``), for the
-CLI's check (``check_mountpoint``) and the daemon's (which clears a dead daemon's mount).
+CLI's check (``check_mountpoint``) and the daemon's (``prepare_mountpoint``, which clears a dead
+daemon's mount with ``lazy_unmount``, as `ckptfs umount` does for a mount whose daemon is gone).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
 import time
 from pathlib import Path
 
 from ckptfs import control
 from ckptfs.config import MountConfig, ckptfs_mounts
-from ckptfs.errors import CkptfsError, UsageError
+from ckptfs.errors import CkptfsError, MountError, UsageError, one_line
+
+log = logging.getLogger(__name__)
 
 # What ``mount_at`` finds at a mountpoint.
 NO_MOUNT = "no ckptfs mount"
@@ -71,6 +76,44 @@ def check_mountpoint(mountpoint: str) -> None:
         raise UsageError(f"cannot read mountpoint {mountpoint}: {e.strerror}") from None
     if not empty:
         raise UsageError(f"mountpoint {mountpoint} is not empty")
+
+
+def prepare_mountpoint(mountpoint: str) -> None:
+    """The daemon's own check right before it mounts (the CLI's is ``check_mountpoint``): a mount
+    left by a dead daemon is cleared (its uploads resume from the cache dir), one whose daemon is
+    alive or silent refused with a MountError, and the mountpoint must be a directory."""
+    found = mount_at(mountpoint)
+    if found == DEAD:  # a daemon died and left its mount behind: clear it to mount again
+        log.warning("%s: clearing a stale mount left by a dead daemon", mountpoint)
+        try:
+            lazy_unmount(mountpoint)
+        except CkptfsError as e:
+            log.warning("%s", e)  # mounting over it fails next, with the kernel's reason
+    elif found == SILENT:
+        raise MountError(f"{mountpoint} is already a mount point (its daemon does not answer)")
+    elif found == LIVE:
+        raise MountError(f"{mountpoint} is already a mount point")
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mount point {mountpoint} is not a directory")
+
+
+def lazy_unmount(mountpoint: str) -> None:
+    """Detach the mount at ``mountpoint`` now, busy or not (files still open keep it until they
+    close): fusermount3 -u -z, or umount -l for root where that fails. CkptfsError if neither can."""
+    commands = [["fusermount3", "-u", "-z", mountpoint]]
+    if os.geteuid() == 0:
+        commands.append(["umount", "-l", mountpoint])
+    why = "fusermount3 not found"
+    for command in commands:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = str(e)
+            continue
+        if done.returncode == 0:
+            return
+        why = one_line(done.stderr) or f"{command[0]} exited with status {done.returncode}"
+    raise CkptfsError(f"could not unmount {mountpoint}: {why}")
 
 
 def check_mount_paths(config: MountConfig) -> None:
