@@ -9,7 +9,6 @@ many readers ask, a read following its object's move, and --read-timeout giving 
 from __future__ import annotations
 
 import errno
-import random
 
 import pytest
 import trio
@@ -22,13 +21,10 @@ from ckptfs.fetcher import READ_ATTEMPTS, VERIFY_ATTEMPTS, Fetcher
 from ckptfs.integrity import Checksums
 from ckptfs.store.local import LocalStore
 from tests.faults import FaultyStore
+from tests.harness import blob
 
 BS = 64 << 10
 GUARD_S = 60  # hang guard only; nothing here waits on time
-
-
-def blob(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 class BentStore(FaultyStore):

@@ -23,13 +23,10 @@ import pytest
 from ckptfs.store import NotFound, PartInfo, StoreError
 from ckptfs.store import local as local_module
 from ckptfs.store.local import TMP_DIR, LocalStore
+from tests.harness import blob
 
 KiB, MiB = 1 << 10, 1 << 20
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _blob(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 @pytest.fixture
@@ -71,8 +68,8 @@ def test_parts_are_written_once_in_place(store, copied):
     """ckptfs's layout (equal parts, a shorter last one), sent from 8 threads: the upload's data
     file becomes the object; completing it copies nothing."""
     key = "ckpt/model.pt"
-    blobs = {n: _blob(256 * KiB, n) for n in range(1, 65)}
-    blobs[65] = _blob(1000, 65)
+    blobs = {n: blob(256 * KiB, n) for n in range(1, 65)}
+    blobs[65] = blob(1000, 65)
     uid = store.create_multipart(key, {"xxh3": "abc"})
     data = _upload_dir(store, uid) / "data"
     rest = list(range(2, 66))
@@ -93,7 +90,7 @@ def test_parts_sent_before_the_part_size_is_known(store, copied):
     """The short last part arriving first cannot set the slot size: it waits in a file of its
     own and is the only copy at completion. The next part, below a recorded one, sets it."""
     key = "k.bin"
-    blobs = {1: _blob(MiB, 1), 2: _blob(MiB, 2), 3: _blob(MiB, 3), 4: _blob(5000, 4)}
+    blobs = {1: blob(MiB, 1), 2: blob(MiB, 2), 3: blob(MiB, 3), 4: blob(5000, 4)}
     uid = store.create_multipart(key)
     infos = _upload(store, key, uid, blobs, [4, 2, 3, 1])
     assert sorted(p.name for p in _upload_dir(store, uid).glob("*.part")) == ["4.part"]
@@ -108,7 +105,7 @@ def test_a_part_bigger_than_the_slots_falls_back_to_a_copy(store, copied):
     """Parts of different sizes (not ckptfs's layout) do not fit the slots: completion
     concatenates them into a new file, which is still exactly the object."""
     key = "odd.bin"
-    blobs = {1: _blob(MiB, 1), 2: _blob(3 * MiB, 2), 3: _blob(MiB, 3), 4: _blob(7, 4)}
+    blobs = {1: blob(MiB, 1), 2: blob(3 * MiB, 2), 3: blob(MiB, 3), 4: blob(7, 4)}
     uid = store.create_multipart(key)
     infos = _upload(store, key, uid, blobs, [1, 2, 3, 4])
     assert sorted(p.name for p in _upload_dir(store, uid).glob("*.part")) == ["2.part"]
@@ -126,7 +123,7 @@ def test_failed_completion_wipes_the_parts_it_left_out(store):
     first, so if the completion fails after that (here: a file in the way of the key) and is
     tried again with them, it fails cleanly instead of publishing zeros."""
     key = "x/obj.bin"
-    blobs = {n: _blob(MiB, n) for n in (1, 2, 3)}
+    blobs = {n: blob(MiB, n) for n in (1, 2, 3)}
     uid = store.create_multipart(key)
     infos = _upload(store, key, uid, blobs, [1, 2, 3])
     store.put("x", b"in the way")
@@ -142,25 +139,25 @@ def test_failed_completion_wipes_the_parts_it_left_out(store):
 
 def test_identical_retry_writes_nothing(store, monkeypatch):
     uid = store.create_multipart("r.bin")
-    first = store.upload_part("r.bin", uid, 1, _blob(MiB, 1))
+    first = store.upload_part("r.bin", uid, 1, blob(MiB, 1))
     writes = []
     real = local_module._pwrite_all
     monkeypatch.setattr(local_module, "_pwrite_all", lambda *a: writes.append(a[2]) or real(*a))
-    assert store.upload_part("r.bin", uid, 1, _blob(MiB, 1)) == first  # a retry after a timeout
+    assert store.upload_part("r.bin", uid, 1, blob(MiB, 1)) == first  # a retry after a timeout
     assert writes == []
     store.complete_multipart("r.bin", uid, [first])
-    assert store.get_range("r.bin", 0, 2 * MiB) == _blob(MiB, 1)
+    assert store.get_range("r.bin", 0, 2 * MiB) == blob(MiB, 1)
 
 
 def test_same_part_raced_from_two_threads(store):
     """Two uploads of one part number at once: the part's record and its bytes always agree,
     so completing with the winner's token gives the winner's bytes, and the loser's fails."""
     key = "race.bin"
-    p1 = _blob(MiB, 1)
+    p1 = blob(MiB, 1)
     for round_ in range(12):
         uid = store.create_multipart(key)
         i1 = store.upload_part(key, uid, 1, p1)
-        contents = [_blob(MiB, 100 + 2 * round_), _blob(MiB, 101 + 2 * round_)]
+        contents = [blob(MiB, 100 + 2 * round_), blob(MiB, 101 + 2 * round_)]
         barrier = threading.Barrier(2)
 
         def send(data: bytes, uid=uid, barrier=barrier):
@@ -182,7 +179,7 @@ def test_failed_reupload_leaves_no_record_over_changed_bytes(store, monkeypatch)
     """A re-upload that dies after overwriting some of the old bytes (a crash, EIO): the old
     token no longer completes (its bytes are gone), the new upload of the part then works."""
     key = "reup.bin"
-    old, new, tail = _blob(MiB, 1), _blob(MiB, 2), _blob(10, 3)
+    old, new, tail = blob(MiB, 1), blob(MiB, 2), blob(10, 3)
     uid = store.create_multipart(key)
     i1, i2 = store.upload_part(key, uid, 1, old), store.upload_part(key, uid, 2, tail)
     real = os.fdatasync
@@ -207,14 +204,14 @@ def test_failed_reupload_leaves_no_record_over_changed_bytes(store, monkeypatch)
 def test_torn_record_reads_as_not_uploaded(store):
     key = "torn.bin"
     uid = store.create_multipart(key)
-    i1, i2 = store.upload_part(key, uid, 1, _blob(MiB, 1)), store.upload_part(key, uid, 2, b"end")
+    i1, i2 = store.upload_part(key, uid, 1, blob(MiB, 1)), store.upload_part(key, uid, 2, b"end")
     with open(_upload_dir(store, uid) / "index", "r+b") as index:
         index.seek(2 * 64 + 9)
         index.write(b"\xff\x00")  # a record half written when the machine went down
     with pytest.raises(StoreError, match="part 2 .* was not uploaded"):
         store.complete_multipart(key, uid, [i1, i2])
     store.complete_multipart(key, uid, [i1, store.upload_part(key, uid, 2, b"end")])
-    assert store.get_range(key, 0, 2 * MiB) == _blob(MiB, 1) + b"end"
+    assert store.get_range(key, 0, 2 * MiB) == blob(MiB, 1) + b"end"
 
 
 _WRITER = """

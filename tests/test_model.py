@@ -46,7 +46,6 @@ import functools
 import itertools
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -58,6 +57,7 @@ from hypothesis import HealthCheck, reject, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+from tests.harness import blob
 from tests.mounting import CKPTFS, Mount, is_mounted
 from tests.test_crash_torture import _proc_state, kill_daemon
 
@@ -199,10 +199,6 @@ class MHandle:
 
 
 Path_ = tuple[str, ...]
-
-
-def blob(size: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(size)
 
 
 sizes = st.one_of(st.integers(0, 64), st.integers(0, 40 * KiB), st.integers(0, 300 * KiB))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import time
 from contextlib import asynccontextmanager
 
@@ -30,15 +29,12 @@ from ckptfs.store.base import ObjectInfo
 from ckptfs.store.local import LocalStore
 from ckptfs.uploader import Uploader
 from tests.faults import FaultyStore
+from tests.harness import blob
 
 BS = 64 << 10
 UID, GID = os.getuid(), os.getgid()
 WRITE = os.O_WRONLY
 RDWR = os.O_RDWR
-
-
-def blob(n: int, seed: int = 0) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 class Mount:

@@ -20,16 +20,13 @@ import torch
 import xxhash
 
 from tests.checkpoints import assert_same, make_checkpoint
+from tests.harness import blob
 from tests.mounting import Mount
 
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
 BS = 8 * MiB  # the default part size: the unit of a cold fetch
-
-
-def blob(size: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(size)
 
 
 def fetched(m: Mount) -> int:

@@ -14,13 +14,9 @@ import pytest
 
 from ckptfs.store import NotFound, ObjectStore, StoreError, open_store
 from ckptfs.store.local import TMP_DIR, LocalStore
+from tests.harness import blob
 
 MiB = 1 << 20
-
-
-def _blob(n: int, seed: int = 0) -> bytes:
-    """Incompressible bytes, distinct per seed (a swapped or stale part shows up)."""
-    return random.Random(seed).randbytes(n)
 
 
 @pytest.fixture
@@ -64,7 +60,7 @@ def _keys(store: ObjectStore, prefix: str = "") -> list[str]:
 
 
 def test_put_get_head_with_metadata(store):
-    data = _blob(100_000, seed=1)
+    data = blob(100_000, seed=1)
     store.put("ckpt/step1/model.pt", data, {"xxh3": "0123456789abcdef", "state": "durable"})
     assert store.get_range("ckpt/step1/model.pt", 0, len(data)) == data
     assert store.get_range("ckpt/step1/model.pt", 10, 20) == data[10:30]
@@ -165,7 +161,7 @@ def test_listing_and_head_agree_on_an_objects_identity(store):
     to notice objects another mount replaced: size, mtime and etag must agree between them."""
     store.put("d/small", b"abc")
     uid = store.create_multipart("d/big")
-    parts = [store.upload_part("d/big", uid, n, _blob(5 * MiB, seed=n)) for n in (1, 2)]
+    parts = [store.upload_part("d/big", uid, n, blob(5 * MiB, seed=n)) for n in (1, 2)]
     store.complete_multipart("d/big", uid, parts)
     listed = {o.key: o for o in store.list_dir("d/").files}
     walked = {o.key: o for o in store.list("d/")}
@@ -216,7 +212,7 @@ def test_delete(store):
 
 
 def test_copy_preserves_metadata(store):
-    data = _blob(300_000, seed=2)
+    data = blob(300_000, seed=2)
     store.put("src/a.pt", data, {"xxh3": "feedface", "compress": "none"})
     store.put("dst/b.pt", b"to be replaced")
     store.copy("src/a.pt", "dst/b.pt")
@@ -234,7 +230,7 @@ def test_copy_preserves_metadata(store):
 
 
 def test_multipart_out_of_order_and_reupload(store):
-    p1, p2_old, p2, p3 = _blob(5 * MiB, 1), _blob(5 * MiB, 9), _blob(5 * MiB, 2), _blob(MiB + 3, 3)
+    p1, p2_old, p2, p3 = blob(5 * MiB, 1), blob(5 * MiB, 9), blob(5 * MiB, 2), blob(MiB + 3, 3)
     key = "ckpt/step2/shard 0.pt"
     uid = store.create_multipart(key, {"xxh3": "abc123", "parts": "3"})
     assert (key, uid) in store.list_multipart()
@@ -259,8 +255,8 @@ def test_multipart_out_of_order_and_reupload(store):
 def test_multipart_stale_token_rejected(store):
     key = "stale.bin"
     uid = store.create_multipart(key)
-    old = store.upload_part(key, uid, 1, _blob(5 * MiB, 1))
-    store.upload_part(key, uid, 1, _blob(5 * MiB, 2))
+    old = store.upload_part(key, uid, 1, blob(5 * MiB, 1))
+    store.upload_part(key, uid, 1, blob(5 * MiB, 2))
     with pytest.raises(StoreError) as exc:
         store.complete_multipart(key, uid, [old])
     assert not exc.value.transient
@@ -290,7 +286,7 @@ def test_multipart_reupload_then_stale_and_new_token(store):
     """A part uploaded again with other bytes: completing with the old token fails and leaves
     the upload as it was; completing with the new one gives the new bytes."""
     key = "reup.bin"
-    p1, old2, new2, p3 = _blob(5 * MiB, 1), _blob(5 * MiB, 2), _blob(5 * MiB, 3), _blob(1000, 4)
+    p1, old2, new2, p3 = blob(5 * MiB, 1), blob(5 * MiB, 2), blob(5 * MiB, 3), blob(1000, 4)
     uid = store.create_multipart(key)
     i1 = store.upload_part(key, uid, 1, p1)
     i2_old = store.upload_part(key, uid, 2, old2)
@@ -310,7 +306,7 @@ def test_multipart_reupload_then_stale_and_new_token(store):
 def test_multipart_last_part_first(store):
     """Parts arrive in any order (parallel uploads): the short last part may come first."""
     key = "ckpt/last-first.pt"
-    blobs = {1: _blob(5 * MiB, 1), 2: _blob(5 * MiB, 2), 3: _blob(5 * MiB, 3), 4: _blob(12345, 4)}
+    blobs = {1: blob(5 * MiB, 1), 2: blob(5 * MiB, 2), 3: blob(5 * MiB, 3), 4: blob(12345, 4)}
     uid = store.create_multipart(key, {"xxh3": "77"})
     infos = {n: store.upload_part(key, uid, n, blobs[n]) for n in (4, 2, 3, 1)}
     store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
@@ -323,7 +319,7 @@ def test_multipart_odd_part_sizes(store):
     """Parts of different sizes (not ckptfs's layout, but the API allows it) still give their
     concatenation."""
     key = "odd.bin"
-    blobs = {1: _blob(5 * MiB + 1, 1), 2: _blob(6 * MiB, 2), 3: _blob(5 * MiB, 3), 4: _blob(3, 4)}
+    blobs = {1: blob(5 * MiB + 1, 1), 2: blob(6 * MiB, 2), 3: blob(5 * MiB, 3), 4: blob(3, 4)}
     uid = store.create_multipart(key)
     infos = {n: store.upload_part(key, uid, n, blobs[n]) for n in (2, 4, 1, 3)}
     store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
@@ -334,7 +330,7 @@ def test_multipart_odd_part_sizes(store):
 
 def test_multipart_parts_left_out(store):
     """Completing with some of the uploaded parts: numbers with gaps, or fewer at the end."""
-    blobs = {n: _blob(5 * MiB, n) for n in (1, 2, 3, 4)}
+    blobs = {n: blob(5 * MiB, n) for n in (1, 2, 3, 4)}
     for key, chosen in (("gap.bin", [1, 3, 4]), ("short.bin", [1, 2])):
         uid = store.create_multipart(key)
         infos = {n: store.upload_part(key, uid, n, blobs[n]) for n in blobs}
@@ -349,8 +345,8 @@ def test_multipart_parts_from_threads(store):
     larger object of many parts is exactly their concatenation."""
     key = "big/model.pt"
     count = 8
-    blobs = {n: _blob(5 * MiB, n) for n in range(1, count + 1)}
-    blobs[count + 1] = _blob(MiB // 3, 99)
+    blobs = {n: blob(5 * MiB, n) for n in range(1, count + 1)}
+    blobs[count + 1] = blob(MiB // 3, 99)
     uid = store.create_multipart(key, {"xxh3": "big"})
     order = list(blobs)
     random.Random(7).shuffle(order)
@@ -454,7 +450,7 @@ def test_s3_copy_in_ranges(s3_store):
     store = s3_store()
     store.max_single_copy = 0
     store.copy_part_size = 5 * MiB
-    data = _blob(12 * MiB + 5, seed=4)
+    data = blob(12 * MiB + 5, seed=4)
     store.put("big.bin", data, {"xxh3": "99"})
     store.copy("big.bin", "big copy.bin")
     info = store.head("big copy.bin")

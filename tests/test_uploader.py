@@ -8,7 +8,6 @@ calls), and once over the real S3 server of the test session.
 from __future__ import annotations
 
 import math
-import random
 from contextlib import asynccontextmanager
 
 import pytest
@@ -23,13 +22,10 @@ from ckptfs.store.base import MAX_PARTS
 from ckptfs.store.local import LocalStore
 from ckptfs.uploader import Uploader, part_size_for
 from tests.faults import FaultyStore
+from tests.harness import blob
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 BS = 64 * KiB  # block size = base part size
-
-
-def blob(n: int, seed: int = 0) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 # -- part_size_for ---------------------------------------------------------------------------------
