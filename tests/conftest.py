@@ -139,6 +139,23 @@ def s3_bucket(s3_server, request):
 
 
 # =============================================================================================
+# Object stores in process
+# =============================================================================================
+#
+# local: a checked, empty LocalStore (ckptfs's own store object) in tmp_path/"store": what the
+#   namespace, uploader and fetcher tests drive in process (tests/inprocess.py).
+
+
+@pytest.fixture
+def local(tmp_path):
+    from ckptfs.store.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    store.check()
+    return store
+
+
+# =============================================================================================
 # Mounts
 # =============================================================================================
 #
@@ -247,6 +264,77 @@ def mount_factory(store, tmp_path):
 
 
 # =============================================================================================
+# moto: a second S3 server, one that keeps S3's checksums (tests of issue 15)
+# =============================================================================================
+#
+# moto_endpoint (module): moto's standalone S3 server on 127.0.0.1, its URL.
+# moto: (endpoint, client, bucket) with a fresh bucket; os.environ carries moto's credentials.
+# verifying: (proxy, client, bucket): a FaultProxy in front of moto that refuses a body whose
+#   CRC32C does not match (400 BadDigest), as AWS S3 does.
+
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+@pytest.fixture(scope="module")
+def moto_endpoint(tmp_path_factory):
+    """moto's standalone S3 server on 127.0.0.1 (a process of its own), stopped after the module."""
+    from tests.harness import free_port
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto.server did not start") from None
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture
+def moto(moto_endpoint, monkeypatch):
+    """(endpoint, client, bucket) with a fresh bucket; the mounts inherit moto's (any) credentials."""
+    import boto3
+    from botocore.config import Config
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    client = boto3.client("s3", endpoint_url=moto_endpoint, config=Config(
+        s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
+        response_checksum_validation="when_required"))
+    bucket = f"ckptfs-checks-{os.urandom(4).hex()}"
+    client.create_bucket(Bucket=bucket)
+    return moto_endpoint, client, bucket
+
+
+@pytest.fixture
+def verifying(moto):
+    """A fault proxy in front of moto that refuses bodies not matching their CRC32C."""
+    from tests.faultproxy import FaultProxy
+
+    endpoint, client, bucket = moto
+    with FaultProxy(endpoint) as proxy:
+        proxy.verify_checksums = True
+        yield proxy, client, bucket
+
+
+# =============================================================================================
 # A second, unprivileged local user (the hostile neighbour on a shared node)
 # =============================================================================================
 #
@@ -258,8 +346,6 @@ def mount_factory(store, tmp_path):
 #   created (pytest's temporary directories are 0700), so it can reach a mount placed there.
 
 import pwd  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 OTHER_USER = "ckptfs-tester"
 

@@ -87,9 +87,13 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def assert_one_line_error(done: subprocess.CompletedProcess, code: int, *needles: str) -> None:
-    """Exit ``code`` and exactly one stderr line, "ckptfs: ...", holding every needle; no traceback."""
-    assert done.returncode == code, done.stderr
+def assert_one_line_error(done: subprocess.CompletedProcess, code: int | None, *needles: str) -> None:
+    """Exit ``code`` (None: any non-zero) and exactly one stderr line, "ckptfs: ...", holding every
+    needle; no traceback."""
+    if code is None:
+        assert done.returncode != 0, done.stderr
+    else:
+        assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
     assert "Traceback" not in done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ckptfs: "), done.stderr

@@ -17,7 +17,6 @@ from ckptfs.logical_store import LogicalStore
 from ckptfs.store.s3 import S3Store
 from ckptfs.target import resolve
 from tests.mounting import Mount
-from tests.test_server_checksums import moto, moto_endpoint, verifying  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,7 +1,6 @@
 """A compressed upload whose parts were evicted from the cache while the file was written (they
 then exist only in the multipart upload): it completes, also after a restart of a mount without
---compress. On the namespace with its uploader, over the local store (tests/test_namespace.py's
-harness)."""
+--compress. On the namespace with its uploader, over the local store (tests/inprocess.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ from ckptfs import compression, integrity
 from ckptfs.logical_store import LogicalStore
 from ckptfs.namespace import ROOT_INODE
 from tests.faults import FaultyStore
-from tests.test_namespace import BS, GID, UID, WRITE, aerr, blob, local, mounted, sync, write_blocks  # noqa: F401
+from tests.harness import blob
+from tests.inprocess import BS, GID, UID, WRITE, aerr, mounted, sync, write_blocks
 
 pytestmark = pytest.mark.timeout(120)
 

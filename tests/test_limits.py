@@ -14,8 +14,8 @@ import pytest
 from ckptfs import limits
 from ckptfs.cache import DISK, RAM, Cache
 from ckptfs.config import MiB, MountConfig
+from tests.harness import assert_one_line_error, run_cli
 from tests.mounting import Mount
-from tests.test_cli_args import assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
 

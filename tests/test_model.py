@@ -57,9 +57,8 @@ from hypothesis import HealthCheck, reject, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from tests.harness import blob
-from tests.mounting import CKPTFS, Mount, is_mounted
-from tests.test_crash_torture import _proc_state, kill_daemon
+from tests.harness import blob, proc_state
+from tests.mounting import CKPTFS, Mount, is_mounted, kill_daemon
 
 LONG = os.environ.get("CKPTFS_LONG") == "1"
 EXAMPLES = int(os.environ.get("CKPTFS_MODEL_EXAMPLES") or (300 if LONG else 40))
@@ -154,10 +153,10 @@ class SpawnedMount(Mount):
 
     def died(self) -> str | None:
         """None while the daemon runs; else the tail of its log (why it died)."""
-        if self.pid is None or (is_mounted(self.path) and _proc_state(self.pid) not in (None, "Z")):
+        if self.pid is None or (is_mounted(self.path) and proc_state(self.pid) not in (None, "Z")):
             return None
         deadline = time.monotonic() + 5  # a crashed daemon unmounts, then prints its traceback
-        while _proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
+        while proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
         lines = (self.cache_dir / "ckptfs.log").read_text(errors="replace").splitlines()
         return "\n".join(lines[-60:])
@@ -166,9 +165,9 @@ class SpawnedMount(Mount):
         # A daemon that crashed may still be writing its traceback: let it finish first.
         deadline = time.monotonic() + 5
         while self.pid is not None and is_mounted(self.path) is False and \
-                _proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
+                proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.pid is not None and _proc_state(self.pid) is None:
+        if self.pid is not None and proc_state(self.pid) is None:
             self.pid = None  # gone (and reaped): its pid may be someone else's by now
         super().cleanup()
 

@@ -17,31 +17,13 @@ import trio
 
 from ckptfs.errors import FsError
 from ckptfs.namespace import ROOT_INODE
-from ckptfs.store.local import LocalStore
+from tests.harness import assert_one_line_error, blob, write_files
+from tests.inprocess import BS, GID, UID, create, ino, mkdirs, mounted, read_all, sync
 from tests.mounting import CKPTFS, ckptfs
-from tests.test_namespace import BS, GID, UID, blob, create, ino, mkdirs, mounted, read_all, sync
 
 pytestmark = pytest.mark.timeout(300)
 
 MiB = 1 << 20
-
-
-def write_files(root, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-
-
-def fetched(m) -> int:
-    return m.status()["fetched_bytes"]
-
-
-def one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
-    assert done.returncode != 0, done.stderr
-    assert "Traceback" not in done.stderr
-    lines = done.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ckptfs: ") and needle in lines[0], done.stderr
 
 
 def test_warmup_directory_then_reads_fetch_nothing(store, mount_factory):
@@ -58,23 +40,23 @@ def test_warmup_directory_then_reads_fetch_nothing(store, mount_factory):
     writer.stop()  # drains: everything is in the store
 
     m = mount_factory().start()  # another cache dir: nothing cached
-    assert fetched(m) == 0
+    assert m.fetched_bytes() == 0
     done = ckptfs("warmup", str(m.path / "step-2"))
     warmed = sum(len(data) for name, data in files.items() if name.startswith("step-2/"))
     assert "warmed 5 files" in done.stderr and "Traceback" not in done.stderr, done.stderr
-    assert fetched(m) == warmed
+    assert m.fetched_bytes() == warmed
 
     for name, data in files.items():
         if name.startswith("step-2/"):
             assert (m.path / name).read_bytes() == data
-    assert fetched(m) == warmed  # every read came from the cache
+    assert m.fetched_bytes() == warmed  # every read came from the cache
 
     # Again: everything is cached already, nothing is fetched.
     done = ckptfs("warmup", str(m.path / "step-2"), "--json")
     result = json.loads(done.stdout)
     assert (result["files"], result["total_bytes"], result["fetched_bytes"]) == (5, warmed, 0)
     assert result["seconds"] < 5
-    assert fetched(m) == warmed
+    assert m.fetched_bytes() == warmed
     m.stop()
 
 
@@ -89,27 +71,20 @@ def test_warmup_one_file_bad_paths_and_a_cache_too_small(store, mount_factory, t
     done = subprocess.run([*CKPTFS, "warmup", "ckpt/a.bin"], cwd=m.path, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0 and "warmed 1 file," in done.stderr, done.stderr
-    assert fetched(m) == 20 * MiB  # b.bin stays cold
+    assert m.fetched_bytes() == 20 * MiB  # b.bin stays cold
     assert (m.path / "ckpt/a.bin").read_bytes() == files["ckpt/a.bin"]
-    assert fetched(m) == 20 * MiB
+    assert m.fetched_bytes() == 20 * MiB
 
-    one_line_error(ckptfs("warmup", str(m.path / "ckpt/nope.bin"), check=False), "no such file")
-    one_line_error(ckptfs("warmup", str(tmp_path), check=False), "is not on a ckptfs mount")
+    assert_one_line_error(ckptfs("warmup", str(m.path / "ckpt/nope.bin"), check=False), None, "no such file")
+    assert_one_line_error(ckptfs("warmup", str(tmp_path), check=False), None, "is not on a ckptfs mount")
     # Both files need six blocks: the cache holds four. A clear error, not a hang.
-    one_line_error(ckptfs("warmup", str(m.path / "ckpt"), check=False, timeout=60), "cache holds at most")
+    assert_one_line_error(ckptfs("warmup", str(m.path / "ckpt"), check=False, timeout=60), None, "cache holds at most")
     assert (m.path / "ckpt/a.bin").read_bytes() == files["ckpt/a.bin"]  # the mount still serves
-    assert fetched(m) == 20 * MiB
+    assert m.fetched_bytes() == 20 * MiB
     m.stop()
 
 
 # -- in process: the namespace and the fetcher without FUSE (fast) ------------------------------------
-
-
-@pytest.fixture
-def local(tmp_path):
-    store = LocalStore(tmp_path / "store")
-    store.check()
-    return store
 
 
 async def warm(m, paths: list[str], progress: list | None = None) -> dict:
