@@ -159,10 +159,18 @@ def local(tmp_path):
 # Mounts
 # =============================================================================================
 #
-# store: a place to mount, parametrized over both stores: .url, .endpoint (None for local),
-#   .read(key) -> bytes straight from the store (not through ckptfs), .keys() -> set of keys.
-# mount_factory(**kwargs): a Mount on `store` in a fresh directory (not started); every mount
-#   it made is unmounted (and its daemon stopped) at the end of the test, pass or fail.
+# store: a place to mount (a view of the store, not ckptfs's store object: that one is
+#   `object_store` or `local` where a test module has one), parametrized over both stores:
+#   .url, .endpoint (None for local), .read(key) -> bytes straight from the store (not through
+#   ckptfs), .keys() -> set of keys (reserved ones hidden); on S3 also .sizes(), .assert_holds(files)
+#   and .multipart_uploads(). A module whose tests need one kind overrides `store` (S3 only:
+#   `S3StoreView(s3_server, s3_bucket)`; through the fault proxy: `return proxied_store`).
+# proxied_store: the S3 `store` reached through `proxy` (s3://<s3_bucket>/run); mounts made on it
+#   keep their RAM tiers in a tmpfs directory of their own (--shm-dir) and the proxy is cleared
+#   before they are cleaned up (a stop waits for the uploads, so the store must be back).
+# mount_factory(name=None, extra=(), **kwargs): a Mount on `store` in tmp_path/<name> (m0, m1, ...
+#   by default), not started; every mount it made is unmounted (and its daemon stopped) at the end
+#   of the test, pass or fail.
 
 from tests.mounting import Mount  # noqa: E402
 
@@ -172,6 +180,8 @@ class LocalStoreView:
         self.root = root
         self.url = f"file://{root}"
         self.endpoint = None
+        self.proxy = None
+        self.mount_extra: tuple[str, ...] = ()
 
     def read(self, key: str) -> bytes:
         return (self.root / key).read_bytes()
@@ -182,22 +192,34 @@ class LocalStoreView:
 
 
 class S3StoreView:
-    def __init__(self, server, bucket: str, prefix: str = "run1"):
+    def __init__(self, server, bucket: str, prefix: str = "run1", proxy=None, mount_extra: tuple[str, ...] = ()):
         self.client = server.client()
         self.bucket = bucket
         self.prefix = prefix
         self.url = f"s3://{bucket}/{prefix}"
-        self.endpoint = server.endpoint
+        self.proxy = proxy
+        self.endpoint = server.endpoint if proxy is None else proxy.url
+        self.mount_extra = mount_extra
 
     def read(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")["Body"].read()
 
-    def keys(self) -> set[str]:
-        out = set()
+    def sizes(self) -> dict[str, int]:
+        """key -> size of every file (no directory markers, no reserved keys such as manifests)."""
+        out = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
-            out |= {o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", [])
+            out |= {o["Key"][len(self.prefix) + 1:]: o["Size"] for o in page.get("Contents", [])
                     if not o["Key"].endswith("/") and not o["Key"][len(self.prefix) + 1:].startswith(".ckptfs-")}
         return out
+
+    def keys(self) -> set[str]:
+        return set(self.sizes())
+
+    def assert_holds(self, files: dict[str, bytes]) -> None:
+        """The store holds exactly these files, byte for byte."""
+        assert self.sizes() == {k: len(v) for k, v in files.items()}
+        for key, data in files.items():
+            assert self.read(key) == data, f"{key} differs in the store"
 
     def multipart_uploads(self) -> list:
         return self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
@@ -250,15 +272,28 @@ def store(request, tmp_path):
 
 
 @pytest.fixture
+def proxied_store(s3_server, s3_bucket, proxy):
+    shm = Path("/dev/shm") / f"ckptfs-tests-{uuid.uuid4().hex[:8]}"
+    shm.mkdir(mode=0o700)
+    try:
+        yield S3StoreView(s3_server, s3_bucket, prefix="run", proxy=proxy, mount_extra=("--shm-dir", str(shm)))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture
 def mount_factory(store, tmp_path):
     mounts: list[Mount] = []
 
-    def make(**kwargs) -> Mount:
-        m = Mount(store.url, tmp_path / f"m{len(mounts)}", endpoint_url=store.endpoint, **kwargs)
+    def make(name: str | None = None, extra: tuple[str, ...] = (), **kwargs) -> Mount:
+        m = Mount(store.url, tmp_path / (name or f"m{len(mounts)}"), endpoint_url=store.endpoint,
+                  extra=(*store.mount_extra, *extra), **kwargs)
         mounts.append(m)
         return m
 
     yield make
+    if store.proxy is not None:
+        store.proxy.clear()
     for m in mounts:
         m.cleanup()
 
