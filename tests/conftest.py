@@ -180,7 +180,7 @@ class LocalStoreView:
         self.root = root
         self.url = f"file://{root}"
         self.endpoint = None
-        self.proxy = None
+        self.fault_proxy = None
         self.mount_extra: tuple[str, ...] = ()
 
     def read(self, key: str) -> bytes:
@@ -197,7 +197,7 @@ class S3StoreView:
         self.bucket = bucket
         self.prefix = prefix
         self.url = f"s3://{bucket}/{prefix}"
-        self.proxy = proxy
+        self.fault_proxy = proxy
         self.endpoint = server.endpoint if proxy is None else proxy.url
         self.mount_extra = mount_extra
 
@@ -292,8 +292,8 @@ def mount_factory(store, tmp_path):
         return m
 
     yield make
-    if store.proxy is not None:
-        store.proxy.clear()
+    if store.fault_proxy is not None:
+        store.fault_proxy.clear()
     for m in mounts:
         m.cleanup()
 
@@ -311,6 +311,8 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+
+from tests.faultproxy import FaultProxy  # noqa: E402 (a global: the layer markers see it reached)
 
 @pytest.fixture(scope="module")
 def moto_endpoint(tmp_path_factory):
@@ -361,8 +363,6 @@ def moto(moto_endpoint, monkeypatch):
 @pytest.fixture
 def verifying(moto):
     """A fault proxy in front of moto that refuses bodies not matching their CRC32C."""
-    from tests.faultproxy import FaultProxy
-
     endpoint, client, bucket = moto
     with FaultProxy(endpoint) as proxy:
         proxy.verify_checksums = True

@@ -43,7 +43,7 @@ def fake_credentials(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-secret")
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.store)])
 def object_store(request, tmp_path) -> ObjectStore:
     if request.param == "local":
         s = open_store((tmp_path / "store").as_uri())
