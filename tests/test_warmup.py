@@ -17,7 +17,7 @@ import trio
 
 from ckptfs.errors import FsError
 from ckptfs.namespace import ROOT_INODE
-from tests.harness import assert_one_line_error, blob, write_files
+from tests.harness import assert_one_line_error, blob, trio_test, write_files
 from tests.inprocess import BS, GID, UID, create, ino, mkdirs, mounted, read_all, sync
 from tests.mounting import CKPTFS, ckptfs
 
@@ -102,84 +102,78 @@ async def warm(m, paths: list[str], progress: list | None = None) -> dict:
             done()
 
 
-def test_warm_shares_fetches_with_a_reader_and_marks_files_recently_used(tmp_path, local):
+@trio_test
+async def test_warm_shares_fetches_with_a_reader_and_marks_files_recently_used(tmp_path, local):
     big, small = blob(10 * BS + 7, 1), blob(BS // 2, 2)
 
-    async def main():
-        async with mounted(tmp_path / "writer", local) as m:
-            await create(m.ns, "big.bin", big)
-            await create(m.ns, "small.bin", small)
-            await sync(m)
-        async with mounted(tmp_path / "reader", local) as m:  # a fresh cache: nothing cached
-            nodes = {name: m.ns.inodes[ino(m.ns, name)] for name in ("big.bin", "small.bin")}
-            assert await warm(m, ["small.bin"]) == {"files": 1, "total_bytes": len(small), "fetched_bytes": len(small)}
-            progress: list[dict] = []
-            read = {}
+    async with mounted(tmp_path / "writer", local) as m:
+        await create(m.ns, "big.bin", big)
+        await create(m.ns, "small.bin", small)
+        await sync(m)
+    async with mounted(tmp_path / "reader", local) as m:  # a fresh cache: nothing cached
+        nodes = {name: m.ns.inodes[ino(m.ns, name)] for name in ("big.bin", "small.bin")}
+        assert await warm(m, ["small.bin"]) == {"files": 1, "total_bytes": len(small), "fetched_bytes": len(small)}
+        progress: list[dict] = []
+        read = {}
 
-            async def reader():
-                read["big"] = await read_all(m.ns, "big.bin")
+        async def reader():
+            read["big"] = await read_all(m.ns, "big.bin")
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(reader)  # a concurrent reader of the same cold file
-                result = await warm(m, [""], progress)
-            assert read["big"] == big
-            assert result == {"files": 2, "total_bytes": len(big) + len(small), "fetched_bytes": len(big)}
-            assert m.fetcher.fetched_bytes == len(big) + len(small)  # each block fetched once
-            assert progress[-1] == {"done_bytes": len(big) + len(small), "total_bytes": len(big) + len(small),
-                                    "files": 2, "files_done": 2}
-            assert all(n.version.content.holders == 1 for n in nodes.values())  # released again
-            assert [n.name for n in m.cache.clean] == ["big.bin", "small.bin"]  # released in tree order
-            # Warming a cached file fetches nothing and makes it the most recently used.
-            for name in ("small.bin", "big.bin"):
-                assert (await warm(m, [name]))["fetched_bytes"] == 0
-                assert list(m.cache.clean)[-1] is nodes[name]
-            assert await read_all(m.ns, "small.bin") == small
-            assert m.fetcher.fetched_bytes == len(big) + len(small)
-
-    trio.run(main)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)  # a concurrent reader of the same cold file
+            result = await warm(m, [""], progress)
+        assert read["big"] == big
+        assert result == {"files": 2, "total_bytes": len(big) + len(small), "fetched_bytes": len(big)}
+        assert m.fetcher.fetched_bytes == len(big) + len(small)  # each block fetched once
+        assert progress[-1] == {"done_bytes": len(big) + len(small), "total_bytes": len(big) + len(small),
+                                "files": 2, "files_done": 2}
+        assert all(n.version.content.holders == 1 for n in nodes.values())  # released again
+        assert [n.name for n in m.cache.clean] == ["big.bin", "small.bin"]  # released in tree order
+        # Warming a cached file fetches nothing and makes it the most recently used.
+        for name in ("small.bin", "big.bin"):
+            assert (await warm(m, [name]))["fetched_bytes"] == 0
+            assert list(m.cache.clean)[-1] is nodes[name]
+        assert await read_all(m.ns, "small.bin") == small
+        assert m.fetcher.fetched_bytes == len(big) + len(small)
 
 
-def test_warm_into_a_cache_full_of_unsent_data_fails_clearly(tmp_path, local):
+@trio_test
+async def test_warm_into_a_cache_full_of_unsent_data_fails_clearly(tmp_path, local):
     """Blocks written all but their last byte never stream, so nothing can make room: warmup
     fails with ENOSPC and a message saying why, instead of waiting forever."""
     big = blob(10 * BS, 3)
 
-    async def main():
-        async with mounted(tmp_path / "writer", local) as m:
-            await create(m.ns, "big.bin", big)
-            await sync(m)
-        async with mounted(tmp_path / "reader", local) as m:
-            handle, _ = m.ns.create(ROOT_INODE, "gappy.bin", 0o644, os.O_WRONLY, UID, GID)
-            for index in range(76):  # the cache holds 80 blocks
-                await m.ns.write(handle.fh, index * BS, blob(BS - 1, index))
-            with trio.fail_after(30), pytest.raises(FsError) as info:
-                await warm(m, ["big.bin"])
-            assert info.value.errno == errno.ENOSPC and "cache is full" in str(info.value)
-            node = m.ns.inodes[ino(m.ns, "big.bin")]
-            assert node.version.content.holders == 1
-            m.ns.release(handle.fh)  # the writer goes away: now it fits
-            assert (await warm(m, ["big.bin"]))["total_bytes"] == len(big)
-            assert await read_all(m.ns, "big.bin") == big
-            assert m.fetcher.fetched_bytes <= 2 * len(big)
-
-    trio.run(main)
+    async with mounted(tmp_path / "writer", local) as m:
+        await create(m.ns, "big.bin", big)
+        await sync(m)
+    async with mounted(tmp_path / "reader", local) as m:
+        handle, _ = m.ns.create(ROOT_INODE, "gappy.bin", 0o644, os.O_WRONLY, UID, GID)
+        for index in range(76):  # the cache holds 80 blocks
+            await m.ns.write(handle.fh, index * BS, blob(BS - 1, index))
+        with trio.fail_after(30), pytest.raises(FsError) as info:
+            await warm(m, ["big.bin"])
+        assert info.value.errno == errno.ENOSPC and "cache is full" in str(info.value)
+        node = m.ns.inodes[ino(m.ns, "big.bin")]
+        assert node.version.content.holders == 1
+        m.ns.release(handle.fh)  # the writer goes away: now it fits
+        assert (await warm(m, ["big.bin"]))["total_bytes"] == len(big)
+        assert await read_all(m.ns, "big.bin") == big
+        assert m.fetcher.fetched_bytes <= 2 * len(big)
 
 
-def test_warm_more_than_the_ram_tier_keeps_every_file(tmp_path, local):
+@trio_test
+async def test_warm_more_than_the_ram_tier_keeps_every_file(tmp_path, local):
     """Files warmed first are not evicted to make room for the ones after them (the RAM tier,
     16 blocks, fills up long before the 40 blocks asked; the disk tier takes the rest)."""
     files = {f"step/{i}.bin": blob(10 * BS, 10 + i) for i in range(4)}
 
-    async def main():
-        async with mounted(tmp_path / "writer", local) as m:
-            mkdirs(m.ns, "step")
-            for name, data in files.items():
-                await create(m.ns, name, data)
-            await sync(m)
-        async with mounted(tmp_path / "reader", local) as m:
-            assert (await warm(m, ["step"]))["fetched_bytes"] == 40 * BS
-            for name, data in files.items():
-                assert await read_all(m.ns, name) == data
-            assert m.fetcher.fetched_bytes == 40 * BS
-
-    trio.run(main)
+    async with mounted(tmp_path / "writer", local) as m:
+        mkdirs(m.ns, "step")
+        for name, data in files.items():
+            await create(m.ns, name, data)
+        await sync(m)
+    async with mounted(tmp_path / "reader", local) as m:
+        assert (await warm(m, ["step"]))["fetched_bytes"] == 40 * BS
+        for name, data in files.items():
+            assert await read_all(m.ns, name) == data
+        assert m.fetcher.fetched_bytes == 40 * BS
