@@ -27,6 +27,15 @@ def blob(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+def floats(n_bytes: int, dtype="float32", seed: int = 0) -> bytes:
+    """Weight-like data: small normally distributed values of ``dtype`` (their exponent bytes
+    repeat, so they compress a little, as real weights do)."""
+    import numpy
+
+    rng = numpy.random.default_rng(seed)
+    return (rng.standard_normal(n_bytes // numpy.dtype(dtype).itemsize) * 0.02).astype(dtype).tobytes()
+
+
 def wait_until(predicate, timeout: float, step: float = 0.1, what: str | None = None):
     """Poll ``predicate`` until it returns something true, at most ``timeout`` seconds; returns
     that value. Without ``what``, returns the last (false) value at the deadline for the caller
@@ -40,6 +49,16 @@ def wait_until(predicate, timeout: float, step: float = 0.1, what: str | None = 
     if not value and what is not None:
         raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
     return value
+
+
+async def wait_until_async(predicate, timeout: float, what: str, step: float = 0.01):
+    """``wait_until`` inside trio: poll ``predicate`` (a plain function) without blocking the loop;
+    fails with "timed out after Ns waiting for <what>"."""
+    with trio.move_on_after(timeout):
+        while not (value := predicate()):
+            await trio.sleep(step)
+        return value
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
 def run_trio(fn, *args, guard_s: float = TRIO_GUARD_S):

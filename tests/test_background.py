@@ -11,7 +11,7 @@ import trio
 
 from ckptfs import background
 from ckptfs.background import BackgroundThreads
-from tests.harness import trio_test
+from tests.harness import trio_test, wait_until_async
 
 
 def test_calls_run_in_parallel_at_a_lower_priority():
@@ -49,8 +49,7 @@ async def test_errors_reach_the_caller_and_idle_threads_end(monkeypatch):
 
     with pytest.raises(ValueError, match="store said no"):
         await threads.run(boom)
-    await trio.sleep(0.4)
-    assert threads._live == 0
+    await wait_until_async(lambda: threads._live == 0, 10, "the idle threads to end")
     assert await threads.run(lambda: 5) == 5  # a new thread starts for new work
 
 
@@ -79,14 +78,17 @@ async def test_after_abandon_a_cancelled_caller_stops_waiting_for_its_call():
     release = threading.Event()
     finished = []
 
+    entered = threading.Event()
+
     def hangs():  # a store call on a dead endpoint
+        entered.set()
         release.wait(10)
         finished.append(True)
 
     with trio.move_on_after(5) as deadline:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(threads.run, hangs)  # already shielded when abandon comes
-            await trio.sleep(0.1)
+            await wait_until_async(entered.is_set, 4, "the call to start")
             started = trio.current_time()
             threads.abandon()
             nursery.cancel_scope.cancel()
