@@ -35,7 +35,7 @@ def write(root: Path, files: dict[str, bytes]) -> None:
         path.write_bytes(data)
 
 
-def store_keys(store) -> set[str]:
+def all_keys(store) -> set[str]:
     """Every key, the reserved prefix included (store.keys() hides it)."""
     if store.endpoint is None:
         return {str(p.relative_to(store.root)) for p in store.root.rglob("*") if p.is_file()}
@@ -46,7 +46,7 @@ def store_keys(store) -> set[str]:
 
 
 def manifests(store) -> set[str]:
-    return {k for k in store_keys(store) if k.startswith(MANIFEST_PREFIX)}
+    return {k for k in all_keys(store) if k.startswith(MANIFEST_PREFIX)}
 
 
 def put_foreign(store, key: str, data: bytes) -> None:
@@ -233,7 +233,7 @@ def test_gc_on_the_url_deletes_manifests_and_markers(store, mount_factory):
     assert len(manifests(store)) == 1
     done = as_json("gc", *url_args(store), "--keep-last", "1")
     assert [s["path"] for s in done["steps"] if s["action"] == "delete"] == ["step-1"]
-    assert store_keys(store) - {SWEEP_STAMP} == {"step-2/x.pt"}  # (the mount's sweep stamp stays)
+    assert all_keys(store) - {SWEEP_STAMP} == {"step-2/x.pt"}  # (the mount's sweep stamp stays)
     listed = ckptfs("ls", *url_args(store), "step-1", check=False)
     assert_one_line_error(listed, 1, "no such file or directory in the store")
 
