@@ -124,7 +124,8 @@ class Spawner:
 
 
 class SpawnedMount(Mount):
-    """A Mount whose CLI calls go through a Spawner."""
+    """A Mount whose CLI calls go through a Spawner (its status comes over the control socket:
+    no fork)."""
 
     def __init__(self, spawner: Spawner, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -140,9 +141,6 @@ class SpawnedMount(Mount):
         self.cli("mount", *self.args())
         self.pid = self.status()["pid"]
         return self
-
-    def status(self) -> dict:
-        return json.loads(self.cli("status", str(self.path), "--json")["stdout"])
 
     def sync(self, *paths: str, timeout: float = 120) -> None:
         self.cli("sync", str(self.path), *paths, timeout=timeout)

@@ -107,7 +107,8 @@ def test_metrics_endpoint_counts_what_the_mount_did(mount_factory, proxy, store)
     served = {name for name, _ in s.samples}
     assert queried and queried <= served, queried - served
 
-    st = m.status()
+    st = json.loads(ckptfs("status", str(m.path), "--json").stdout)  # the CLI's JSON: what Mount.status() reads
+    assert st.keys() == m.status().keys()
     assert st["latest_checkpoint"] == "step-100/" and st["retries"]["upload"] >= 1
     assert any(e["key"] == "latest" and "503" in e["message"] for e in st["errors"]), st["errors"]
     text = ckptfs("status", str(m.path)).stdout
