@@ -1,7 +1,16 @@
 """Shared pytest fixtures for the ckptfs test suite.
 
-Sections (add new ones below, each self-contained):
+Sections (add new ones below, each self-contained); one meaning per fixture name:
   - S3 server: `s3_server` (session), `s3_bucket` (function)
+  - object stores in process: `local` (ckptfs's LocalStore; test modules name theirs `object_store`)
+  - mounts: `store` (a view of a place to mount), `proxied_store`, `mount_factory`, `client`,
+    `bucket_read`, `s3_mounts`, `proxy`
+  - moto: `moto_endpoint`, `moto`, `verifying`
+  - a second local user: `other_user`
+  - test layers: the unit/store/e2e/slow markers
+
+Helpers that are not fixtures: tests/harness.py (test data, waits, trio), tests/mounting.py
+(real mounts), tests/inprocess.py (the namespace in process).
 """
 
 from __future__ import annotations
