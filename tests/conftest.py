@@ -1,7 +1,16 @@
 """Shared pytest fixtures for the ckptfs test suite.
 
-Sections (add new ones below, each self-contained):
+Sections (add new ones below, each self-contained); one meaning per fixture name:
   - S3 server: `s3_server` (session), `s3_bucket` (function)
+  - object stores in process: `local` (ckptfs's LocalStore; test modules name theirs `object_store`)
+  - mounts: `store` (a view of a place to mount), `proxied_store`, `mount_factory`, `client`,
+    `bucket_read`, `s3_mounts`, `proxy`
+  - moto: `moto_endpoint`, `moto`, `verifying`
+  - a second local user: `other_user`
+  - test layers: the unit/store/e2e/slow markers
+
+Helpers that are not fixtures: tests/harness.py (test data, waits, trio), tests/mounting.py
+(real mounts), tests/inprocess.py (the namespace in process).
 """
 
 from __future__ import annotations
@@ -139,13 +148,38 @@ def s3_bucket(s3_server, request):
 
 
 # =============================================================================================
+# Object stores in process
+# =============================================================================================
+#
+# local: a checked, empty LocalStore (ckptfs's own store object) in tmp_path/"store": what the
+#   namespace, uploader and fetcher tests drive in process (tests/inprocess.py).
+
+
+@pytest.fixture
+def local(tmp_path):
+    from ckptfs.store.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    store.check()
+    return store
+
+
+# =============================================================================================
 # Mounts
 # =============================================================================================
 #
-# store: a place to mount, parametrized over both stores: .url, .endpoint (None for local),
-#   .read(key) -> bytes straight from the store (not through ckptfs), .keys() -> set of keys.
-# mount_factory(**kwargs): a Mount on `store` in a fresh directory (not started); every mount
-#   it made is unmounted (and its daemon stopped) at the end of the test, pass or fail.
+# store: a place to mount (a view of the store, not ckptfs's store object: that one is
+#   `object_store` or `local` where a test module has one), parametrized over both stores:
+#   .url, .endpoint (None for local), .read(key) -> bytes straight from the store (not through
+#   ckptfs), .keys() -> set of keys (reserved ones hidden); on S3 also .sizes(), .assert_holds(files)
+#   and .multipart_uploads(). A module whose tests need one kind overrides `store` (S3 only:
+#   `S3StoreView(s3_server, s3_bucket)`; through the fault proxy: `return proxied_store`).
+# proxied_store: the S3 `store` reached through `proxy` (s3://<s3_bucket>/run); mounts made on it
+#   keep their RAM tiers in a tmpfs directory of their own (--shm-dir) and the proxy is cleared
+#   before they are cleaned up (a stop waits for the uploads, so the store must be back).
+# mount_factory(name=None, extra=(), **kwargs): a Mount on `store` in tmp_path/<name> (m0, m1, ...
+#   by default), not started; every mount it made is unmounted (and its daemon stopped) at the end
+#   of the test, pass or fail.
 
 from tests.mounting import Mount  # noqa: E402
 
@@ -155,6 +189,8 @@ class LocalStoreView:
         self.root = root
         self.url = f"file://{root}"
         self.endpoint = None
+        self.fault_proxy = None
+        self.mount_extra: tuple[str, ...] = ()
 
     def read(self, key: str) -> bytes:
         return (self.root / key).read_bytes()
@@ -165,22 +201,34 @@ class LocalStoreView:
 
 
 class S3StoreView:
-    def __init__(self, server, bucket: str, prefix: str = "run1"):
+    def __init__(self, server, bucket: str, prefix: str = "run1", proxy=None, mount_extra: tuple[str, ...] = ()):
         self.client = server.client()
         self.bucket = bucket
         self.prefix = prefix
         self.url = f"s3://{bucket}/{prefix}"
-        self.endpoint = server.endpoint
+        self.fault_proxy = proxy
+        self.endpoint = server.endpoint if proxy is None else proxy.url
+        self.mount_extra = mount_extra
 
     def read(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")["Body"].read()
 
-    def keys(self) -> set[str]:
-        out = set()
+    def sizes(self) -> dict[str, int]:
+        """key -> size of every file (no directory markers, no reserved keys such as manifests)."""
+        out = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
-            out |= {o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", [])
+            out |= {o["Key"][len(self.prefix) + 1:]: o["Size"] for o in page.get("Contents", [])
                     if not o["Key"].endswith("/") and not o["Key"][len(self.prefix) + 1:].startswith(".ckptfs-")}
         return out
+
+    def keys(self) -> set[str]:
+        return set(self.sizes())
+
+    def assert_holds(self, files: dict[str, bytes]) -> None:
+        """The store holds exactly these files, byte for byte."""
+        assert self.sizes() == {k: len(v) for k, v in files.items()}
+        for key, data in files.items():
+            assert self.read(key) == data, f"{key} differs in the store"
 
     def multipart_uploads(self) -> list:
         return self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
@@ -233,17 +281,101 @@ def store(request, tmp_path):
 
 
 @pytest.fixture
+def proxied_store(s3_server, s3_bucket, proxy):
+    shm = Path("/dev/shm") / f"ckptfs-tests-{uuid.uuid4().hex[:8]}"
+    shm.mkdir(mode=0o700)
+    try:
+        yield S3StoreView(s3_server, s3_bucket, prefix="run", proxy=proxy, mount_extra=("--shm-dir", str(shm)))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture
 def mount_factory(store, tmp_path):
     mounts: list[Mount] = []
 
-    def make(**kwargs) -> Mount:
-        m = Mount(store.url, tmp_path / f"m{len(mounts)}", endpoint_url=store.endpoint, **kwargs)
+    def make(name: str | None = None, extra: tuple[str, ...] = (), **kwargs) -> Mount:
+        m = Mount(store.url, tmp_path / (name or f"m{len(mounts)}"), endpoint_url=store.endpoint,
+                  extra=(*store.mount_extra, *extra), **kwargs)
         mounts.append(m)
         return m
 
     yield make
+    if store.fault_proxy is not None:
+        store.fault_proxy.clear()
     for m in mounts:
         m.cleanup()
+
+
+# =============================================================================================
+# moto: a second S3 server, one that keeps S3's checksums (tests of issue 15)
+# =============================================================================================
+#
+# moto_endpoint (module): moto's standalone S3 server on 127.0.0.1, its URL.
+# moto: (endpoint, client, bucket) with a fresh bucket; os.environ carries moto's credentials.
+# verifying: (proxy, client, bucket): a FaultProxy in front of moto that refuses a body whose
+#   CRC32C does not match (400 BadDigest), as AWS S3 does.
+
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from tests.faultproxy import FaultProxy  # noqa: E402 (a global: the layer markers see it reached)
+
+@pytest.fixture(scope="module")
+def moto_endpoint(tmp_path_factory):
+    """moto's standalone S3 server on 127.0.0.1 (a process of its own), stopped after the module."""
+    from tests.harness import free_port
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto.server did not start") from None
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture
+def moto(moto_endpoint, monkeypatch):
+    """(endpoint, client, bucket) with a fresh bucket; the mounts inherit moto's (any) credentials."""
+    import boto3
+    from botocore.config import Config
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    client = boto3.client("s3", endpoint_url=moto_endpoint, config=Config(
+        s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
+        response_checksum_validation="when_required"))
+    bucket = f"ckptfs-checks-{os.urandom(4).hex()}"
+    client.create_bucket(Bucket=bucket)
+    return moto_endpoint, client, bucket
+
+
+@pytest.fixture
+def verifying(moto):
+    """A fault proxy in front of moto that refuses bodies not matching their CRC32C."""
+    endpoint, client, bucket = moto
+    with FaultProxy(endpoint) as proxy:
+        proxy.verify_checksums = True
+        yield proxy, client, bucket
 
 
 # =============================================================================================
@@ -258,8 +390,6 @@ def mount_factory(store, tmp_path):
 #   created (pytest's temporary directories are 0700), so it can reach a mount placed there.
 
 import pwd  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 OTHER_USER = "ckptfs-tester"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -11,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+from ckptfs import control
 from ckptfs.daemon import recorded_ram_dir
+from tests.harness import proc_state
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 
@@ -57,7 +60,15 @@ class Mount:
         return self
 
     def status(self) -> dict:
-        return json.loads(ckptfs("status", str(self.path), "--json").stdout)
+        """What `ckptfs status --json` prints (the daemon's status command), asked over the control
+        socket from this process: an interpreter start per call cost 1-1.5 s on the loaded 2-core
+        VM, and tests poll it. The CLI's own path keeps tests of its own (test_status_metrics,
+        test_packaging, test_security_logs)."""
+        return json.loads(json.dumps(control.call(self.path, "status", timeout=30)))
+
+    def fetched_bytes(self) -> int:
+        """Bytes this daemon fetched from the store so far (its status)."""
+        return self.status()["fetched_bytes"]
 
     def sync(self, *paths: str, timeout: float = 300) -> None:
         ckptfs("sync", str(self.path), *paths, timeout=timeout)
@@ -103,3 +114,31 @@ class Mount:
         ram = self.ram_dir()
         if ram is not None:
             shutil.rmtree(ram, ignore_errors=True)
+
+
+def kill_daemon(m: Mount) -> None:
+    """SIGKILL the daemon and wait until it is dead and its mount answers ENOTCONN.
+
+    Dead = gone or a zombie (the daemon is reparented to init, which may take a while to reap
+    it; Mount.kill waits for the reaping). The wait for ENOTCONN works around a bug shown by
+    test_crash_torture.py's test_mount_right_after_sigkill_clears_the_stale_mount: for up to the
+    kernel's attribute timeout (1 s) after the death, stat() of the mountpoint still succeeds from
+    the attribute cache, and `ckptfs mount` then refuses with "already a mount point"."""
+    pid = m.pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while proc_state(pid) not in (None, "Z"):
+        assert time.monotonic() < deadline, f"daemon {pid} did not die"
+        time.sleep(0.005)
+    m.pid = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.stat(m.path)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                return
+            if exc.errno != errno.ECONNABORTED:  # ECONNABORTED: the connection is being torn down
+                raise
+        time.sleep(0.02)
+    raise AssertionError(f"{m.path} still answers stat 10 s after its daemon died")

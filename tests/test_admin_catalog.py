@@ -14,6 +14,7 @@ import xxhash
 
 from ckptfs.integrity import MANIFEST_PREFIX, SWEEP_STAMP
 from tests.faultproxy import Rule, blackhole
+from tests.harness import assert_one_line_error
 from tests.mounting import Mount, ckptfs
 
 BIG = 6 << 20  # over the 5 MiB part size the mounts use: a multipart object, with a manifest
@@ -34,7 +35,7 @@ def write(root: Path, files: dict[str, bytes]) -> None:
         path.write_bytes(data)
 
 
-def store_keys(store) -> set[str]:
+def all_keys(store) -> set[str]:
     """Every key, the reserved prefix included (store.keys() hides it)."""
     if store.endpoint is None:
         return {str(p.relative_to(store.root)) for p in store.root.rglob("*") if p.is_file()}
@@ -45,7 +46,7 @@ def store_keys(store) -> set[str]:
 
 
 def manifests(store) -> set[str]:
-    return {k for k in store_keys(store) if k.startswith(MANIFEST_PREFIX)}
+    return {k for k in all_keys(store) if k.startswith(MANIFEST_PREFIX)}
 
 
 def put_foreign(store, key: str, data: bytes) -> None:
@@ -55,13 +56,6 @@ def put_foreign(store, key: str, data: bytes) -> None:
         (store.root / key).write_bytes(data)
     else:
         store.client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/{key}", Body=data)
-
-
-def one_line_error(done, code: int, text: str) -> None:
-    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ckptfs: ") and text in lines[0], done.stderr
 
 
 # --- ls ---------------------------------------------------------------------------------------------
@@ -239,9 +233,9 @@ def test_gc_on_the_url_deletes_manifests_and_markers(store, mount_factory):
     assert len(manifests(store)) == 1
     done = as_json("gc", *url_args(store), "--keep-last", "1")
     assert [s["path"] for s in done["steps"] if s["action"] == "delete"] == ["step-1"]
-    assert store_keys(store) - {SWEEP_STAMP} == {"step-2/x.pt"}  # (the mount's sweep stamp stays)
+    assert all_keys(store) - {SWEEP_STAMP} == {"step-2/x.pt"}  # (the mount's sweep stamp stays)
     listed = ckptfs("ls", *url_args(store), "step-1", check=False)
-    one_line_error(listed, 1, "no such file or directory in the store")
+    assert_one_line_error(listed, 1, "no such file or directory in the store")
 
 
 def test_gc_of_a_1000_file_step_is_quick(tmp_path):
@@ -267,16 +261,16 @@ def test_errors_are_one_line_and_a_non_zero_exit(store, mount_factory, tmp_path)
     m = mount_factory().start()
     plain = tmp_path / "plain"
     plain.mkdir()
-    one_line_error(ckptfs("ls", str(plain), check=False), 2, "is not on a ckptfs mount")
-    one_line_error(ckptfs("checkpoints", str(tmp_path / "nope"), check=False), 2, "no such file or directory")
-    one_line_error(ckptfs("ls", str(m.path), "/etc", check=False), 2, "is not inside the ckptfs mount")
-    one_line_error(ckptfs("ls", str(m.path), "../..", check=False), 2, "is outside")
-    one_line_error(ckptfs("ls", str(m.path), "missing", check=False), 1, "no such file or directory on the mount")
-    one_line_error(ckptfs("ls", "s3://", check=False), 2, "bad bucket name")
-    one_line_error(ckptfs("checkpoints", "ftp://host/x", check=False), 2, "unsupported store URL")
-    one_line_error(ckptfs("gc", str(m.path), check=False), 2, "--keep-last")
-    one_line_error(ckptfs("gc", str(m.path), "--keep-last", "-1", check=False), 2, "not a number of steps")
-    one_line_error(ckptfs("ls", str(m.path), "--endpoint-url", "http://127.0.0.1:1", check=False), 2,
+    assert_one_line_error(ckptfs("ls", str(plain), check=False), 2, "is not on a ckptfs mount")
+    assert_one_line_error(ckptfs("checkpoints", str(tmp_path / "nope"), check=False), 2, "no such file or directory")
+    assert_one_line_error(ckptfs("ls", str(m.path), "/etc", check=False), 2, "is not inside the ckptfs mount")
+    assert_one_line_error(ckptfs("ls", str(m.path), "../..", check=False), 2, "is outside")
+    assert_one_line_error(ckptfs("ls", str(m.path), "missing", check=False), 1, "no such file or directory on the mount")
+    assert_one_line_error(ckptfs("ls", "s3://", check=False), 2, "bad bucket name")
+    assert_one_line_error(ckptfs("checkpoints", "ftp://host/x", check=False), 2, "unsupported store URL")
+    assert_one_line_error(ckptfs("gc", str(m.path), check=False), 2, "--keep-last")
+    assert_one_line_error(ckptfs("gc", str(m.path), "--keep-last", "-1", check=False), 2, "not a number of steps")
+    assert_one_line_error(ckptfs("ls", str(m.path), "--endpoint-url", "http://127.0.0.1:1", check=False), 2,
                    "--endpoint-url applies to a store URL")
 
 
@@ -286,13 +280,13 @@ def test_another_users_mount_is_permission_denied(store, mount_factory, other_us
     write(m.path, {"step-1/x.pt": b"x"})
     for command in (["ls"], ["checkpoints"], ["gc", "--keep-last", "0"]):
         done = other_user.ckptfs(command[0], str(m.path), *command[1:])
-        one_line_error(done, 1, "permission denied")
+        assert_one_line_error(done, 1, "permission denied")
     assert (m.path / "step-1" / "x.pt").exists()
 
 
 def test_a_missing_bucket_is_one_line(s3_server):
     done = ckptfs("checkpoints", "s3://no-such-bucket-ckptfs-catalog", "--endpoint-url", s3_server.endpoint, check=False)
-    one_line_error(done, 1, "no-such-bucket-ckptfs-catalog")
+    assert_one_line_error(done, 1, "no-such-bucket-ckptfs-catalog")
 
 
 def test_help_of_each_command():
@@ -343,8 +337,8 @@ def test_a_file_url_naming_no_directory_is_one_line_and_creates_nothing(tmp_path
     missing = tmp_path / "typo" / "store"
     (tmp_path / "plain").write_bytes(b"x")
     for command in (["ls"], ["checkpoints"], ["gc", "--keep-last", "1"], ["verify"]):
-        one_line_error(ckptfs(command[0], f"file://{missing}", *command[1:], check=False), 1, "no such directory")
-        one_line_error(ckptfs(command[0], f"file://{tmp_path / 'plain'}", *command[1:], check=False), 1,
+        assert_one_line_error(ckptfs(command[0], f"file://{missing}", *command[1:], check=False), 1, "no such directory")
+        assert_one_line_error(ckptfs(command[0], f"file://{tmp_path / 'plain'}", *command[1:], check=False), 1,
                        "not a directory")
     assert not (tmp_path / "typo").exists()
 
@@ -361,8 +355,8 @@ def test_verify_paths_are_relative_to_the_target_as_for_ls(store, mount_factory)
         assert [f["key"] for f in json.loads(done.stdout)["files"]] == ["run/step-1/x.pt"]
     done = ckptfs("verify", str(m.path / "run"), "step-2", "--json")
     assert [f["key"] for f in json.loads(done.stdout)["files"]] == ["run/step-2/y.pt"]
-    one_line_error(ckptfs("verify", *url_args(store), "../../etc/passwd", check=False), 2, "is outside")
-    one_line_error(ckptfs("verify", str(m.path), "../..", check=False), 2, "is outside")
+    assert_one_line_error(ckptfs("verify", *url_args(store), "../../etc/passwd", check=False), 2, "is outside")
+    assert_one_line_error(ckptfs("verify", str(m.path), "../..", check=False), 2, "is outside")
 
 
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path):

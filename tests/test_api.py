@@ -5,39 +5,32 @@ sync with a timeout, and the errors a script can meet."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
 import ckptfs
 from tests.faultproxy import Rule, blackhole
-from tests.mounting import Mount, ckptfs as ckptfs_cli
+from tests.mounting import ckptfs as ckptfs_cli
 
 pytestmark = pytest.mark.timeout(240)
 
-PREFIX = "run"
 MiB = 1 << 20
 
 
 @pytest.fixture
-def mount(s3_bucket, proxy, tmp_path):
-    """A started mount of s3://bucket/run through the fault proxy; cleaned up with the store back."""
-    shm = Path("/dev/shm") / f"ckptfs-api-tests-{uuid.uuid4().hex[:8]}"
-    shm.mkdir(mode=0o700)
-    m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / "m", endpoint_url=proxy.url, extra=("--shm-dir", str(shm)))
-    try:
-        yield m.start()
-    finally:
-        proxy.clear()
-        m.cleanup()
-        shutil.rmtree(shm, ignore_errors=True)
+def store(proxied_store):
+    return proxied_store
+
+
+@pytest.fixture
+def mount(mount_factory):
+    """A started mount of s3://bucket/run through the fault proxy (cleaned up with the store back)."""
+    return mount_factory("m").start()
 
 
 TRAINING_LOOP = textwrap.dedent("""

@@ -16,6 +16,7 @@ import trio
 import trio.testing
 
 from ckptfs.cache import DISK, RAM, Cache, Content, StagedFile
+from tests.harness import trio_test
 
 BS = 64 << 10  # block size: small, so files of a few blocks exercise every boundary
 
@@ -118,127 +119,115 @@ def test_staged_file_matches_model_any_truncate(cache, seed):
     trio.run(random_session, cache, seed, 250, False)
 
 
-def test_writes_spanning_blocks_and_gaps(cache):
-    async def main():
-        m = Model(cache)
-        await m.write(10, b"a" * (2 * BS))  # starts mid block 0, ends in block 2
-        m.check()
-        await m.write(5 * BS + 7, b"b" * 3)  # a gap past the end: blocks 3 and 4 are holes
-        m.check()
-        assert m.staged.blocks[3] is None and m.staged.blocks[4] is None
-        await m.write(3 * BS + 100, b"c" * 10)  # into a hole, leaving a gap inside the block
-        m.check()
-        await m.write(BS - 1, b"xyz")  # across a block boundary
-        m.check()
-        snap = m.staged.snapshot().hold()
-        assert snap.read(0, snap.size) == bytes(m.data)
-        assert snap.blocks[4] is None  # holes stay holes in the content
-        snap.release()
-        m.staged.discard()
-        assert_all_free(cache)
-
-    trio.run(main)
+@trio_test
+async def test_writes_spanning_blocks_and_gaps(cache):
+    m = Model(cache)
+    await m.write(10, b"a" * (2 * BS))  # starts mid block 0, ends in block 2
+    m.check()
+    await m.write(5 * BS + 7, b"b" * 3)  # a gap past the end: blocks 3 and 4 are holes
+    m.check()
+    assert m.staged.blocks[3] is None and m.staged.blocks[4] is None
+    await m.write(3 * BS + 100, b"c" * 10)  # into a hole, leaving a gap inside the block
+    m.check()
+    await m.write(BS - 1, b"xyz")  # across a block boundary
+    m.check()
+    snap = m.staged.snapshot().hold()
+    assert snap.read(0, snap.size) == bytes(m.data)
+    assert snap.blocks[4] is None  # holes stay holes in the content
+    snap.release()
+    m.staged.discard()
+    assert_all_free(cache)
 
 
-def test_truncate_shrink_and_extend(cache):
-    async def main():
-        m = Model(cache)
-        await m.write(0, bytes(range(256)) * (3 * BS // 256))
-        await m.truncate(BS + 10)  # mid block 1: block 2 is freed
-        m.check()
-        assert len(m.staged.blocks) == 2
-        await m.truncate(3 * BS)  # extend: the old bytes past BS + 10 must read as zeros
-        m.check()
-        await m.write(2 * BS, b"tail")
-        m.check()
-        await m.truncate(0)
-        m.check()
-        assert_all_free(cache)
-
-    trio.run(main)
+@trio_test
+async def test_truncate_shrink_and_extend(cache):
+    m = Model(cache)
+    await m.write(0, bytes(range(256)) * (3 * BS // 256))
+    await m.truncate(BS + 10)  # mid block 1: block 2 is freed
+    m.check()
+    assert len(m.staged.blocks) == 2
+    await m.truncate(3 * BS)  # extend: the old bytes past BS + 10 must read as zeros
+    m.check()
+    await m.write(2 * BS, b"tail")
+    m.check()
+    await m.truncate(0)
+    m.check()
+    assert_all_free(cache)
 
 
 # -- copy on write -----------------------------------------------------------------------------------
 
 
-def test_snapshot_is_immutable_copy_on_write(cache):
-    async def main():
-        m = Model(cache)
-        await m.write(0, b"A" * (2 * BS + 100))
-        snap = m.staged.snapshot().hold()
-        v1 = bytes(m.data)
-        shared = list(snap.blocks)
-        assert m.staged.blocks == shared  # shared, not copied, at commit
-        assert all(cache.refcounts[ref] == 2 for ref in shared)
+@trio_test
+async def test_snapshot_is_immutable_copy_on_write(cache):
+    m = Model(cache)
+    await m.write(0, b"A" * (2 * BS + 100))
+    snap = m.staged.snapshot().hold()
+    v1 = bytes(m.data)
+    shared = list(snap.blocks)
+    assert m.staged.blocks == shared  # shared, not copied, at commit
+    assert all(cache.refcounts[ref] == 2 for ref in shared)
 
-        await m.write(BS + 5, b"B" * 10)  # block 1 is copied before the write
-        await m.write(2 * BS + 50, b"C" * 200)  # partial last block: copied, then extended
-        await m.truncate(2 * BS + 300)
-        m.check()
-        assert snap.read(0, snap.size) == v1
-        assert m.staged.blocks[0] == shared[0]  # untouched block still shared
-        assert m.staged.blocks[1] != shared[1] and m.staged.blocks[2] != shared[2]
+    await m.write(BS + 5, b"B" * 10)  # block 1 is copied before the write
+    await m.write(2 * BS + 50, b"C" * 200)  # partial last block: copied, then extended
+    await m.truncate(2 * BS + 300)
+    m.check()
+    assert snap.read(0, snap.size) == v1
+    assert m.staged.blocks[0] == shared[0]  # untouched block still shared
+    assert m.staged.blocks[1] != shared[1] and m.staged.blocks[2] != shared[2]
 
-        # A staged file opened on the content (reopen for writing) shares it the same way.
-        m2 = Model(cache, (snap, v1))
-        await m2.write(0, b"D")
-        m2.check()
-        assert snap.read(0, snap.size) == v1
-        m2.staged.discard()
-        m.staged.discard()
-        assert snap.read(0, snap.size) == v1
-        snap.release()
-        assert_all_free(cache)
-
-    trio.run(main)
+    # A staged file opened on the content (reopen for writing) shares it the same way.
+    m2 = Model(cache, (snap, v1))
+    await m2.write(0, b"D")
+    m2.check()
+    assert snap.read(0, snap.size) == v1
+    m2.staged.discard()
+    m.staged.discard()
+    assert snap.read(0, snap.size) == v1
+    snap.release()
+    assert_all_free(cache)
 
 
-def test_shrink_then_grow_does_not_change_committed_content(cache):
-    async def main():
-        m = Model(cache)
-        await m.write(0, b"A" * 100)
-        committed = m.staged.snapshot().hold()
-        m.staged.discard()
-        m = Model(cache, (committed, b"A" * 100))  # reopen for writing
-        await m.truncate(10)
-        await m.truncate(100)  # or any write past the block: the file grows again
-        m.check()  # the staged file itself reads right
-        m.staged.snapshot().hold()  # commit (or fsync) of the staged file
-        assert committed.read(0, 100) == b"A" * 100
-
-    trio.run(main)
+@trio_test
+async def test_shrink_then_grow_does_not_change_committed_content(cache):
+    m = Model(cache)
+    await m.write(0, b"A" * 100)
+    committed = m.staged.snapshot().hold()
+    m.staged.discard()
+    m = Model(cache, (committed, b"A" * 100))  # reopen for writing
+    await m.truncate(10)
+    await m.truncate(100)  # or any write past the block: the file grows again
+    m.check()  # the staged file itself reads right
+    m.staged.snapshot().hold()  # commit (or fsync) of the staged file
+    assert committed.read(0, 100) == b"A" * 100
 
 
-def test_truncate_extend_then_shrink_inside_the_hole(cache):
-    async def main():
-        staged = StagedFile(cache)
-        await staged.truncate(10 * BS)
-        await staged.truncate(5 * BS)
-        assert staged.size == 5 * BS
-        assert staged.read(0, 10 * BS) == bytes(5 * BS)
-
-    trio.run(main)
+@trio_test
+async def test_truncate_extend_then_shrink_inside_the_hole(cache):
+    staged = StagedFile(cache)
+    await staged.truncate(10 * BS)
+    await staged.truncate(5 * BS)
+    assert staged.size == 5 * BS
+    assert staged.read(0, 10 * BS) == bytes(5 * BS)
 
 
 # -- reference counts, tiers, budgets ------------------------------------------------------------------
 
 
-def test_content_release_frees_blocks(cache):
-    async def main():
-        s = StagedFile(cache)
-        await s.write(0, b"x" * (3 * BS))
-        content = s.snapshot()
-        s.discard()
-        assert [cache.refcounts[r] for r in content.refs()] == [1, 1, 1]
-        content.hold()
-        content.hold()
-        content.release()
-        assert len(cache.refcounts) == 3  # one holder left
-        content.release()
-        assert content.blocks == [None, None, None]
-        assert_all_free(cache)
-
-    trio.run(main)
+@trio_test
+async def test_content_release_frees_blocks(cache):
+    s = StagedFile(cache)
+    await s.write(0, b"x" * (3 * BS))
+    content = s.snapshot()
+    s.discard()
+    assert [cache.refcounts[r] for r in content.refs()] == [1, 1, 1]
+    content.hold()
+    content.hold()
+    content.release()
+    assert len(cache.refcounts) == 3  # one holder left
+    content.release()
+    assert content.blocks == [None, None, None]
+    assert_all_free(cache)
 
 
 def test_ram_tier_fills_then_spills_to_disk(tmp_path):
@@ -556,27 +545,25 @@ def test_the_latest_checkpoint_is_evicted_last(tmp_path):
     assert evicted == ["old-a", "old-b", "latest"]
 
 
-def test_the_ram_slots_of_the_next_save_are_touched_ahead(tmp_path):
+@trio_test
+async def test_the_ram_slots_of_the_next_save_are_touched_ahead(tmp_path):
     """After a save of 2 blocks, the 2 free RAM slots the next allocations take get their pages
     in the background (and no more: a small save does not touch the whole budget)."""
     from ckptfs.background import BackgroundThreads
     cache = make_cache(tmp_path, ram_blocks=6)
     ram = cache.tiers[RAM]
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(cache.run_populate, BackgroundThreads(1, "t"))
-            first = [cache.try_alloc() for _ in range(2)]  # the first save takes fresh slots
-            assert {slot for _, slot in first} == ram.touched
-            cache.expect_writes(2 * cache.block_size)
-            with trio.fail_after(10):
-                while len(ram.touched) < 4:
-                    await trio.sleep(0.01)
-            upcoming = {ram.free[-1], ram.free[-2]}
-            assert upcoming <= ram.touched and len(ram.touched) == 4
-            nxt = [cache.try_alloc() for _ in range(2)]
-            assert {slot for _, slot in nxt} == upcoming  # what was touched is what the next save takes
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cache.run_populate, BackgroundThreads(1, "t"))
+        first = [cache.try_alloc() for _ in range(2)]  # the first save takes fresh slots
+        assert {slot for _, slot in first} == ram.touched
+        cache.expect_writes(2 * cache.block_size)
+        with trio.fail_after(10):
+            while len(ram.touched) < 4:
+                await trio.sleep(0.01)
+        upcoming = {ram.free[-1], ram.free[-2]}
+        assert upcoming <= ram.touched and len(ram.touched) == 4
+        nxt = [cache.try_alloc() for _ in range(2)]
+        assert {slot for _, slot in nxt} == upcoming  # what was touched is what the next save takes
+        nursery.cancel_scope.cancel()
     cache.close()

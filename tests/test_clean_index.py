@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 
 import pytest
 
@@ -19,12 +18,9 @@ from ckptfs import clean_index
 from ckptfs.cache import DISK, RAM, Cache
 from ckptfs.clean_index import CleanEntry, cached_digest
 from ckptfs.errors import MountError
+from tests.harness import blob
 
 BS = 64 << 10
-
-
-def blob(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 def open_cache(tmp_path, ram: str = "ram") -> Cache:

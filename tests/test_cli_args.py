@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -13,22 +11,9 @@ import pytest
 from ckptfs import cli, cli_support, mount_cli
 from ckptfs.config import MiB, MountConfig, default_cache_dir, default_store_dir
 from ckptfs.errors import UsageError
+from tests.harness import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptfs", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
-
-
-def assert_one_line_error(done: subprocess.CompletedProcess, code: int, *needles: str) -> None:
-    assert done.returncode == code, done.stderr
-    assert "Traceback" not in done.stderr
-    lines = done.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ckptfs: "), done.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture

@@ -22,18 +22,13 @@ import zstandard
 from ckptfs import compression
 from ckptfs.integrity import Checksums, manifest_key
 from tests.faultproxy import Rule, corrupt_response_body
+from tests.harness import floats
 
 pytestmark = pytest.mark.timeout(240)
 
 PREFIX = "run"
 MiB = 1 << 20
 PART = 8 * MiB
-
-
-def floats(n_bytes: int, dtype=numpy.float32, seed: int = 0) -> bytes:
-    """Weight-like data: small normally distributed values (the exponent bytes repeat)."""
-    rng = numpy.random.default_rng(seed)
-    return (rng.standard_normal(n_bytes // numpy.dtype(dtype).itemsize) * 0.02).astype(dtype).tobytes()
 
 
 def zstd_cli_decompress(data: bytes) -> bytes:

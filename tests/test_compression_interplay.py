@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import time
 
-import numpy
 import pytest
 
 from ckptfs import compression, integrity
@@ -16,18 +15,13 @@ from ckptfs.catalog import _Source, ls
 from ckptfs.logical_store import LogicalStore
 from ckptfs.store.s3 import S3Store
 from ckptfs.target import resolve
+from tests.harness import floats
 from tests.mounting import Mount
-from tests.test_server_checksums import moto, moto_endpoint, verifying  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(240)
 
 PREFIX = "run"
 MiB = 1 << 20
-
-
-def floats(n_bytes: int, seed: int = 0) -> bytes:
-    rng = numpy.random.default_rng(seed)
-    return (rng.standard_normal(n_bytes // 4) * 0.02).astype(numpy.float32).tobytes()
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """A compressed upload whose parts were evicted from the cache while the file was written (they
 then exist only in the multipart upload): it completes, also after a restart of a mount without
---compress. On the namespace with its uploader, over the local store (tests/test_namespace.py's
-harness)."""
+--compress. On the namespace with its uploader, over the local store (tests/inprocess.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ from ckptfs import compression, integrity
 from ckptfs.logical_store import LogicalStore
 from ckptfs.namespace import ROOT_INODE
 from tests.faults import FaultyStore
-from tests.test_namespace import BS, GID, UID, WRITE, aerr, blob, local, mounted, sync, write_blocks  # noqa: F401
+from tests.harness import blob, trio_test
+from tests.inprocess import BS, GID, UID, WRITE, aerr, mounted, sync, write_blocks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +34,8 @@ def compressing(m) -> None:
     m.uploader.codec = compression.Codec(1)
 
 
-def test_a_compressed_file_cannot_be_cut_back_to_an_evicted_last_block(tmp_path, local):
+@trio_test
+async def test_a_compressed_file_cannot_be_cut_back_to_an_evicted_last_block(tmp_path, local):
     """A file written past a block that was then sent and evicted (the cache was full): a
     compressed upload sends its last part again at commit, with the seek table after it, so an
     ftruncate that would make an evicted block the last one fails (EIO, as a write to it does)
@@ -42,28 +43,25 @@ def test_a_compressed_file_cannot_be_cut_back_to_an_evicted_last_block(tmp_path,
     store = FaultyStore(local)
     files = {"a.bin": blob(20 * BS + 100, 1), "b.bin": blob(79 * BS + 9, 2)}
 
-    async def main():
-        async with mounted(tmp_path, store) as m:
-            compressing(m)
-            handles = {}
-            for name, data in files.items():
-                handles[name], _ = m.ns.create(ROOT_INODE, name, 0o644, WRITE, UID, GID)
-                await write_blocks(m.ns, handles[name].fh, data, chunk=BS)
-                with trio.fail_after(30):  # (every block written past is sent: each may be evicted)
-                    while len(handles[name].stream.sent) < len(data) // BS:
-                        await trio.sleep(0.01)
-            a = handles["a.bin"]
-            assert 19 in a.staged.remote  # (the case: that part lives only in a's upload)
-            assert await aerr(m.ns.setattr, a.node.ino, a.fh, 20 * BS) == errno.EIO
-            for handle in handles.values():
-                m.ns.flush(handle.fh)
-                m.ns.release(handle.fh)
-            with trio.fail_after(60):
-                await sync(m)
-            assert {name: decoded(local, name) for name in files} == files
-            assert local.list_multipart() == []
-
-    trio.run(main)
+    async with mounted(tmp_path, store) as m:
+        compressing(m)
+        handles = {}
+        for name, data in files.items():
+            handles[name], _ = m.ns.create(ROOT_INODE, name, 0o644, WRITE, UID, GID)
+            await write_blocks(m.ns, handles[name].fh, data, chunk=BS)
+            with trio.fail_after(30):  # (every block written past is sent: each may be evicted)
+                while len(handles[name].stream.sent) < len(data) // BS:
+                    await trio.sleep(0.01)
+        a = handles["a.bin"]
+        assert 19 in a.staged.remote  # (the case: that part lives only in a's upload)
+        assert await aerr(m.ns.setattr, a.node.ino, a.fh, 20 * BS) == errno.EIO
+        for handle in handles.values():
+            m.ns.flush(handle.fh)
+            m.ns.release(handle.fh)
+        with trio.fail_after(60):
+            await sync(m)
+        assert {name: decoded(local, name) for name in files} == files
+        assert local.list_multipart() == []
 
 
 def test_a_compressed_upload_with_evicted_parts_completes_after_a_restart_without_compress(tmp_path, local):

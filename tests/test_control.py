@@ -15,6 +15,7 @@ import trio
 
 from ckptfs import control
 from ckptfs.errors import CkptfsError, ControlError
+from tests.harness import trio_test
 
 
 @pytest.fixture
@@ -97,18 +98,17 @@ def test_stale_socket_is_replaced(sock_path):
     assert _with_server(sock_path, HANDLERS, lambda p: control.call_socket(p, "echo", {"value": 1})) == {"echo": 1}
 
 
-def test_live_socket_is_not_stolen(sock_path):
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(control.ControlServer(sock_path, HANDLERS).serve)
-            with pytest.raises(ControlError, match="in use"):
-                await control.ControlServer(sock_path, HANDLERS).serve()
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+@trio_test
+async def test_live_socket_is_not_stolen(sock_path):
+    async with trio.open_nursery() as nursery:
+        await nursery.start(control.ControlServer(sock_path, HANDLERS).serve)
+        with pytest.raises(ControlError, match="in use"):
+            await control.ControlServer(sock_path, HANDLERS).serve()
+        nursery.cancel_scope.cancel()
 
 
-def test_client_hangup_cancels_handler(sock_path):
+@trio_test
+async def test_client_hangup_cancels_handler(sock_path):
     cancelled = trio.Event()
 
     async def wait_forever(request, progress):
@@ -117,16 +117,13 @@ def test_client_hangup_cancels_handler(sock_path):
         finally:
             cancelled.set()
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(control.ControlServer(sock_path, {"wait": wait_forever}).serve)
-            with pytest.raises(ControlError, match="no answer"):
-                await trio.to_thread.run_sync(lambda: control.call_socket(sock_path, "wait", timeout=0.5))
-            with trio.fail_after(5):
-                await cancelled.wait()
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(control.ControlServer(sock_path, {"wait": wait_forever}).serve)
+        with pytest.raises(ControlError, match="no answer"):
+            await trio.to_thread.run_sync(lambda: control.call_socket(sock_path, "wait", timeout=0.5))
+        with trio.fail_after(5):
+            await cancelled.wait()
+        nursery.cancel_scope.cancel()
 
 
 def test_half_closed_client_gets_its_answer(sock_path):

@@ -49,7 +49,8 @@ import xxhash
 from ckptfs.config import MountConfig
 from ckptfs.integrity import Checksums, IntegrityError, is_reserved, manifest_key
 from tests import crash_writer
-from tests.mounting import Mount
+from tests.harness import proc_state
+from tests.mounting import Mount, kill_daemon
 
 LONG = os.environ.get("CKPTFS_LONG") == "1"
 VERBOSE = os.environ.get("CKPTFS_TORTURE_VERBOSE") == "1"  # a line per trial: when the kill landed
@@ -67,41 +68,6 @@ TOLERATE_LEAKED_UPLOADS = False
 
 def xxh(data: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
-
-
-def _proc_state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def kill_daemon(m: Mount) -> None:
-    """SIGKILL the daemon and wait until it is dead and its mount answers ENOTCONN.
-
-    Dead = gone or a zombie (the daemon is reparented to init, which may take a while to reap
-    it; Mount.kill waits for the reaping). The wait for ENOTCONN works around a bug shown by
-    test_mount_right_after_sigkill_clears_the_stale_mount below: for up to the kernel's
-    attribute timeout (1 s) after the death, stat() of the mountpoint still succeeds from the
-    attribute cache, and `ckptfs mount` then refuses with "already a mount point"."""
-    pid = m.pid
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while _proc_state(pid) not in (None, "Z"):
-        assert time.monotonic() < deadline, f"daemon {pid} did not die"
-        time.sleep(0.005)
-    m.pid = None
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.stat(m.path)
-        except OSError as exc:
-            if exc.errno == errno.ENOTCONN:
-                return
-            if exc.errno != errno.ECONNABORTED:  # ECONNABORTED: the connection is being torn down
-                raise
-        time.sleep(0.02)
-    raise AssertionError(f"{m.path} still answers stat 10 s after its daemon died")
 
 
 class Store:
@@ -464,7 +430,7 @@ def test_mount_right_after_sigkill_clears_the_stale_mount(tmp_path):
         os.stat(m.path)  # the kernel caches the root's attributes (as any use of the mount does)
         pid = m.pid
         os.kill(pid, signal.SIGKILL)
-        while _proc_state(pid) not in (None, "Z"):  # dead: its FUSE connection is gone
+        while proc_state(pid) not in (None, "Z"):  # dead: its FUSE connection is gone
             time.sleep(0.005)
         m.pid = None
         config = MountConfig(mountpoint=str(m.path), store_url=m.store_url, cache_dir=str(m.cache_dir))

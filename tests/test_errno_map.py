@@ -23,6 +23,7 @@ import trio
 from ckptfs.errors import STORE_ERRNOS_KEPT, FsError, to_errno
 from ckptfs.fuse_ops import Operations, _errno_boundary, _no_reply_boundary
 from ckptfs.store.base import NotFound, StoreError
+from tests.harness import trio_test
 
 
 @pytest.mark.parametrize("number", [errno.ENOENT, errno.ENOSPC, errno.ENAMETOOLONG, errno.EROFS, errno.EIO,
@@ -65,18 +66,16 @@ def test_what_is_not_a_failure_is_raised_again(exc):
         to_errno(exc)
 
 
-def test_cancellation_is_raised_again():
-    async def main():
-        with trio.CancelScope() as scope:
-            scope.cancel()
-            try:
-                await trio.sleep(1)
-            except trio.Cancelled as cancelled:
-                to_errno(cancelled)  # raises it again: the scope absorbs it
-                raise AssertionError("to_errno swallowed trio.Cancelled")
-        assert scope.cancelled_caught
-
-    trio.run(main)
+@trio_test
+async def test_cancellation_is_raised_again():
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.sleep(1)
+        except trio.Cancelled as cancelled:
+            to_errno(cancelled)  # raises it again: the scope absorbs it
+            raise AssertionError("to_errno swallowed trio.Cancelled")
+    assert scope.cancelled_caught
 
 
 # -- the boundary ----------------------------------------------------------------------------

@@ -9,7 +9,6 @@ many readers ask, a read following its object's move, and --read-timeout giving 
 from __future__ import annotations
 
 import errno
-import random
 
 import pytest
 import trio
@@ -22,13 +21,9 @@ from ckptfs.fetcher import READ_ATTEMPTS, VERIFY_ATTEMPTS, Fetcher
 from ckptfs.integrity import Checksums
 from ckptfs.store.local import LocalStore
 from tests.faults import FaultyStore
+from tests.harness import blob, run_trio, trio_test
 
 BS = 64 << 10
-GUARD_S = 60  # hang guard only; nothing here waits on time
-
-
-def blob(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 class BentStore(FaultyStore):
@@ -54,7 +49,7 @@ def cache(tmp_path):
 
 
 @pytest.fixture
-def store(tmp_path):
+def object_store(tmp_path):
     return BentStore(LocalStore(tmp_path / "store"))
 
 
@@ -64,165 +59,153 @@ def content_of(cache: Cache, key: str, size: int) -> Content:
     return c
 
 
-def put_one(store, key: str, data: bytes) -> None:
+def put_one(object_store, key: str, data: bytes) -> None:
     """As a one-PUT upload writes it: the whole file's xxh3 in its metadata."""
-    store.inner.put(key, data, {integrity.XXH3_META: integrity.part_hash(data)})
+    object_store.inner.put(key, data, {integrity.XXH3_META: integrity.part_hash(data)})
 
 
-def put_with_manifest(store, key: str, data: bytes, part_size: int, upload: str = "u1") -> None:
+def put_with_manifest(object_store, key: str, data: bytes, part_size: int, upload: str = "u1") -> None:
     """As a multipart upload writes it: part checksums in a manifest the object's metadata names."""
     parts = [integrity.part_hash(data[i:i + part_size]) for i in range(0, len(data), part_size)]
     manifest = Checksums(len(data), part_size, parts, integrity.part_hash(data), upload, "manifest")
-    store.inner.put(integrity.manifest_key(upload), manifest.to_manifest())
-    store.inner.put(key, data, {integrity.MANIFEST_META: integrity.ALGORITHM, integrity.UPLOAD_META: upload})
-
-
-def run(main) -> None:
-    async def guarded():
-        with trio.fail_after(GUARD_S):
-            await main()
-    trio.run(guarded)
+    object_store.inner.put(integrity.manifest_key(upload), manifest.to_manifest())
+    object_store.inner.put(key, data, {integrity.MANIFEST_META: integrity.ALGORITHM, integrity.UPLOAD_META: upload})
 
 
 def cached(content: Content) -> list[int]:
     return [i for i, ref in enumerate(content.blocks) if ref is not None]
 
 
-def test_a_block_and_the_short_last_block_read_back_exactly(cache, store):
+@trio_test
+async def test_a_block_and_the_short_last_block_read_back_exactly(cache, object_store):
     data = blob(3 * BS + 1234, 1)
-    store.inner.put("f.bin", data)  # no checksums: each block is its own range
+    object_store.inner.put("f.bin", data)  # no checksums: each block is its own range
     c = content_of(cache, "f.bin", len(data))
-    fetcher = Fetcher(store, cache, concurrency=2)
+    fetcher = Fetcher(object_store, cache, concurrency=2)
 
-    async def main():
-        await fetcher.fill(c, [1])
-        assert cached(c) == [1]
-        await fetcher.fill(c, [3])
-        assert cached(c) == [1, 3]
-    run(main)
+    await fetcher.fill(c, [1])
+    assert cached(c) == [1]
+    await fetcher.fill(c, [3])
+    assert cached(c) == [1, 3]
     assert c.read(BS, BS) == data[BS:2 * BS]
     assert c.read(3 * BS, 2 * BS) == data[3 * BS:]
-    assert store.count("get_range") == 2 and fetcher.unverified_reads == 2
+    assert object_store.count("get_range") == 2 and fetcher.unverified_reads == 2
     assert c.missing(0, len(data)) == [0, 2]
 
 
-def test_a_one_put_object_is_fetched_whole_and_checked(cache, store):
+@trio_test
+async def test_a_one_put_object_is_fetched_whole_and_checked(cache, object_store):
     data = blob(3 * BS + 7, 2)
-    put_one(store, "f.bin", data)
+    put_one(object_store, "f.bin", data)
     c = content_of(cache, "f.bin", len(data))
-    fetcher = Fetcher(store, cache, concurrency=2)
+    fetcher = Fetcher(object_store, cache, concurrency=2)
 
-    async def main():
-        await fetcher.fill(c, [2])
-        gets = store.count("get_range")
-        await fetcher.fill(c, [0, 1, 3])  # all cached by the first fill: no GET
-        assert store.count("get_range") == gets
-    run(main)
+    await fetcher.fill(c, [2])
+    gets = object_store.count("get_range")
+    await fetcher.fill(c, [0, 1, 3])  # all cached by the first fill: no GET
+    assert object_store.count("get_range") == gets
     assert cached(c) == [0, 1, 2, 3]
     assert c.read(0, len(data)) == data
     assert c.checksums.source == "metadata" and fetcher.unverified_reads == 0 and fetcher.integrity_retries == 0
 
 
-def test_a_multipart_object_is_fetched_in_whole_parts_from_its_manifest(cache, store):
+@trio_test
+async def test_a_multipart_object_is_fetched_in_whole_parts_from_its_manifest(cache, object_store):
     data = blob(5 * BS + 99, 3)
-    put_with_manifest(store, "f.bin", data, part_size=2 * BS)
+    put_with_manifest(object_store, "f.bin", data, part_size=2 * BS)
     c = content_of(cache, "f.bin", len(data))
-    fetcher = Fetcher(store, cache, concurrency=2)
+    fetcher = Fetcher(object_store, cache, concurrency=2)
 
-    async def main():
-        await fetcher.fill(c, [3])  # part 2: blocks 2-3
-        assert cached(c) == [2, 3]
-        await fetcher.fill(c, [5])  # the last part: block 4 and the short block 5
-        assert cached(c) == [2, 3, 4, 5]
-    run(main)
+    await fetcher.fill(c, [3])  # part 2: blocks 2-3
+    assert cached(c) == [2, 3]
+    await fetcher.fill(c, [5])  # the last part: block 4 and the short block 5
+    assert cached(c) == [2, 3, 4, 5]
     assert c.read(2 * BS, 2 * BS) == data[2 * BS:4 * BS] and c.read(4 * BS, 2 * BS) == data[4 * BS:]
     assert c.checksums.source == "manifest" and c.checksums.upload == "u1"
-    assert store.count("get_range", integrity.manifest_key("u1")) == 1  # the manifest is read once
+    assert object_store.count("get_range", integrity.manifest_key("u1")) == 1  # the manifest is read once
 
 
-def test_a_range_bent_on_the_wire_is_fetched_again(cache, store):
+def test_a_range_bent_on_the_wire_is_fetched_again(cache, object_store):
     data = blob(BS, 4)  # one block: the first GET is already the whole part, and checked
-    put_one(store, "f.bin", data)
-    store.bends = VERIFY_ATTEMPTS - 1
+    put_one(object_store, "f.bin", data)
+    object_store.bends = VERIFY_ATTEMPTS - 1
     c = content_of(cache, "f.bin", len(data))
-    fetcher = Fetcher(store, cache, concurrency=2)
-    run(lambda: fetcher.fill(c, [0]))
+    fetcher = Fetcher(object_store, cache, concurrency=2)
+    run_trio(lambda: fetcher.fill(c, [0]))
     assert c.read(0, len(data)) == data
     assert fetcher.integrity_retries == VERIFY_ATTEMPTS - 1 and not fetcher.integrity_errors
 
 
-def test_bytes_that_never_match_fail_with_eio_and_are_never_cached(cache, store):
+def test_bytes_that_never_match_fail_with_eio_and_are_never_cached(cache, object_store):
     data = blob(2 * BS, 5)
-    store.inner.put("f.bin", data, {integrity.XXH3_META: integrity.part_hash(b"other bytes")})
+    object_store.inner.put("f.bin", data, {integrity.XXH3_META: integrity.part_hash(b"other bytes")})
     c = content_of(cache, "f.bin", len(data))
-    fetcher = Fetcher(store, cache, concurrency=2)
+    fetcher = Fetcher(object_store, cache, concurrency=2)
     with pytest.raises(FsError) as exc:
-        run(lambda: fetcher.fill(c, [1]))
+        run_trio(lambda: fetcher.fill(c, [1]))
     assert exc.value.errno == errno.EIO and "integrity" in str(exc.value)
     assert cached(c) == [] and cache.refcounts == {}
     assert [e["key"] for e in fetcher.integrity_errors] == ["f.bin"]
 
 
-def test_transient_store_failures_are_retried(cache, store):
+def test_transient_store_failures_are_retried(cache, object_store):
     data = blob(BS, 6)
-    store.inner.put("f.bin", data)
-    store.fail("get_range", READ_ATTEMPTS - 1)
+    object_store.inner.put("f.bin", data)
+    object_store.fail("get_range", READ_ATTEMPTS - 1)
     c = content_of(cache, "f.bin", len(data))
-    fetcher = Fetcher(store, cache, concurrency=2)
-    run(lambda: fetcher.fill(c, [0]))
-    assert c.read(0, BS) == data and store.count("get_range") == READ_ATTEMPTS
+    fetcher = Fetcher(object_store, cache, concurrency=2)
+    run_trio(lambda: fetcher.fill(c, [0]))
+    assert c.read(0, BS) == data and object_store.count("get_range") == READ_ATTEMPTS
 
 
-def test_a_store_that_keeps_failing_fails_the_read_with_its_errno(cache, store):
-    store.inner.put("f.bin", blob(BS, 7))
-    store.fail("get_range", READ_ATTEMPTS)
+def test_a_store_that_keeps_failing_fails_the_read_with_its_errno(cache, object_store):
+    object_store.inner.put("f.bin", blob(BS, 7))
+    object_store.fail("get_range", READ_ATTEMPTS)
     c = content_of(cache, "f.bin", BS)
-    fetcher = Fetcher(store, cache, concurrency=2)
+    fetcher = Fetcher(object_store, cache, concurrency=2)
     with pytest.raises(FsError) as exc:
-        run(lambda: fetcher.fill(c, [0]))
-    assert exc.value.errno == errno.EIO and store.count("get_range") == READ_ATTEMPTS
+        run_trio(lambda: fetcher.fill(c, [0]))
+    assert exc.value.errno == errno.EIO and object_store.count("get_range") == READ_ATTEMPTS
     assert cached(c) == [] and fetcher.health.errors()
 
 
-def test_readers_of_one_block_share_one_fetch(cache, store):
+@trio_test
+async def test_readers_of_one_block_share_one_fetch(cache, object_store):
     data = blob(2 * BS, 8)
-    store.inner.put("f.bin", data)
+    object_store.inner.put("f.bin", data)
     c = content_of(cache, "f.bin", len(data))
-    fetcher = Fetcher(store, cache, concurrency=4)
-    gate = store.hold("get_range", "f.bin")
+    fetcher = Fetcher(object_store, cache, concurrency=4)
+    gate = object_store.hold("get_range", "f.bin")
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            for _ in range(3):
-                nursery.start_soon(fetcher.fill, c, [1])
-            await gate.entered()
-            await trio.testing.wait_all_tasks_blocked()
-            gate.open()
-    run(main)
-    assert store.count("get_range") == 1 and c.read(BS, BS) == data[BS:]
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(fetcher.fill, c, [1])
+        await gate.entered()
+        await trio.testing.wait_all_tasks_blocked()
+        gate.open()
+    assert object_store.count("get_range") == 1 and c.read(BS, BS) == data[BS:]
 
 
-def test_a_read_follows_its_object_to_the_key_a_rename_moved_it_to(cache, store):
+@trio_test
+async def test_a_read_follows_its_object_to_the_key_a_rename_moved_it_to(cache, object_store):
     data = blob(BS, 9)
-    store.inner.put("new.bin", data)
+    object_store.inner.put("new.bin", data)
     c = content_of(cache, "old.bin", len(data))  # the move (copy, delete) already happened
-    fetcher = Fetcher(store, cache, concurrency=2)
+    fetcher = Fetcher(object_store, cache, concurrency=2)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fetcher.fill, c, [0])
-            await store.called("get_range")  # NotFound at the old key: the reader waits
-            c.key = "new.bin"  # what the namespace does once the move is durable
-    run(main)
-    assert c.read(0, BS) == data and store.count("get_range", "new.bin") == 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fetcher.fill, c, [0])
+        await object_store.called("get_range")  # NotFound at the old key: the reader waits
+        c.key = "new.bin"  # what the namespace does once the move is durable
+    assert c.read(0, BS) == data and object_store.count("get_range", "new.bin") == 1
 
 
-def test_read_timeout_gives_up_with_eio_while_the_store_is_in_trouble(cache, store):
-    store.inner.put("f.bin", blob(BS, 10))
+def test_read_timeout_gives_up_with_eio_while_the_store_is_in_trouble(cache, object_store):
+    object_store.inner.put("f.bin", blob(BS, 10))
     c = content_of(cache, "f.bin", BS)
-    fetcher = Fetcher(store, cache, concurrency=2)
+    fetcher = Fetcher(object_store, cache, concurrency=2)
     fetcher.read_timeout = 0.5
-    gate = store.hold("get_range", "f.bin")
+    gate = object_store.hold("get_range", "f.bin")
     failure: list[FsError] = []
 
     async def main():
@@ -240,7 +223,7 @@ def test_read_timeout_gives_up_with_eio_while_the_store_is_in_trouble(cache, sto
             await gate.entered()
             fetcher.health.failed("write", "other.bin", "EIO: injected outage")  # the store is down
     try:
-        run(main)
+        run_trio(main)
     finally:
         gate.open()  # let the abandoned GET thread end
     assert len(failure) == 1 and failure[0].errno == errno.EIO and "--read-timeout" in str(failure[0])

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 import torch
 
 from tests.conftest import S3StoreView
+from tests.harness import free_port
 from tests.mounting import Mount, ckptfs
 
 pytestmark = pytest.mark.timeout(300)
@@ -97,10 +97,6 @@ def restart(mount_factory, store, tmp_path):
         m.cleanup()
 
 
-def fetched(m) -> int:
-    return m.status()["fetched_bytes"]
-
-
 def ckptfs_json(*args: str) -> dict:
     return json.loads(ckptfs(*args, "--json").stdout)
 
@@ -144,18 +140,12 @@ def checkpoints_then_gc(m: Mount, store, directory: str, restart_step: str, olde
 # =============================================================================================
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Ranks:
     """`world` processes of tests/frameworks_dcp.py, as torchrun would start them: they save, say
     "saved", and load when told to. A context manager: whatever happens, none is left running."""
 
     def __init__(self, root: Path, logs: Path, world: int = 2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
         self.logs = [logs / f"rank{rank}.err" for rank in range(world)]
         self.procs = []
@@ -219,7 +209,7 @@ def test_torch_distributed_checkpoint_two_ranks_save_async_save_and_resharded_lo
 
         fresh = restart(m)
         ranks.load()  # the same 2 ranks load, sharded by columns (Shard(1)): each rank checks
-    assert fetched(fresh) > 0
+    assert fresh.fetched_bytes() > 0
     with quiet("torch.distributed.checkpoint"):
         for seed, name in ((1, "dcp-sync"), (2, "dcp-async")):  # one process, no process group, full tensors
             want = expected(seed)
@@ -270,7 +260,7 @@ def test_safetensors_save_file_load_file_and_safe_open(store, mount_factory, res
         assert torch.equal(f.get_tensor("layer.0.weight"), tensors["layer.0.weight"])
     assert_same_tensors(load_file(path), tensors)
     assert_same_tensors(load(path.read_bytes()), tensors)
-    assert fetched(fresh) >= len(saved)
+    assert fresh.fetched_bytes() >= len(saved)
     fresh.stop()
 
 
@@ -338,7 +328,7 @@ def test_transformers_save_pretrained_sharded_and_from_pretrained(store, mount_f
     loaded = GPT2LMHeadModel.from_pretrained(fresh.path / "tiny-gpt2")
     assert_same_tensors(loaded.state_dict(), model.state_dict())
     assert loaded.config.n_layer == 2 and loaded.config.n_embd == 16
-    assert fetched(fresh) > 0
+    assert fresh.fetched_bytes() > 0
     fresh.stop()
 
 
@@ -394,7 +384,7 @@ def test_transformers_trainer_save_steps_rotation_and_resume(store, mount_factor
     assert sorted(os.listdir(fresh.path / "run")) == ["checkpoint-6", "checkpoint-8"]
     fresh.sync()
     assert _checkpoint_dirs(store, "run") == {"checkpoint-6", "checkpoint-8"}
-    assert fetched(fresh) > 0
+    assert fresh.fetched_bytes() > 0
     fresh.stop()
 
 
@@ -554,5 +544,5 @@ def test_accelerate_save_state_and_load_state(store, mount_factory, restart, fre
             assert_same_tensors(optimizer2.state_dict()["state"][param], state)
         assert scheduler2.state_dict() == scheduler.state_dict()
         assert torch.equal(torch.get_rng_state(), rng)
-        assert fetched(fresh) > 0
+        assert fresh.fetched_bytes() > 0
         fresh.stop()

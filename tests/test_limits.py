@@ -14,8 +14,9 @@ import pytest
 from ckptfs import limits
 from ckptfs.cache import DISK, RAM, Cache
 from ckptfs.config import MiB, MountConfig
+from tests.conftest import LocalStoreView
+from tests.harness import assert_one_line_error, run_cli
 from tests.mounting import Mount
-from tests.test_cli_args import assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
 
@@ -42,17 +43,9 @@ def own_shm(tmp_path: Path):
 
 
 @pytest.fixture
-def mounts():
-    made: list[Mount] = []
-    yield made
-    for m in made:
-        m.cleanup()
-
-
-def local_mount(tmp_path: Path, made: list[Mount], name: str = "m", **kwargs) -> Mount:
-    m = Mount(f"file://{tmp_path / 'store'}", tmp_path / name, **kwargs)
-    made.append(m)
-    return m
+def store(tmp_path):
+    """The local store only: these tests are about the machine, not the store."""
+    return LocalStoreView(tmp_path / "store")
 
 
 def fill(path: Path, leave: int) -> None:
@@ -77,23 +70,23 @@ def vm(pid: int, field: str) -> int:
 # -- the RAM tier on a small /dev/shm --------------------------------------------------------
 
 
-def test_ram_cache_larger_than_shm_is_refused(tmp_path, small_shm, mounts):
-    m = local_mount(tmp_path, mounts, ram_cache="1GiB", extra=("--shm-dir", str(small_shm)))
+def test_ram_cache_larger_than_shm_is_refused(tmp_path, small_shm, mount_factory):
+    m = mount_factory("m", ram_cache="1GiB", extra=("--shm-dir", str(small_shm)))
     done = run_cli("mount", *m.args())
     assert_one_line_error(done, 2, "--ram-cache 1 GiB", "64 MiB", "--shm-dir", "--shm-size")
     assert not os.listdir(small_shm)  # refused before anything was created there
 
 
-def test_ram_cache_larger_than_free_shm_is_refused(tmp_path, small_shm, mounts):
+def test_ram_cache_larger_than_free_shm_is_refused(tmp_path, small_shm, mount_factory):
     fill(small_shm / "other-users-file", leave=16 * MiB)
-    m = local_mount(tmp_path, mounts, ram_cache="32MiB", extra=("--shm-dir", str(small_shm)))
+    m = mount_factory("m", ram_cache="32MiB", extra=("--shm-dir", str(small_shm)))
     done = run_cli("mount", *m.args())  # (fits the tmpfs's size, not what is free in it)
     assert_one_line_error(done, 1, "--ram-cache 32 MiB", "free of 64 MiB", "--shm-dir")
 
 
-def test_full_shm_falls_back_to_disk(tmp_path, small_shm, mounts):
+def test_full_shm_falls_back_to_disk(tmp_path, small_shm, mount_factory):
     """/dev/shm fills up under a mounted daemon: writes go on in the disk tier, no SIGBUS."""
-    m = local_mount(tmp_path, mounts, ram_cache="32MiB", extra=("--shm-dir", str(small_shm))).start()
+    m = mount_factory("m", ram_cache="32MiB", extra=("--shm-dir", str(small_shm))).start()
     fill(small_shm / "other-users-file", leave=12 * MiB)  # room for one 8 MiB slot of the four
     data = os.urandom(3 * 32 * MiB)
     for name in ("a", "b"):  # the second save also meets the populate thread's ahead-of-time touch
@@ -144,9 +137,9 @@ def test_a_full_tmpfs_is_an_errno_not_a_signal(tmp_path, small_shm, caplog):
         c.close()
 
 
-def test_no_ram_tier(tmp_path, own_shm, mounts):
+def test_no_ram_tier(tmp_path, own_shm, mount_factory):
     """--ram-cache 0: no RAM tier, everything in the disk tier."""
-    m = local_mount(tmp_path, mounts, ram_cache="0", extra=("--shm-dir", str(own_shm))).start()
+    m = mount_factory("m", ram_cache="0", extra=("--shm-dir", str(own_shm))).start()
     data = os.urandom(20 * MiB + 5)
     (m.path / "f").write_bytes(data)
     status = status_of(m)
@@ -198,11 +191,11 @@ def test_limits_scale_with_the_machine(monkeypatch, tmp_path):
 # -- the daemon's memory ---------------------------------------------------------------------
 
 
-def test_rss_stays_under_the_formula(tmp_path, own_shm, mounts):
+def test_rss_stays_under_the_formula(tmp_path, own_shm, mount_factory):
     """Writing four times the RAM budget (and reading it back) keeps the daemon's peak RSS under
     --ram-cache + (2 x concurrency + 4) x part size + the fixed overhead (docs/architecture.md)."""
     ram, part, concurrency = 32 * MiB, 4 * MiB, 4
-    m = local_mount(tmp_path, mounts, ram_cache=str(ram), cache_size="1GiB",
+    m = mount_factory("m", ram_cache=str(ram), cache_size="1GiB",
                     extra=("--part-size", str(part), "--upload-concurrency", str(concurrency),
                            "--shm-dir", str(own_shm))).start()
     data = os.urandom(4 * ram)
@@ -217,10 +210,10 @@ def test_rss_stays_under_the_formula(tmp_path, own_shm, mounts):
     assert peak <= limits.memory_bound(config), (peak, limits.memory_bound(config))
 
 
-def test_idle_rss_is_not_concurrency_times_part_size(tmp_path, own_shm, mounts):
+def test_idle_rss_is_not_concurrency_times_part_size(tmp_path, own_shm, mount_factory):
     """Part buffers are made when first needed: 8 x 256 MiB would be 2 GiB of zeros up front."""
     part, concurrency = 256 * MiB, 8
-    m = local_mount(tmp_path, mounts, ram_cache=str(part),
+    m = mount_factory("m", ram_cache=str(part),
                     extra=("--part-size", str(part), "--upload-concurrency", str(concurrency),
                            "--shm-dir", str(own_shm))).start()
     (m.path / "small").write_bytes(b"x" * 4096)  # a small file: no part buffer

@@ -23,17 +23,14 @@ import pytest
 from ckptfs.store import NotFound, PartInfo, StoreError
 from ckptfs.store import localfs
 from ckptfs.store.local import TMP_DIR, LocalStore
+from tests.harness import blob
 
 KiB, MiB = 1 << 10, 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _blob(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
 @pytest.fixture
-def store(tmp_path) -> LocalStore:
+def object_store(tmp_path) -> LocalStore:
     s = LocalStore(tmp_path / "store")
     s.check()
     return s
@@ -54,137 +51,137 @@ def copied(monkeypatch) -> list[int]:
     return total
 
 
-def _upload_dir(store: LocalStore, uid: str) -> Path:
-    return store.root / TMP_DIR / "uploads" / uid
+def _upload_dir(object_store: LocalStore, uid: str) -> Path:
+    return object_store.root / TMP_DIR / "uploads" / uid
 
 
-def _upload(store: LocalStore, key: str, uid: str, blobs: dict[int, bytes], order, threads: int = 1) -> dict:
+def _upload(object_store: LocalStore, key: str, uid: str, blobs: dict[int, bytes], order, threads: int = 1) -> dict:
     with ThreadPoolExecutor(threads) as pool:
-        return dict(zip(order, pool.map(lambda n: store.upload_part(key, uid, n, blobs[n]), order)))
+        return dict(zip(order, pool.map(lambda n: object_store.upload_part(key, uid, n, blobs[n]), order)))
 
 
-def _complete(store: LocalStore, key: str, uid: str, infos: dict) -> None:
-    store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
+def _complete(object_store: LocalStore, key: str, uid: str, infos: dict) -> None:
+    object_store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
 
 
-def test_parts_are_written_once_in_place(store, copied):
+def test_parts_are_written_once_in_place(object_store, copied):
     """ckptfs's layout (equal parts, a shorter last one), sent from 8 threads: the upload's data
     file becomes the object; completing it copies nothing."""
     key = "ckpt/model.pt"
-    blobs = {n: _blob(256 * KiB, n) for n in range(1, 65)}
-    blobs[65] = _blob(1000, 65)
-    uid = store.create_multipart(key, {"xxh3": "abc"})
-    data = _upload_dir(store, uid) / "data"
+    blobs = {n: blob(256 * KiB, n) for n in range(1, 65)}
+    blobs[65] = blob(1000, 65)
+    uid = object_store.create_multipart(key, {"xxh3": "abc"})
+    data = _upload_dir(object_store, uid) / "data"
     rest = list(range(2, 66))
     random.Random(1).shuffle(rest)
-    infos = _upload(store, key, uid, blobs, [1], 1) | _upload(store, key, uid, blobs, rest, 8)
-    assert not list(_upload_dir(store, uid).glob("*.part"))
+    infos = _upload(object_store, key, uid, blobs, [1], 1) | _upload(object_store, key, uid, blobs, rest, 8)
+    assert not list(_upload_dir(object_store, uid).glob("*.part"))
     inode = data.stat().st_ino
-    _complete(store, key, uid, infos)
+    _complete(object_store, key, uid, infos)
     assert copied[0] == 0
-    published = store.root / "ckpt" / "model.pt"
+    published = object_store.root / "ckpt" / "model.pt"
     assert published.stat().st_ino == inode
     assert published.read_bytes() == b"".join(blobs[n] for n in sorted(blobs))
-    assert store.head(key).metadata == {"xxh3": "abc"}
-    assert os.listdir(store.root / TMP_DIR / "uploads") == []
+    assert object_store.head(key).metadata == {"xxh3": "abc"}
+    assert os.listdir(object_store.root / TMP_DIR / "uploads") == []
 
 
-def test_parts_sent_before_the_part_size_is_known(store, copied):
+def test_parts_sent_before_the_part_size_is_known(object_store, copied):
     """The short last part arriving first cannot set the slot size: it waits in a file of its
     own and is the only copy at completion. The next part, below a recorded one, sets it."""
     key = "k.bin"
-    blobs = {1: _blob(MiB, 1), 2: _blob(MiB, 2), 3: _blob(MiB, 3), 4: _blob(5000, 4)}
-    uid = store.create_multipart(key)
-    infos = _upload(store, key, uid, blobs, [4, 2, 3, 1])
-    assert sorted(p.name for p in _upload_dir(store, uid).glob("*.part")) == ["4.part"]
-    inode = (_upload_dir(store, uid) / "data").stat().st_ino
-    _complete(store, key, uid, infos)
+    blobs = {1: blob(MiB, 1), 2: blob(MiB, 2), 3: blob(MiB, 3), 4: blob(5000, 4)}
+    uid = object_store.create_multipart(key)
+    infos = _upload(object_store, key, uid, blobs, [4, 2, 3, 1])
+    assert sorted(p.name for p in _upload_dir(object_store, uid).glob("*.part")) == ["4.part"]
+    inode = (_upload_dir(object_store, uid) / "data").stat().st_ino
+    _complete(object_store, key, uid, infos)
     assert copied[0] == 5000
-    assert (store.root / key).stat().st_ino == inode
-    assert store.get_range(key, 0, 4 * MiB) == b"".join(blobs[n] for n in sorted(blobs))
+    assert (object_store.root / key).stat().st_ino == inode
+    assert object_store.get_range(key, 0, 4 * MiB) == b"".join(blobs[n] for n in sorted(blobs))
 
 
-def test_a_part_bigger_than_the_slots_falls_back_to_a_copy(store, copied):
+def test_a_part_bigger_than_the_slots_falls_back_to_a_copy(object_store, copied):
     """Parts of different sizes (not ckptfs's layout) do not fit the slots: completion
     concatenates them into a new file, which is still exactly the object."""
     key = "odd.bin"
-    blobs = {1: _blob(MiB, 1), 2: _blob(3 * MiB, 2), 3: _blob(MiB, 3), 4: _blob(7, 4)}
-    uid = store.create_multipart(key)
-    infos = _upload(store, key, uid, blobs, [1, 2, 3, 4])
-    assert sorted(p.name for p in _upload_dir(store, uid).glob("*.part")) == ["2.part"]
-    inode = (_upload_dir(store, uid) / "data").stat().st_ino
-    _complete(store, key, uid, infos)
+    blobs = {1: blob(MiB, 1), 2: blob(3 * MiB, 2), 3: blob(MiB, 3), 4: blob(7, 4)}
+    uid = object_store.create_multipart(key)
+    infos = _upload(object_store, key, uid, blobs, [1, 2, 3, 4])
+    assert sorted(p.name for p in _upload_dir(object_store, uid).glob("*.part")) == ["2.part"]
+    inode = (_upload_dir(object_store, uid) / "data").stat().st_ino
+    _complete(object_store, key, uid, infos)
     whole = b"".join(blobs[n] for n in sorted(blobs))
     assert copied[0] == len(whole)
-    assert (store.root / key).stat().st_ino != inode
-    assert store.get_range(key, 0, len(whole) + 1) == whole
-    assert os.listdir(store.root / TMP_DIR) == ["uploads"]  # the new file's temp name is gone
+    assert (object_store.root / key).stat().st_ino != inode
+    assert object_store.get_range(key, 0, len(whole) + 1) == whole
+    assert os.listdir(object_store.root / TMP_DIR) == ["uploads"]  # the new file's temp name is gone
 
 
-def test_failed_completion_wipes_the_parts_it_left_out(store):
+def test_failed_completion_wipes_the_parts_it_left_out(object_store):
     """Completing with fewer parts cuts the data file: the parts left out lose their records
     first, so if the completion fails after that (here: a file in the way of the key) and is
     tried again with them, it fails cleanly instead of publishing zeros."""
     key = "x/obj.bin"
-    blobs = {n: _blob(MiB, n) for n in (1, 2, 3)}
-    uid = store.create_multipart(key)
-    infos = _upload(store, key, uid, blobs, [1, 2, 3])
-    store.put("x", b"in the way")
+    blobs = {n: blob(MiB, n) for n in (1, 2, 3)}
+    uid = object_store.create_multipart(key)
+    infos = _upload(object_store, key, uid, blobs, [1, 2, 3])
+    object_store.put("x", b"in the way")
     with pytest.raises(StoreError) as exc:
-        store.complete_multipart(key, uid, [infos[1], infos[2]])
+        object_store.complete_multipart(key, uid, [infos[1], infos[2]])
     assert exc.value.errno == errno.ENOTDIR
-    store.delete("x")
+    object_store.delete("x")
     with pytest.raises(StoreError, match="part 3 .* was not uploaded"):
-        _complete(store, key, uid, infos)
-    infos[3] = store.upload_part(key, uid, 3, blobs[3])
-    _complete(store, key, uid, infos)
-    assert store.get_range(key, 0, 4 * MiB) == blobs[1] + blobs[2] + blobs[3]
+        _complete(object_store, key, uid, infos)
+    infos[3] = object_store.upload_part(key, uid, 3, blobs[3])
+    _complete(object_store, key, uid, infos)
+    assert object_store.get_range(key, 0, 4 * MiB) == blobs[1] + blobs[2] + blobs[3]
 
-def test_identical_retry_writes_nothing(store, monkeypatch):
-    uid = store.create_multipart("r.bin")
-    first = store.upload_part("r.bin", uid, 1, _blob(MiB, 1))
+def test_identical_retry_writes_nothing(object_store, monkeypatch):
+    uid = object_store.create_multipart("r.bin")
+    first = object_store.upload_part("r.bin", uid, 1, blob(MiB, 1))
     writes = []
     real = localfs.pwrite_all
     monkeypatch.setattr(localfs, "pwrite_all", lambda *a: writes.append(a[2]) or real(*a))
-    assert store.upload_part("r.bin", uid, 1, _blob(MiB, 1)) == first  # a retry after a timeout
+    assert object_store.upload_part("r.bin", uid, 1, blob(MiB, 1)) == first  # a retry after a timeout
     assert writes == []
-    store.complete_multipart("r.bin", uid, [first])
-    assert store.get_range("r.bin", 0, 2 * MiB) == _blob(MiB, 1)
+    object_store.complete_multipart("r.bin", uid, [first])
+    assert object_store.get_range("r.bin", 0, 2 * MiB) == blob(MiB, 1)
 
 
-def test_same_part_raced_from_two_threads(store):
+def test_same_part_raced_from_two_threads(object_store):
     """Two uploads of one part number at once: the part's record and its bytes always agree,
     so completing with the winner's token gives the winner's bytes, and the loser's fails."""
     key = "race.bin"
-    p1 = _blob(MiB, 1)
+    p1 = blob(MiB, 1)
     for round_ in range(12):
-        uid = store.create_multipart(key)
-        i1 = store.upload_part(key, uid, 1, p1)
-        contents = [_blob(MiB, 100 + 2 * round_), _blob(MiB, 101 + 2 * round_)]
+        uid = object_store.create_multipart(key)
+        i1 = object_store.upload_part(key, uid, 1, p1)
+        contents = [blob(MiB, 100 + 2 * round_), blob(MiB, 101 + 2 * round_)]
         barrier = threading.Barrier(2)
 
         def send(data: bytes, uid=uid, barrier=barrier):
             barrier.wait()
-            return store.upload_part(key, uid, 2, data)
+            return object_store.upload_part(key, uid, 2, data)
 
         with ThreadPoolExecutor(2) as pool:
             infos = list(pool.map(send, contents))
         try:
-            store.complete_multipart(key, uid, [i1, infos[0]])
+            object_store.complete_multipart(key, uid, [i1, infos[0]])
             won = contents[0]
         except StoreError:
-            store.complete_multipart(key, uid, [i1, infos[1]])
+            object_store.complete_multipart(key, uid, [i1, infos[1]])
             won = contents[1]
-        assert store.get_range(key, 0, 3 * MiB) == p1 + won
+        assert object_store.get_range(key, 0, 3 * MiB) == p1 + won
 
 
-def test_failed_reupload_leaves_no_record_over_changed_bytes(store, monkeypatch):
+def test_failed_reupload_leaves_no_record_over_changed_bytes(object_store, monkeypatch):
     """A re-upload that dies after overwriting some of the old bytes (a crash, EIO): the old
     token no longer completes (its bytes are gone), the new upload of the part then works."""
     key = "reup.bin"
-    old, new, tail = _blob(MiB, 1), _blob(MiB, 2), _blob(10, 3)
-    uid = store.create_multipart(key)
-    i1, i2 = store.upload_part(key, uid, 1, old), store.upload_part(key, uid, 2, tail)
+    old, new, tail = blob(MiB, 1), blob(MiB, 2), blob(10, 3)
+    uid = object_store.create_multipart(key)
+    i1, i2 = object_store.upload_part(key, uid, 1, old), object_store.upload_part(key, uid, 2, tail)
     real = os.fdatasync
 
     def failing(fd: int) -> None:
@@ -194,27 +191,27 @@ def test_failed_reupload_leaves_no_record_over_changed_bytes(store, monkeypatch)
 
     monkeypatch.setattr(os, "fdatasync", failing)
     with pytest.raises(StoreError) as exc:
-        store.upload_part(key, uid, 1, new)
+        object_store.upload_part(key, uid, 1, new)
     assert exc.value.errno == errno.EIO and exc.value.transient
     monkeypatch.setattr(os, "fdatasync", real)
     with pytest.raises(StoreError, match="part 1 .* was not uploaded"):
-        store.complete_multipart(key, uid, [i1, i2])
-    assert store.head(key) is None
-    store.complete_multipart(key, uid, [store.upload_part(key, uid, 1, new), i2])
-    assert store.get_range(key, 0, 3 * MiB) == new + tail
+        object_store.complete_multipart(key, uid, [i1, i2])
+    assert object_store.head(key) is None
+    object_store.complete_multipart(key, uid, [object_store.upload_part(key, uid, 1, new), i2])
+    assert object_store.get_range(key, 0, 3 * MiB) == new + tail
 
 
-def test_torn_record_reads_as_not_uploaded(store):
+def test_torn_record_reads_as_not_uploaded(object_store):
     key = "torn.bin"
-    uid = store.create_multipart(key)
-    i1, i2 = store.upload_part(key, uid, 1, _blob(MiB, 1)), store.upload_part(key, uid, 2, b"end")
-    with open(_upload_dir(store, uid) / "index", "r+b") as index:
+    uid = object_store.create_multipart(key)
+    i1, i2 = object_store.upload_part(key, uid, 1, blob(MiB, 1)), object_store.upload_part(key, uid, 2, b"end")
+    with open(_upload_dir(object_store, uid) / "index", "r+b") as index:
         index.seek(2 * 64 + 9)
         index.write(b"\xff\x00")  # a record half written when the machine went down
     with pytest.raises(StoreError, match="part 2 .* was not uploaded"):
-        store.complete_multipart(key, uid, [i1, i2])
-    store.complete_multipart(key, uid, [i1, store.upload_part(key, uid, 2, b"end")])
-    assert store.get_range(key, 0, 2 * MiB) == _blob(MiB, 1) + b"end"
+        object_store.complete_multipart(key, uid, [i1, i2])
+    object_store.complete_multipart(key, uid, [i1, object_store.upload_part(key, uid, 2, b"end")])
+    assert object_store.get_range(key, 0, 2 * MiB) == blob(MiB, 1) + b"end"
 
 
 _WRITER = """
@@ -267,34 +264,34 @@ def test_killed_mid_upload_completes_later_or_aborts(tmp_path, kill_after):
     assert later.get_range(key, 0, 50 * MiB) == b"".join(blobs[n] for n in sorted(blobs))
 
 
-def test_completed_but_not_cleaned_up(store, monkeypatch):
+def test_completed_but_not_cleaned_up(object_store, monkeypatch):
     """Killed after the data file was renamed into place, before the upload's directory went:
     completing again says the upload is gone (as S3 does), abort cleans up."""
-    uid = store.create_multipart("c.bin")
-    part = store.upload_part("c.bin", uid, 1, b"whole")
+    uid = object_store.create_multipart("c.bin")
+    part = object_store.upload_part("c.bin", uid, 1, b"whole")
     with monkeypatch.context() as m:
         m.setattr(LocalStore, "_drop_upload", lambda *a: None)
-        store.complete_multipart("c.bin", uid, [part])
-    assert store.get_range("c.bin", 0, 10) == b"whole"
-    assert store.list_multipart() == [("c.bin", uid)]
+        object_store.complete_multipart("c.bin", uid, [part])
+    assert object_store.get_range("c.bin", 0, 10) == b"whole"
+    assert object_store.list_multipart() == [("c.bin", uid)]
     with pytest.raises(NotFound):
-        store.complete_multipart("c.bin", uid, [part])
-    store.abort_multipart("c.bin", uid)
-    assert store.list_multipart() == [] and store.get_range("c.bin", 0, 10) == b"whole"
+        object_store.complete_multipart("c.bin", uid, [part])
+    object_store.abort_multipart("c.bin", uid)
+    assert object_store.list_multipart() == [] and object_store.get_range("c.bin", 0, 10) == b"whole"
 
 
-def test_part_waiting_for_an_abort_finds_the_upload_gone(store):
-    uid = store.create_multipart("w.bin")
-    d = _upload_dir(store, uid)
+def test_part_waiting_for_an_abort_finds_the_upload_gone(object_store):
+    uid = object_store.create_multipart("w.bin")
+    d = _upload_dir(object_store, uid)
     result = []
     index = os.open(d / "index", os.O_RDWR)
     try:
         fcntl.flock(index, fcntl.LOCK_EX)  # as abort holds it while it removes the upload
-        thread = threading.Thread(target=lambda: result.append(_try_upload(store, uid)))
+        thread = threading.Thread(target=lambda: result.append(_try_upload(object_store, uid)))
         thread.start()
         thread.join(0.3)
         assert thread.is_alive()  # waiting for the lock
-        store._drop_upload(uid)
+        object_store._drop_upload(uid)
     finally:
         os.close(index)
     thread.join(10)
@@ -302,28 +299,28 @@ def test_part_waiting_for_an_abort_finds_the_upload_gone(store):
     assert not d.exists()
 
 
-def _try_upload(store: LocalStore, uid: str):
+def _try_upload(object_store: LocalStore, uid: str):
     try:
-        return store.upload_part("w.bin", uid, 1, b"late")
+        return object_store.upload_part("w.bin", uid, 1, b"late")
     except StoreError as e:
         return e
 
 
-def test_upload_without_an_index_is_gone(store):
+def test_upload_without_an_index_is_gone(object_store):
     """An upload directory of the earlier layout (one file per part, no index): listed, so
     ckptfs can abort it; its parts cannot be used."""
     uid = "0" * 32
-    d = store.root / TMP_DIR / "uploads" / uid
+    d = object_store.root / TMP_DIR / "uploads" / uid
     d.mkdir()
     (d / "key").write_text("old.bin")
     (d / "00001-0123456789abcdef").write_bytes(b"old part")
-    assert store.list_multipart() == [("old.bin", uid)]
+    assert object_store.list_multipart() == [("old.bin", uid)]
     with pytest.raises(NotFound):
-        store.upload_part("old.bin", uid, 1, b"x")
+        object_store.upload_part("old.bin", uid, 1, b"x")
     with pytest.raises(NotFound):
-        store.complete_multipart("old.bin", uid, [PartInfo(1, "0123456789abcdef")])
-    store.abort_multipart("old.bin", uid)
-    assert store.list_multipart() == [] and not d.exists()
+        object_store.complete_multipart("old.bin", uid, [PartInfo(1, "0123456789abcdef")])
+    object_store.abort_multipart("old.bin", uid)
+    assert object_store.list_multipart() == [] and not d.exists()
 
 
 # -- symbolic links planted in the store ---------------------------------------------------
@@ -334,7 +331,7 @@ def test_upload_without_an_index_is_gone(store):
 
 
 @pytest.fixture
-def planted(tmp_path, store):
+def planted(tmp_path, object_store):
     """An ``outside`` directory next to the store, with a root-only ``secret.bin``; links to it
     in the store: ``secret.bin`` (to the file), ``outdir`` (to the directory), ``sub/parent``
     (to the directory, one level down)."""
@@ -342,11 +339,11 @@ def planted(tmp_path, store):
     outside.mkdir(mode=0o700)
     (outside / "secret.bin").write_bytes(b"root only")
     (outside / "secret.bin").chmod(0o600)
-    store.put("ok.bin", b"ok")
-    store.put("sub/", b"")
-    os.symlink(outside / "secret.bin", store.root / "secret.bin")
-    os.symlink(outside, store.root / "outdir")
-    os.symlink(outside, store.root / "sub" / "parent")
+    object_store.put("ok.bin", b"ok")
+    object_store.put("sub/", b"")
+    os.symlink(outside / "secret.bin", object_store.root / "secret.bin")
+    os.symlink(outside, object_store.root / "outdir")
+    os.symlink(outside, object_store.root / "sub" / "parent")
     return outside
 
 
@@ -355,96 +352,97 @@ def _outside_untouched(outside: Path) -> None:
     assert (outside / "secret.bin").read_bytes() == b"root only"
 
 
-def test_reads_never_follow_a_link(store, planted):
+def test_reads_never_follow_a_link(object_store, planted):
     for key in ("secret.bin", "outdir/secret.bin", "sub/parent/secret.bin"):
         with pytest.raises(NotFound):
-            store.get_range(key, 0, 100)
-        assert store.head(key) is None
+            object_store.get_range(key, 0, 100)
+        assert object_store.head(key) is None
         with pytest.raises(NotFound):
-            store.copy(key, "stolen.bin")
+            object_store.copy(key, "stolen.bin")
     for key in ("outdir/", "sub/parent/"):
-        assert store.head(key) is None
+        assert object_store.head(key) is None
         with pytest.raises(NotFound):
-            store.get_range(key, 0, 1)
-        assert store.list_dir(key).files == [] and not store.list_dir(key).exists
-        assert list(store.list(key)) == []
-    assert store.head("stolen.bin") is None
-    assert store.get_range("ok.bin", 0, 10) == b"ok"
+            object_store.get_range(key, 0, 1)
+        assert object_store.list_dir(key).files == [] and not object_store.list_dir(key).exists
+        assert list(object_store.list(key)) == []
+    assert object_store.head("stolen.bin") is None
+    assert object_store.get_range("ok.bin", 0, 10) == b"ok"
 
 
-def test_listings_skip_links_with_one_warning_each(store, planted, caplog):
+def test_listings_skip_links_with_one_warning_each(object_store, planted, caplog):
     caplog.set_level(logging.WARNING, logger="ckptfs.store.local")
     for _ in range(3):
-        assert [o.key for o in store.list()] == ["ok.bin", "sub/"]
-        top = store.list_dir("")
+        assert [o.key for o in object_store.list()] == ["ok.bin", "sub/"]
+        top = object_store.list_dir("")
         assert ([f.key for f in top.files], top.dirs) == (["ok.bin"], ["sub"])
-        assert store.list_dir("sub/").dirs == [] and store.list_dir("sub/").files == []
+        assert object_store.list_dir("sub/").dirs == [] and object_store.list_dir("sub/").files == []
     warned = [r.getMessage() for r in caplog.records if "symbolic link" in r.getMessage()]
-    assert sorted(warned) == sorted(f"local store {store.root}: {key!r} is a symbolic link: not shown, never followed"
+    root = object_store.root
+    assert sorted(warned) == sorted(f"local store {root}: {key!r} is a symbolic link: not shown, never followed"
                                     for key in ("secret.bin", "outdir", "sub/parent"))
 
 
-def test_writes_never_land_outside(store, planted):
+def test_writes_never_land_outside(object_store, planted):
     for key in ("outdir/new.bin", "sub/parent/new.bin", "outdir/deeper/new.bin"):
         with pytest.raises(StoreError) as exc:
-            store.put(key, b"mine")
+            object_store.put(key, b"mine")
         assert exc.value.errno == errno.ELOOP and "symbolic link" in str(exc.value)
         with pytest.raises(StoreError):
-            store.copy("ok.bin", key)
+            object_store.copy("ok.bin", key)
         with pytest.raises(StoreError):
-            store.put(key.rpartition("/")[0] + "/", b"")
-        uid = store.create_multipart(key)
-        part = store.upload_part(key, uid, 1, b"mine")
+            object_store.put(key.rpartition("/")[0] + "/", b"")
+        uid = object_store.create_multipart(key)
+        part = object_store.upload_part(key, uid, 1, b"mine")
         with pytest.raises(StoreError) as exc:
-            store.complete_multipart(key, uid, [part])
+            object_store.complete_multipart(key, uid, [part])
         assert exc.value.errno == errno.ELOOP
-        store.abort_multipart(key, uid)
+        object_store.abort_multipart(key, uid)
     for key in ("outdir/secret.bin", "sub/parent/secret.bin", "outdir/", "sub/parent/"):
-        store.delete(key)  # nothing of ours there: a no-op
+        object_store.delete(key)  # nothing of ours there: a no-op
     _outside_untouched(planted)
     # A link where an object goes is replaced by the object; what it pointed to stays as it was.
-    store.put("secret.bin", b"mine")
-    assert not (store.root / "secret.bin").is_symlink()
-    assert store.get_range("secret.bin", 0, 10) == b"mine"
-    uid = store.create_multipart("secret2.bin")
-    os.symlink(planted / "secret.bin", store.root / "secret2.bin")
-    store.complete_multipart("secret2.bin", uid, [store.upload_part("secret2.bin", uid, 1, b"mine too")])
-    assert store.get_range("secret2.bin", 0, 10) == b"mine too"
+    object_store.put("secret.bin", b"mine")
+    assert not (object_store.root / "secret.bin").is_symlink()
+    assert object_store.get_range("secret.bin", 0, 10) == b"mine"
+    uid = object_store.create_multipart("secret2.bin")
+    os.symlink(planted / "secret.bin", object_store.root / "secret2.bin")
+    object_store.complete_multipart("secret2.bin", uid, [object_store.upload_part("secret2.bin", uid, 1, b"mine too")])
+    assert object_store.get_range("secret2.bin", 0, 10) == b"mine too"
     _outside_untouched(planted)
 
 
-def test_links_inside_a_multipart_upload_are_not_followed(store, planted):
+def test_links_inside_a_multipart_upload_are_not_followed(object_store, planted):
     """Someone who can write into the store could plant links among an upload's own files."""
-    uid = store.create_multipart("k.bin")
-    d = _upload_dir(store, uid)
+    uid = object_store.create_multipart("k.bin")
+    d = _upload_dir(object_store, uid)
     (d / "data").unlink()
     os.symlink(planted / "secret.bin", d / "data")
     with pytest.raises(StoreError) as exc:
-        store.upload_part("k.bin", uid, 1, b"x" * 100)
+        object_store.upload_part("k.bin", uid, 1, b"x" * 100)
     assert exc.value.errno == errno.ELOOP
     os.symlink(planted / "secret.bin", d / "2.part")  # a part that goes to a file of its own
     with pytest.raises(StoreError):
-        store.upload_part("k.bin", uid, 2, b"y" * 100)
-    store.abort_multipart("k.bin", uid)
+        object_store.upload_part("k.bin", uid, 2, b"y" * 100)
+    object_store.abort_multipart("k.bin", uid)
     assert not d.exists()
     _outside_untouched(planted)
     # The whole upload directory, or the uploads directory, swapped for a link.
-    uid = store.create_multipart("k.bin")
-    shutil.rmtree(_upload_dir(store, uid))
-    os.symlink(planted, _upload_dir(store, uid))
+    uid = object_store.create_multipart("k.bin")
+    shutil.rmtree(_upload_dir(object_store, uid))
+    os.symlink(planted, _upload_dir(object_store, uid))
     with pytest.raises(NotFound):
-        store.upload_part("k.bin", uid, 1, b"x")
-    assert store.list_multipart() == []
-    store.abort_multipart("k.bin", uid)
-    assert _upload_dir(store, uid).is_symlink()  # the link itself may stay; its target is untouched
+        object_store.upload_part("k.bin", uid, 1, b"x")
+    assert object_store.list_multipart() == []
+    object_store.abort_multipart("k.bin", uid)
+    assert _upload_dir(object_store, uid).is_symlink()  # the link itself may stay; its target is untouched
     _outside_untouched(planted)
 
 
-def test_a_linked_temp_dir_is_refused(store, planted):
-    tmp = store.root / TMP_DIR
+def test_a_linked_temp_dir_is_refused(object_store, planted):
+    tmp = object_store.root / TMP_DIR
     shutil.rmtree(tmp)
     os.symlink(planted, tmp)
-    fresh = LocalStore(store.root)
+    fresh = LocalStore(object_store.root)
     with pytest.raises(StoreError, match="symbolic link") as exc:
         fresh.check()
     assert exc.value.errno == errno.ELOOP
@@ -464,20 +462,20 @@ def _exchange(a: Path, b: Path) -> None:
         raise OSError(ctypes.get_errno(), "renameat2")
 
 
-def test_a_component_swapped_for_a_link_mid_operation(store, planted):
+def test_a_component_swapped_for_a_link_mid_operation(object_store, planted):
     """A user who can write into the store swaps a directory for a link to ``outside`` and back,
     as fast as it can, while objects under it are written and read: nothing lands outside and no
     read returns the outside bytes (a check-then-use walk would lose this race now and then)."""
-    store.put("swap/in.bin", b"inside")
+    object_store.put("swap/in.bin", b"inside")
     (planted / "in.bin").write_bytes(b"root only")  # what a followed link would show
     (planted / "in.bin").chmod(0o600)
-    link = store.root / "swap.link"
+    link = object_store.root / "swap.link"
     os.symlink(planted, link)
     stop = threading.Event()
 
     def swapper() -> None:
         while not stop.is_set():
-            _exchange(store.root / "swap", link)
+            _exchange(object_store.root / "swap", link)
 
     thread = threading.Thread(target=swapper)
     thread.start()
@@ -485,12 +483,12 @@ def test_a_component_swapped_for_a_link_mid_operation(store, planted):
     try:
         for i in range(400):
             try:
-                store.put(f"swap/new-{i}.bin", b"mine")
+                object_store.put(f"swap/new-{i}.bin", b"mine")
             except StoreError as e:
                 assert e.errno in (errno.ELOOP, errno.ENOTDIR)  # ENOTDIR: swapped back between two looks
                 refused += 1
             with contextlib.suppress(NotFound):
-                seen.append(store.get_range("swap/in.bin", 0, 100))
+                seen.append(object_store.get_range("swap/in.bin", 0, 100))
     finally:
         stop.set()
         thread.join()

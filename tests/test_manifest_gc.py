@@ -21,7 +21,7 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def store(s3_server, s3_bucket):
+def object_store(s3_server, s3_bucket):
     s = S3Store(s3_bucket, PREFIX, endpoint_url=s3_server.endpoint)
     yield s
     s.close()
@@ -52,7 +52,7 @@ def manifest_names(client, bucket: str) -> set[str]:
     return {o["Key"].rsplit("/", 1)[1] for o in answer.get("Contents", [])}
 
 
-def test_orphans_are_collected_and_live_manifests_kept(s3_bucket, client, store, written):
+def test_orphans_are_collected_and_live_manifests_kept(s3_bucket, client, object_store, written):
     ups = {name: upload_of(client, s3_bucket, name) for name in ("kept.bin", "overwritten.bin", "deleted.bin",
                                                                  "renamed.bin")}
     assert set(ups.values()) <= manifest_names(client, s3_bucket)
@@ -66,16 +66,16 @@ def test_orphans_are_collected_and_live_manifests_kept(s3_bucket, client, store,
     client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/{integrity.MANIFEST_PREFIX}{integrity.PROBE_NAME}x", Body=b"")
 
     # Young manifests are never judged.
-    assert integrity.orphan_manifests(store, time.time(), min_age=3600) == []
+    assert integrity.orphan_manifests(object_store, time.time(), min_age=3600) == []
     # A sweep judges at most `limit` manifests (a random sample of the old ones).
-    assert len(integrity.orphan_manifests(store, time.time() + 1, min_age=0, limit=1)) <= 1
-    found = integrity.orphan_manifests(store, time.time() + 1, min_age=0)
+    assert len(integrity.orphan_manifests(object_store, time.time() + 1, min_age=0, limit=1)) <= 1
+    found = integrity.orphan_manifests(object_store, time.time() + 1, min_age=0)
     assert sorted(found) == sorted([integrity.manifest_key(ups["overwritten.bin"]),
                                     integrity.manifest_key(ups["deleted.bin"]),
                                     integrity.MANIFEST_PREFIX + integrity.PROBE_NAME + "x"])
 
 
-def test_the_manifest_of_an_upload_that_may_still_complete_is_kept(s3_bucket, client, store, written):
+def test_the_manifest_of_an_upload_that_may_still_complete_is_kept(s3_bucket, client, object_store, written):
     """Another mount between its manifest PUT and its CompleteMultipartUpload (or retrying the
     Complete through an outage): its upload is in progress, started before the manifest was
     written, so no manifest written after that start is collected until the upload ends."""
@@ -85,23 +85,24 @@ def test_the_manifest_of_an_upload_that_may_still_complete_is_kept(s3_bucket, cl
     time.sleep(1.1)  # (deleted.bin's manifest, just written by the mount, is then older than the upload)
     upload = client.create_multipart_upload(Bucket=s3_bucket, Key=f"{PREFIX}/other-mount.bin")["UploadId"]
     time.sleep(1.1)  # (the server's times have one-second resolution)
-    store.put(orphan, integrity.Checksums(9 * MiB, 8 * MiB, ["0", "1"], "", "u", "manifest").to_manifest())
+    object_store.put(orphan, integrity.Checksums(9 * MiB, 8 * MiB, ["0", "1"], "", "u", "manifest").to_manifest())
     deleted = integrity.manifest_key(upload_of_gone)
     # Kept while that upload may complete; deleted.bin's, written before the upload started, goes.
-    assert integrity.orphan_manifests(store, time.time() + 1, min_age=0) == [deleted]
+    assert integrity.orphan_manifests(object_store, time.time() + 1, min_age=0) == [deleted]
     client.abort_multipart_upload(Bucket=s3_bucket, Key=f"{PREFIX}/other-mount.bin", UploadId=upload)
-    found = integrity.orphan_manifests(store, time.time() + 1, min_age=0)
+    found = integrity.orphan_manifests(object_store, time.time() + 1, min_age=0)
     assert orphan in found and integrity.manifest_key(upload_of(client, s3_bucket, "kept.bin")) not in found
     assert len(found) == 2  # and deleted.bin's
 
 
-def test_a_mount_sweeps_at_most_once_a_day_over_all_mounts(s3_server, s3_bucket, client, store, written, tmp_path):
+def test_a_mount_sweeps_at_most_once_a_day_over_all_mounts(s3_server, s3_bucket, client, object_store, written,
+                                                           tmp_path):
     """The mount in ``written`` swept at its start (the stamp is there); a second mount within the
     day does not, and the sweep never deleted a live manifest."""
     stamp = client.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{integrity.SWEEP_STAMP}")
     assert time.time() - stamp["LastModified"].timestamp() < 600
-    assert integrity.sweep_due(store, time.time()) is False
-    assert integrity.sweep_due(store, time.time() + integrity.SWEEP_EVERY_S + 1) is True
+    assert integrity.sweep_due(object_store, time.time()) is False
+    assert integrity.sweep_due(object_store, time.time() + integrity.SWEEP_EVERY_S + 1) is True
     m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / "r", endpoint_url=s3_server.endpoint)
     try:
         m.start()

@@ -46,7 +46,6 @@ import functools
 import itertools
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -58,8 +57,8 @@ from hypothesis import HealthCheck, reject, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from tests.mounting import CKPTFS, Mount, is_mounted
-from tests.test_crash_torture import _proc_state, kill_daemon
+from tests.harness import blob, proc_state
+from tests.mounting import CKPTFS, Mount, is_mounted, kill_daemon
 
 LONG = os.environ.get("CKPTFS_LONG") == "1"
 EXAMPLES = int(os.environ.get("CKPTFS_MODEL_EXAMPLES") or (300 if LONG else 40))
@@ -125,7 +124,8 @@ class Spawner:
 
 
 class SpawnedMount(Mount):
-    """A Mount whose CLI calls go through a Spawner."""
+    """A Mount whose CLI calls go through a Spawner (its status comes over the control socket:
+    no fork)."""
 
     def __init__(self, spawner: Spawner, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -142,9 +142,6 @@ class SpawnedMount(Mount):
         self.pid = self.status()["pid"]
         return self
 
-    def status(self) -> dict:
-        return json.loads(self.cli("status", str(self.path), "--json")["stdout"])
-
     def sync(self, *paths: str, timeout: float = 120) -> None:
         self.cli("sync", str(self.path), *paths, timeout=timeout)
 
@@ -154,10 +151,10 @@ class SpawnedMount(Mount):
 
     def died(self) -> str | None:
         """None while the daemon runs; else the tail of its log (why it died)."""
-        if self.pid is None or (is_mounted(self.path) and _proc_state(self.pid) not in (None, "Z")):
+        if self.pid is None or (is_mounted(self.path) and proc_state(self.pid) not in (None, "Z")):
             return None
         deadline = time.monotonic() + 5  # a crashed daemon unmounts, then prints its traceback
-        while _proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
+        while proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
         lines = (self.cache_dir / "ckptfs.log").read_text(errors="replace").splitlines()
         return "\n".join(lines[-60:])
@@ -166,9 +163,9 @@ class SpawnedMount(Mount):
         # A daemon that crashed may still be writing its traceback: let it finish first.
         deadline = time.monotonic() + 5
         while self.pid is not None and is_mounted(self.path) is False and \
-                _proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
+                proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.pid is not None and _proc_state(self.pid) is None:
+        if self.pid is not None and proc_state(self.pid) is None:
             self.pid = None  # gone (and reaped): its pid may be someone else's by now
         super().cleanup()
 
@@ -199,10 +196,6 @@ class MHandle:
 
 
 Path_ = tuple[str, ...]
-
-
-def blob(size: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(size)
 
 
 sizes = st.one_of(st.integers(0, 64), st.integers(0, 40 * KiB), st.integers(0, 300 * KiB))

@@ -7,98 +7,46 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.faultproxy import Rule, blackhole, reset_mid_body, status
+from tests.harness import proc_state, wait_until, write_files
 from tests.mounting import Mount, ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(240)
 
-PREFIX = "run"
 MiB = 1 << 20
 
 
 @pytest.fixture
-def bucket_view(s3_server, s3_bucket):
-    client = s3_server.client()
-
-    def read(key: str) -> bytes:
-        return client.get_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}")["Body"].read()
-
-    read.open_uploads = lambda: client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
-    return read
-
-
-@pytest.fixture
-def make_mount(s3_bucket, proxy, tmp_path):
-    """Mounts of s3://bucket/run through the proxy (not started); cleaned up with the store back.
-    Their RAM tiers live in a tmpfs directory of their own (what other mounts on the machine leave
-    in /dev/shm is none of these tests' business)."""
-    made = []
-    shm = Path("/dev/shm") / f"ckptfs-outage-tests-{uuid.uuid4().hex[:8]}"
-    shm.mkdir(mode=0o700)
-
-    def make(name: str = "m", extra: tuple[str, ...] = (), **kwargs) -> Mount:
-        m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / name, endpoint_url=proxy.url,
-                  extra=("--shm-dir", str(shm), *extra), **kwargs)
-        made.append(m)
-        return m
-
-    yield make
-    proxy.clear()
-    for m in made:
-        m.cleanup()
-    shutil.rmtree(shm, ignore_errors=True)
-
-
-def write_files(m: Mount, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        (m.path / name).write_bytes(data)
-
-
-def wait_until(predicate, timeout: float, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    return predicate()
+def store(proxied_store):
+    """s3://bucket/run through the fault proxy (mount_factory's mounts use it)."""
+    return proxied_store
 
 
 def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:  # an exited daemon nobody reaped yet counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    return proc_state(pid) in (None, "Z")  # an exited daemon nobody reaped yet counts as gone
 
 
-def recover(m: Mount, files: dict[str, bytes], read) -> None:
+def recover(m: Mount, files: dict[str, bytes], store) -> None:
     """Mount again with the store back: everything pending becomes durable, byte for byte."""
     m.start()
     m.sync(timeout=120)
     for name, data in files.items():
-        assert read(name) == data, f"{name} differs in the store"
+        assert store.read(name) == data, f"{name} differs in the store"
         assert (m.path / name).read_bytes() == data
-    assert read.open_uploads() == []  # what the stopped daemon left open was swept
+    assert store.multipart_uploads() == []  # what the stopped daemon left open was swept
 
 
-def test_umount_with_the_store_down_gives_up_after_its_timeout_and_loses_nothing(proxy, make_mount, bucket_view):
-    m = make_mount().start()
+def test_umount_with_the_store_down_gives_up_after_its_timeout_and_loses_nothing(proxy, mount_factory, store):
+    m = mount_factory().start()
     proxy.add_rule(Rule(blackhole()))
     files = {"model.bin": os.urandom(20 * MiB + 3), "latest": b"step-100\n"}
-    write_files(m, files)
+    write_files(m.path, files)
     started = time.monotonic()
     done = ckptfs("umount", str(m.path), "--timeout", "4", check=False, timeout=120)
     took = time.monotonic() - started
@@ -122,14 +70,14 @@ def test_umount_with_the_store_down_gives_up_after_its_timeout_and_loses_nothing
     m.pid = None
 
     proxy.clear()
-    recover(m, files, bucket_view)
+    recover(m, files, store)
 
 
-def test_sigterm_with_store_calls_hanging_stops_the_daemon_within_seconds(proxy, make_mount, bucket_view):
-    m = make_mount().start()
+def test_sigterm_with_store_calls_hanging_stops_the_daemon_within_seconds(proxy, mount_factory, store):
+    m = mount_factory().start()
     rule = proxy.add_rule(Rule(blackhole()))
     files = {"a.bin": os.urandom(24 * MiB), "b.bin": os.urandom(9 * MiB), "c.txt": b"small" * 100}
-    write_files(m, files)
+    write_files(m.path, files)
     assert wait_until(lambda: rule.hits >= 3, 20), "no store call reached the blackhole"
     pid = m.pid
     started = time.monotonic()
@@ -143,14 +91,14 @@ def test_sigterm_with_store_calls_hanging_stops_the_daemon_within_seconds(proxy,
     assert "Traceback" not in log
 
     proxy.clear()
-    recover(m, files, bucket_view)
+    recover(m, files, store)
 
 
-def test_a_full_cache_with_the_store_down_gives_enospc_within_write_timeout(proxy, make_mount, bucket_view):
-    m = make_mount(ram_cache="16MiB", cache_size="32MiB", extra=("--write-timeout", "3")).start()
+def test_a_full_cache_with_the_store_down_gives_enospc_within_write_timeout(proxy, mount_factory, store):
+    m = mount_factory(ram_cache="16MiB", cache_size="32MiB", extra=("--write-timeout", "3")).start()
     proxy.add_rule(Rule(blackhole()))
     committed = {"first.bin": os.urandom(16 * MiB)}
-    write_files(m, committed)
+    write_files(m.path, committed)
     chunk = os.urandom(MiB)
     fd = os.open(m.path / "second.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     written, blocked_at, failure = 0, None, None
@@ -182,12 +130,12 @@ def test_a_full_cache_with_the_store_down_gives_enospc_within_write_timeout(prox
     proxy.clear()
     m.sync(timeout=120)
     for name, data in committed.items():
-        assert bucket_view(name) == data
+        assert store.read(name) == data
         assert (m.path / name).read_bytes() == data
 
 
-def test_creating_a_file_during_an_outage_answers_from_what_the_mount_knows(proxy, make_mount):
-    m = make_mount(extra=("--list-ttl", "1")).start()
+def test_creating_a_file_during_an_outage_answers_from_what_the_mount_knows(proxy, mount_factory):
+    m = mount_factory(extra=("--list-ttl", "1")).start()
     (m.path / "idle").mkdir()
     (m.path / "idle" / "old.txt").write_bytes(b"old")
     m.sync(timeout=60)
@@ -204,8 +152,8 @@ def test_creating_a_file_during_an_outage_answers_from_what_the_mount_knows(prox
     assert time.monotonic() - started < 3
 
 
-def test_status_shows_store_trouble_from_the_first_failed_call(proxy, make_mount):
-    m = make_mount().start()
+def test_status_shows_store_trouble_from_the_first_failed_call(proxy, mount_factory):
+    m = mount_factory().start()
     # A connection reset on every PUT: botocore retries by itself; its first failed attempt shows.
     rule = proxy.add_rule(Rule(reset_mid_body(), kind="put"))
     started = time.monotonic()
@@ -235,14 +183,14 @@ def test_status_shows_store_trouble_from_the_first_failed_call(proxy, make_mount
     proxy.remove_rule(rule)
 
 
-def _cold_reader(make_mount, *extra: str) -> tuple[Mount, bytes]:
+def _cold_reader(mount_factory, *extra: str) -> tuple[Mount, bytes]:
     """A 3 MiB file written by one mount, and a second mount with an empty cache: every read of
     it goes to the store."""
-    writer = make_mount("w").start()
+    writer = mount_factory("w").start()
     data = os.urandom(3 * MiB)
     (writer.path / "ckpt.bin").write_bytes(data)
     writer.stop()
-    return make_mount("r", extra=extra).start(), data
+    return mount_factory("r", extra=extra).start(), data
 
 
 def _failing_read(path: Path) -> tuple[OSError, float]:
@@ -253,8 +201,8 @@ def _failing_read(path: Path) -> tuple[OSError, float]:
     return caught.value, time.monotonic() - started
 
 
-def test_a_cold_read_that_fails_shows_in_status(proxy, make_mount):
-    reader, data = _cold_reader(make_mount)
+def test_a_cold_read_that_fails_shows_in_status(proxy, mount_factory):
+    reader, data = _cold_reader(mount_factory)
     rule = proxy.add_rule(Rule(status(503, "ServiceUnavailable", "down for maintenance"), kind="get"))
     error, took = _failing_read(reader.path / "ckpt.bin")
     print(f"\ncold read with every GET failing: EIO after {took:.1f} s ({rule.hits} GETs)")
@@ -268,11 +216,11 @@ def test_a_cold_read_that_fails_shows_in_status(proxy, make_mount):
     assert (reader.path / "ckpt.bin").read_bytes() == data
 
 
-def test_a_cold_read_with_the_store_down_fails_within_read_timeout(proxy, make_mount):
+def test_a_cold_read_with_the_store_down_fails_within_read_timeout(proxy, mount_factory):
     """A blackholed store: the read is given up with EIO once the store has not answered for
     --read-timeout (at least the 10 s after which an unanswered call counts as trouble), not after
     the client's retries of 60 s timeouts; once the store is back the same read works."""
-    reader, data = _cold_reader(make_mount, "--read-timeout", "2")
+    reader, data = _cold_reader(mount_factory, "--read-timeout", "2")
     rule = proxy.add_rule(Rule(blackhole(), kind="get"))
     error, took = _failing_read(reader.path / "ckpt.bin")
     print(f"\ncold read with the store blackholed: EIO after {took:.1f} s")

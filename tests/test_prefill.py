@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import wait_until
 from tests.mounting import Mount
 
 pytestmark = pytest.mark.timeout(180)
@@ -44,10 +45,8 @@ def resident_fraction(path: Path) -> float:
 
 
 def wait_pushed(mount: Mount, size: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while mount.status()["page_cache_pushed_bytes"] < size:
-        assert time.monotonic() < deadline, f"pushed {mount.status()['page_cache_pushed_bytes']} of {size} bytes"
-        time.sleep(0.05)
+    wait_until(lambda: mount.status()["page_cache_pushed_bytes"] >= size, timeout,
+               what=f"{size} bytes pushed into the page cache")
 
 
 def test_a_durable_checkpoint_is_in_the_page_cache_before_its_first_read(mount_factory):
@@ -58,10 +57,7 @@ def test_a_durable_checkpoint_is_in_the_page_cache_before_its_first_read(mount_f
     path.write_bytes(data)
     m.sync()
     wait_pushed(m, len(data))
-    deadline = time.monotonic() + 10
-    while m.status()["page_cache_queued_files"]:  # the push of the last block ends
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: not m.status()["page_cache_queued_files"], 10, what="the push of the last block to end")
     assert m.status()["page_cache_pushed_bytes"] == len(data)
     # Before any read through the mount. In about 1 run in 7 a few % of the pushed pages, scattered
     # over the whole file, are not resident (seen on kernel 6.18 with every push acknowledged;
@@ -112,10 +108,8 @@ def test_a_push_put_off_by_an_open_reader_goes_ahead_when_it_closes(mount_factor
     path.write_bytes(os.urandom(size))
     with open(path, "rb"):
         m.sync()
-        deadline = time.monotonic() + 60
-        while m.status()["page_cache_queued_files"]:  # the push came and found the file open
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(lambda: not m.status()["page_cache_queued_files"], 60,
+                   what="the push to come and find the file open")
         assert m.status()["page_cache_pushed_bytes"] == 0
     wait_pushed(m, size)
     m.stop()

@@ -19,9 +19,9 @@ import trio
 from ckptfs.cache import Cache, Content
 from ckptfs.namespace import Node, Version
 from ckptfs.prefill import Prefill
+from tests.harness import trio_test
 
 BS = 64 << 10
-GUARD_S = 60  # hang guard only
 
 
 class Kernel:
@@ -78,26 +78,18 @@ async def until(predicate) -> None:
         await trio.sleep(0.01)
 
 
-def run(main) -> None:
-    async def guarded():
-        with trio.fail_after(GUARD_S):
-            await main()
-    trio.run(guarded)
-
-
-def test_a_closed_file_is_pushed_whole_after_the_kernel_drops_its_pages(cache):
+@trio_test
+async def test_a_closed_file_is_pushed_whole_after_the_kernel_drops_its_pages(cache):
     data = random.Random(1).randbytes(3 * BS + 500)
     node, version = cached_file(cache, data, evicted=(1,))
     kernel = Kernel()
     prefill = kernel.attach(Prefill(busy=lambda: False))
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(prefill.run)
-            prefill.want(node, version)
-            await until(lambda: prefill.queued_files == 0 and prefill.pushed_bytes)
-            nursery.cancel_scope.cancel()
-    run(main)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prefill.run)
+        prefill.want(node, version)
+        await until(lambda: prefill.queued_files == 0 and prefill.pushed_bytes)
+        nursery.cancel_scope.cancel()
     assert kernel.calls == [("invalidate", 2), ("stat", "step1.pt"),
                             ("store", 2, 0), ("store", 2, 2 * BS), ("store", 2, 3 * BS)]  # block 1 not cached
     assert kernel.pages == {0: data[:BS], 2 * BS: data[2 * BS:3 * BS], 3 * BS: data[3 * BS:]}
@@ -105,27 +97,27 @@ def test_a_closed_file_is_pushed_whole_after_the_kernel_drops_its_pages(cache):
     assert all(n == 1 for n in cache.refcounts.values())  # the pins taken for the copy are back
 
 
-def test_an_open_file_waits_for_its_last_close(cache):
+@trio_test
+async def test_an_open_file_waits_for_its_last_close(cache):
     node, version = cached_file(cache, b"x" * BS)
     node.handles = 1
     kernel = Kernel()
     prefill = kernel.attach(Prefill(busy=lambda: False))
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(prefill.run)
-            prefill.want(node, version)
-            await until(lambda: node.ino in prefill.deferred)
-            assert kernel.calls == [] and prefill.queued_files == 0
-            node.handles = 0
-            prefill.closed(node)
-            await until(lambda: prefill.pushed_bytes == BS)
-            nursery.cancel_scope.cancel()
-    run(main)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prefill.run)
+        prefill.want(node, version)
+        await until(lambda: node.ino in prefill.deferred)
+        assert kernel.calls == [] and prefill.queued_files == 0
+        node.handles = 0
+        prefill.closed(node)
+        await until(lambda: prefill.pushed_bytes == BS)
+        nursery.cancel_scope.cancel()
     assert kernel.calls[0] == ("invalidate", 2) and kernel.pages == {0: b"x" * BS}
 
 
-def test_nothing_is_pushed_while_the_machine_is_busy(cache):
+@trio_test
+async def test_nothing_is_pushed_while_the_machine_is_busy(cache):
     node, version = cached_file(cache, b"y" * BS)
     kernel = Kernel()
     state = {"busy": True, "asked": 0}
@@ -136,20 +128,19 @@ def test_nothing_is_pushed_while_the_machine_is_busy(cache):
 
     prefill = kernel.attach(Prefill(busy=busy))
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(prefill.run)
-            prefill.want(node, version)
-            await until(lambda: state["asked"] >= 3)  # it looked, and looked again
-            assert kernel.calls == [] and prefill.queued_files == 1
-            state["busy"] = False
-            await until(lambda: prefill.pushed_bytes == BS)
-            nursery.cancel_scope.cancel()
-    run(main)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prefill.run)
+        prefill.want(node, version)
+        await until(lambda: state["asked"] >= 3)  # it looked, and looked again
+        assert kernel.calls == [] and prefill.queued_files == 1
+        state["busy"] = False
+        await until(lambda: prefill.pushed_bytes == BS)
+        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("change", ["newer version", "unlinked", "forgotten"])
-def test_a_version_no_longer_current_is_not_pushed(cache, change):
+@trio_test
+async def test_a_version_no_longer_current_is_not_pushed(cache, change):
     node, version = cached_file(cache, b"z" * BS)
     if change == "newer version":
         node.version = Version(Content(cache, 0, []), seq=2)
@@ -160,34 +151,32 @@ def test_a_version_no_longer_current_is_not_pushed(cache, change):
     kernel = Kernel()
     prefill = kernel.attach(Prefill(busy=lambda: False))
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(prefill.run)
-            prefill.want(node, version)
-            await until(lambda: prefill.queued_files == 0)
-            nursery.cancel_scope.cancel()
-    run(main)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prefill.run)
+        prefill.want(node, version)
+        await until(lambda: prefill.queued_files == 0)
+        nursery.cancel_scope.cancel()
     assert kernel.calls == [] and prefill.pushed_bytes == 0 and node.kernel_version is None
 
 
-def test_the_kernel_refusing_a_page_stops_the_push(cache):
+@trio_test
+async def test_the_kernel_refusing_a_page_stops_the_push(cache):
     data = random.Random(2).randbytes(3 * BS)
     node, version = cached_file(cache, data)
     kernel = Kernel(fail_at_offset=BS)
     prefill = kernel.attach(Prefill(busy=lambda: False))
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(prefill.run)
-            prefill.want(node, version)
-            await until(lambda: prefill.queued_files == 0 and prefill.pushed_bytes)
-            nursery.cancel_scope.cancel()
-    run(main)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prefill.run)
+        prefill.want(node, version)
+        await until(lambda: prefill.queued_files == 0 and prefill.pushed_bytes)
+        nursery.cancel_scope.cancel()
     assert list(kernel.pages) == [0] and prefill.pushed_bytes == BS  # nothing after the refusal
     assert all(n == 1 for n in cache.refcounts.values())
 
 
-def test_the_newest_request_goes_first_and_prefill_off_queues_nothing(cache):
+@trio_test
+async def test_the_newest_request_goes_first_and_prefill_off_queues_nothing(cache):
     off = Prefill(busy=lambda: False)
     node, version = cached_file(cache, b"a" * BS)
     off.want(node, version)
@@ -201,10 +190,8 @@ def test_the_newest_request_goes_first_and_prefill_off_queues_nothing(cache):
     prefill.want(older, older_version)
     prefill.want(newer, newer_version)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(prefill.run)
-            await until(lambda: prefill.queued_files == 0 and prefill.pushed_bytes == 2 * BS)
-            nursery.cancel_scope.cancel()
-    run(main)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prefill.run)
+        await until(lambda: prefill.queued_files == 0 and prefill.pushed_bytes == 2 * BS)
+        nursery.cancel_scope.cancel()
     assert [c[1] for c in kernel.calls if c[0] == "invalidate"] == [3, 2]

@@ -20,20 +20,13 @@ import torch
 import xxhash
 
 from tests.checkpoints import assert_same, make_checkpoint
+from tests.harness import blob
 from tests.mounting import Mount
 
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
 BS = 8 * MiB  # the default part size: the unit of a cold fetch
-
-
-def blob(size: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(size)
-
-
-def fetched(m: Mount) -> int:
-    return m.status()["fetched_bytes"]
 
 
 def pread_all(fd: int, offset: int, length: int) -> bytes:
@@ -64,12 +57,12 @@ def test_cold_and_warm_torch_load_equal_what_was_saved(store, mount_factory):
     reader = mount_factory().start()  # another cache dir: nothing cached
     path = reader.path / "step-64" / "model.pt"
     assert path.stat().st_size == size
-    assert fetched(reader) == 0
+    assert reader.fetched_bytes() == 0
     assert_same(torch.load(path, weights_only=False), state)  # cold: from the store
     # Random access (the zip's central directory first) still fetches each block once.
-    assert fetched(reader) == size
+    assert reader.fetched_bytes() == size
     assert_same(torch.load(path, weights_only=False), state)  # warm: from the cache
-    assert fetched(reader) == size
+    assert reader.fetched_bytes() == size
     assert os.getxattr(path, "user.ckptfs.state") == b"durable"
     reader.stop()
 
@@ -93,13 +86,13 @@ def test_torch_load_mmap_cached_and_cold(store, mount_factory):
     path = writer.path / "model.pt"
     torch.save(state, path)
     _mmap_load_equals(path, state)  # cached: the writing mount, after close
-    assert fetched(writer) == 0
+    assert writer.fetched_bytes() == 0
     size = path.stat().st_size
     writer.stop()
 
     reader = mount_factory().start()
     _mmap_load_equals(reader.path / "model.pt", state)  # cold
-    assert fetched(reader) == size
+    assert reader.fetched_bytes() == size
     _mmap_load_equals(reader.path / "model.pt", state)  # and again, now cached
     reader.stop()
 
@@ -133,7 +126,7 @@ def test_safetensors_mmap_cached_and_cold(store, mount_factory):
 
     reader = mount_factory().start()
     check(reader.path / "model.safetensors")  # cold
-    assert fetched(reader) > 0
+    assert reader.fetched_bytes() > 0
     reader.stop()
 
 
@@ -158,7 +151,7 @@ def test_reads_spanning_many_parts_cold(store, mount_factory):
         assert os.pread(fd, MiB, size) == b""
     finally:
         os.close(fd)
-    assert fetched(one) == size
+    assert one.fetched_bytes() == size
     one.stop()
 
     # Odd-offset reads across every part boundary, cold, in a scattered order.
@@ -176,11 +169,11 @@ def test_reads_spanning_many_parts_cold(store, mount_factory):
         for offset, length in reads:
             got = pread_all(fd, offset, length)
             assert got == data[offset:offset + length], (offset, length)
-        assert fetched(odd) <= size  # no block fetched twice
+        assert odd.fetched_bytes() <= size  # no block fetched twice
         assert pread_all(fd, 0, size) == data
     finally:
         os.close(fd)
-    assert fetched(odd) == size
+    assert odd.fetched_bytes() == size
     odd.stop()
 
 
@@ -260,12 +253,12 @@ def test_concurrent_cold_readers_fetch_each_block_once(s3_server, s3_bucket, tmp
             blocks = -(-size // BS)
             print(f"\n4 concurrent cold readers of a {size // MiB} MiB file: {len(gets)} GETs "
                   f"for {blocks} blocks of 8 MiB (statuses {statuses}), {elapsed:.2f} s, "
-                  f"fetched_bytes {fetched(reader)}")
+                  f"fetched_bytes {reader.fetched_bytes()}")
             ranges = sorted(r.headers.get("range", "") for r in gets)
             assert len(gets) == blocks, ranges
             assert ranges == sorted(f"bytes={i * BS}-{min(size, (i + 1) * BS) - 1}" for i in range(blocks))
             assert statuses == [206] or statuses == [200]
-            assert fetched(reader) == size
+            assert reader.fetched_bytes() == size
             reader.stop()
         finally:
             reader.cleanup()

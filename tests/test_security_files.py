@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ import pytest
 from ckptfs import cli
 from ckptfs.config import control_socket_path
 from tests.faultproxy import FaultProxy, Rule, status
+from tests.harness import wait_until
 from tests.mounting import Mount, ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(180)
@@ -267,10 +267,8 @@ def test_clean_umount_removes_the_ram_tier_unless_kept(store, mount_factory, tmp
     assert m.status()["fetched_bytes"] == 0
     m.sync()
     os.kill(m.pid, signal.SIGTERM)  # a clean stop too
-    deadline = time.monotonic() + 60
-    while is_mounted(m.path) or Path(f"/proc/{m.pid}").exists():
-        assert time.monotonic() < deadline, "SIGTERM did not stop the daemon"
-        time.sleep(0.1)
+    wait_until(lambda: not is_mounted(m.path) and not Path(f"/proc/{m.pid}").exists(), 60,
+               what="SIGTERM to stop the daemon")
     m.pid = None
     assert os.listdir(shm) == []
 

@@ -10,80 +10,17 @@ exactly as AWS S3 does (400 BadDigest); the bytes go on to moto, which keeps the
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 
-import boto3
 import pytest
-from botocore.config import Config
 
 from ckptfs.store.base import PartInfo
 from ckptfs.store.s3 import PROBE_PREFIX, S3Store, crc32c_b64
-from tests.faultproxy import FaultProxy, Rule, corrupt_request_body, delay, status
+from tests.faultproxy import Rule, corrupt_request_body, delay, status
 from tests.mounting import Mount
 
 pytestmark = pytest.mark.timeout(240)
 
 MiB = 1 << 20
-BUCKET = "ckptfs-checks"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint(tmp_path_factory):
-    """moto's standalone S3 server on 127.0.0.1 (a process of its own), stopped after the module."""
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("moto.server did not start") from None
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
-@pytest.fixture
-def moto(moto_endpoint, monkeypatch):
-    """(endpoint, client) with a fresh bucket; the mounts inherit moto's (any) credentials."""
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():
-        monkeypatch.setenv(name, value)
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    client = boto3.client("s3", endpoint_url=moto_endpoint, config=Config(
-        s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
-        response_checksum_validation="when_required"))
-    bucket = f"{BUCKET}-{os.urandom(4).hex()}"
-    client.create_bucket(Bucket=bucket)
-    return moto_endpoint, client, bucket
-
-
-@pytest.fixture
-def verifying(moto):
-    """A fault proxy in front of moto that refuses bodies not matching their CRC32C."""
-    endpoint, client, bucket = moto
-    with FaultProxy(endpoint) as proxy:
-        proxy.verify_checksums = True
-        yield proxy, client, bucket
 
 
 @pytest.fixture

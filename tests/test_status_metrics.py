@@ -10,46 +10,32 @@ import os
 import pty
 import re
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faultproxy import Rule, blackhole, status
+from tests.harness import wait_until
 from tests.mounting import CKPTFS, Mount, ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(240)
 
-PREFIX = "run"
 MiB = 1 << 20
 
 
+METRICS = ("--metrics-port", "0")  # serve metrics on a free port
+
+
 @pytest.fixture
-def make_mount(s3_bucket, proxy, tmp_path):
-    """Mounts of s3://bucket/run through the fault proxy, serving metrics on a free port (not
-    started); cleaned up with the store back. RAM tiers in a tmpfs directory of their own."""
-    made = []
-    shm = Path("/dev/shm") / f"ckptfs-metrics-tests-{uuid.uuid4().hex[:8]}"
-    shm.mkdir(mode=0o700)
-
-    def make(name: str = "m", extra: tuple[str, ...] = ("--metrics-port", "0"), **kwargs) -> Mount:
-        m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / name, endpoint_url=proxy.url,
-                  extra=("--shm-dir", str(shm), *extra), **kwargs)
-        made.append(m)
-        return m
-
-    yield make
-    proxy.clear()
-    for m in made:
-        m.cleanup()
-    shutil.rmtree(shm, ignore_errors=True)
+def store(proxied_store):
+    """s3://bucket/run through the fault proxy (mount_factory's mounts use it)."""
+    return proxied_store
 
 
 class Scrape:
@@ -76,18 +62,8 @@ def metrics_url(m: Mount) -> str:
     return url
 
 
-def wait_until(predicate, timeout: float, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    return predicate()
-
-
-def test_metrics_endpoint_counts_what_the_mount_did(make_mount, proxy, bucket_read):
-    m = make_mount().start()
+def test_metrics_endpoint_counts_what_the_mount_did(mount_factory, proxy, store):
+    m = mount_factory(extra=METRICS).start()
     url = metrics_url(m)
     files = {"step-100/model.pt": os.urandom(20 * MiB + 3), "step-100/optim.pt": os.urandom(9 * MiB),
              "latest": b"step-100\n"}
@@ -124,14 +100,15 @@ def test_metrics_endpoint_counts_what_the_mount_did(make_mount, proxy, bucket_re
     assert s.families["ckptfs_upload_request_seconds"].type == "histogram"
     assert s.families["ckptfs_written_bytes"].type == "counter"
     for name, data in files.items():
-        assert bucket_read(name) == data
+        assert store.read(name) == data
     # Every series the Grafana dashboard queries is one the endpoint serves.
     dashboard = (Path(__file__).resolve().parent.parent / "docs" / "grafana-ckptfs.json").read_text()
     queried = set(re.findall(r"ckptfs_[a-z_]+", dashboard)) - {"ckptfs"}
     served = {name for name, _ in s.samples}
     assert queried and queried <= served, queried - served
 
-    st = m.status()
+    st = json.loads(ckptfs("status", str(m.path), "--json").stdout)  # the CLI's JSON: what Mount.status() reads
+    assert st.keys() == m.status().keys()
     assert st["latest_checkpoint"] == "step-100/" and st["retries"]["upload"] >= 1
     assert any(e["key"] == "latest" and "503" in e["message"] for e in st["errors"]), st["errors"]
     text = ckptfs("status", str(m.path)).stdout
@@ -141,7 +118,7 @@ def test_metrics_endpoint_counts_what_the_mount_did(make_mount, proxy, bucket_re
         assert line in text, line
 
     # Another mount with an empty cache reads it back: fetched bytes and GET latencies.
-    reader = make_mount("reader").start()
+    reader = mount_factory("reader", extra=METRICS).start()
     assert (reader.path / "step-100" / "model.pt").read_bytes() == files["step-100/model.pt"]
     r = Scrape(metrics_url(reader))
     assert r.value("ckptfs_fetched_bytes_total") >= len(files["step-100/model.pt"])
@@ -149,8 +126,8 @@ def test_metrics_endpoint_counts_what_the_mount_did(make_mount, proxy, bucket_re
     assert r.value("ckptfs_written_bytes_total") == 0
 
 
-def test_training_at_risk_rises_while_uploads_are_blocked_and_falls_after(make_mount, proxy, bucket_read):
-    m = make_mount().start()
+def test_training_at_risk_rises_while_uploads_are_blocked_and_falls_after(mount_factory, proxy, store):
+    m = mount_factory(extra=METRICS).start()
     url = metrics_url(m)
     (m.path / "step-1").mkdir()
     (m.path / "step-1" / "model.pt").write_bytes(os.urandom(MiB))
@@ -188,12 +165,12 @@ def test_training_at_risk_rises_while_uploads_are_blocked_and_falls_after(make_m
     assert result["files"] == 1 and result["bytes"] == len(data), result
     after = Scrape(url)
     assert after.value("ckptfs_training_at_risk_seconds") == 0 and after.value("ckptfs_pending_files") == 0
-    assert bucket_read("step-2/model.pt") == data
+    assert store.read("step-2/model.pt") == data
     assert m.status()["training_at_risk_s"] == 0
 
 
-def test_status_watch_redraws_in_place_on_a_terminal_and_streams_json_otherwise(make_mount):
-    m = make_mount(extra=()).start()
+def test_status_watch_redraws_in_place_on_a_terminal_and_streams_json_otherwise(mount_factory):
+    m = mount_factory().start()
     (m.path / "a.bin").write_bytes(b"x" * 1000)
     main, sub = pty.openpty()
     proc = subprocess.Popen([*CKPTFS, "status", str(m.path), "--watch", "0.3"], stdin=sub, stdout=sub,
@@ -226,13 +203,13 @@ def test_status_watch_redraws_in_place_on_a_terminal_and_streams_json_otherwise(
     assert not any("\x1b" in line for line in lines)
 
 
-def test_a_metrics_port_taken_fails_the_mount_with_one_line(make_mount):
+def test_a_metrics_port_taken_fails_the_mount_with_one_line(mount_factory):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
     port = taken.getsockname()[1]
     try:
-        m = make_mount(extra=("--metrics-port", str(port)))
+        m = mount_factory(extra=("--metrics-port", str(port)))
         done = ckptfs("mount", *m.args(), check=False, timeout=120)
     finally:
         taken.close()
@@ -247,8 +224,8 @@ def test_a_metrics_port_taken_fails_the_mount_with_one_line(make_mount):
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
 
-def test_a_silent_scraper_holds_the_endpoint_only_for_its_request_timeout(make_mount):
-    m = make_mount().start()
+def test_a_silent_scraper_holds_the_endpoint_only_for_its_request_timeout(mount_factory):
+    m = mount_factory(extra=METRICS).start()
     url = metrics_url(m)
     host, port = url[len("http://"):].split("/")[0].split(":")
     silent = socket.create_connection((host, int(port)))  # connects, never sends a request

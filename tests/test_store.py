@@ -14,13 +14,9 @@ import pytest
 
 from ckptfs.store import NotFound, ObjectStore, StoreError, open_store
 from ckptfs.store.local import TMP_DIR, LocalStore
+from tests.harness import blob
 
 MiB = 1 << 20
-
-
-def _blob(n: int, seed: int = 0) -> bytes:
-    """Incompressible bytes, distinct per seed (a swapped or stale part shows up)."""
-    return random.Random(seed).randbytes(n)
 
 
 @pytest.fixture
@@ -47,8 +43,8 @@ def fake_credentials(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-secret")
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path) -> ObjectStore:
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.store)])
+def object_store(request, tmp_path) -> ObjectStore:
     if request.param == "local":
         s = open_store((tmp_path / "store").as_uri())
         s.check()
@@ -56,21 +52,21 @@ def store(request, tmp_path) -> ObjectStore:
     return request.getfixturevalue("s3_store")()
 
 
-def _keys(store: ObjectStore, prefix: str = "") -> list[str]:
-    return [o.key for o in store.list(prefix)]
+def _keys(object_store: ObjectStore, prefix: str = "") -> list[str]:
+    return [o.key for o in object_store.list(prefix)]
 
 
 # -- basic verbs -----------------------------------------------------------------
 
 
-def test_put_get_head_with_metadata(store):
-    data = _blob(100_000, seed=1)
-    store.put("ckpt/step1/model.pt", data, {"xxh3": "0123456789abcdef", "state": "durable"})
-    assert store.get_range("ckpt/step1/model.pt", 0, len(data)) == data
-    assert store.get_range("ckpt/step1/model.pt", 10, 20) == data[10:30]
-    assert store.get_range("ckpt/step1/model.pt", len(data) - 5, 100) == data[-5:]  # short at the end
-    assert store.get_range("ckpt/step1/model.pt", len(data) + 10, 5) == b""  # past the end
-    info = store.head("ckpt/step1/model.pt")
+def test_put_get_head_with_metadata(object_store):
+    data = blob(100_000, seed=1)
+    object_store.put("ckpt/step1/model.pt", data, {"xxh3": "0123456789abcdef", "state": "durable"})
+    assert object_store.get_range("ckpt/step1/model.pt", 0, len(data)) == data
+    assert object_store.get_range("ckpt/step1/model.pt", 10, 20) == data[10:30]
+    assert object_store.get_range("ckpt/step1/model.pt", len(data) - 5, 100) == data[-5:]  # short at the end
+    assert object_store.get_range("ckpt/step1/model.pt", len(data) + 10, 5) == b""  # past the end
+    info = object_store.head("ckpt/step1/model.pt")
     assert info is not None
     assert info.key == "ckpt/step1/model.pt"
     assert info.size == len(data)
@@ -78,289 +74,288 @@ def test_put_get_head_with_metadata(store):
     assert info.metadata == {"xxh3": "0123456789abcdef", "state": "durable"}
 
 
-def test_put_overwrites_and_accepts_memoryview(store):
-    store.put("f", b"old contents", {"v": "1"})
+def test_put_overwrites_and_accepts_memoryview(object_store):
+    object_store.put("f", b"old contents", {"v": "1"})
     buf = bytearray(b"xxNEWyy")
-    store.put("f", memoryview(buf)[2:5], {"v": "2"})  # a slice: not the whole buffer
-    assert store.get_range("f", 0, 100) == b"NEW"
-    assert store.head("f").metadata == {"v": "2"}
-    store.put("g", memoryview(b"whole bytes"))
-    assert store.get_range("g", 0, 100) == b"whole bytes"
+    object_store.put("f", memoryview(buf)[2:5], {"v": "2"})  # a slice: not the whole buffer
+    assert object_store.get_range("f", 0, 100) == b"NEW"
+    assert object_store.head("f").metadata == {"v": "2"}
+    object_store.put("g", memoryview(b"whole bytes"))
+    assert object_store.get_range("g", 0, 100) == b"whole bytes"
 
 
-def test_empty_object_and_dir_marker(store):
-    store.put("empty.bin", b"")
-    assert store.head("empty.bin").size == 0
-    assert store.get_range("empty.bin", 0, 10) == b""
-    store.put("dir/", b"")
-    marker = store.head("dir/")
+def test_empty_object_and_dir_marker(object_store):
+    object_store.put("empty.bin", b"")
+    assert object_store.head("empty.bin").size == 0
+    assert object_store.get_range("empty.bin", 0, 10) == b""
+    object_store.put("dir/", b"")
+    marker = object_store.head("dir/")
     assert marker is not None and marker.size == 0
-    assert store.get_range("dir/", 0, 10) == b""
-    assert store.head("dir") is None  # "dir" and "dir/" are different keys
+    assert object_store.get_range("dir/", 0, 10) == b""
+    assert object_store.head("dir") is None  # "dir" and "dir/" are different keys
 
 
-def test_missing_key(store):
-    assert store.head("nope") is None
+def test_missing_key(object_store):
+    assert object_store.head("nope") is None
     with pytest.raises(NotFound) as exc:
-        store.get_range("nope", 0, 10)
+        object_store.get_range("nope", 0, 10)
     assert exc.value.errno == errno.ENOENT and not exc.value.transient
     assert "nope" in str(exc.value)
     with pytest.raises(NotFound):
-        store.get_range("nope/deeper", 0, 0)
+        object_store.get_range("nope/deeper", 0, 0)
 
 
-def test_list_nested_keys_and_markers(store):
+def test_list_nested_keys_and_markers(object_store):
     keys = {"ckpt/": 0, "ckpt/step1/": 0, "ckpt/step1/model.pt": 3, "ckpt/step1/optim.pt": 5,
             "ckpt/step10/": 0, "ckpt/step10/model.pt": 7, "ckpt/latest": 2, "ckpt-old": 1,
             "empty/": 0, "top.txt": 4}
     for key, size in keys.items():
-        store.put(key, b"x" * size)
-    listed = list(store.list())
+        object_store.put(key, b"x" * size)
+    listed = list(object_store.list())
     assert {o.key: o.size for o in listed} == keys
     # S3 order: UTF-8 byte order of the whole key ("ckpt-old" < "ckpt/", "step1/" < "step10/").
     assert [o.key for o in listed] == sorted(keys, key=str.encode)
-    assert _keys(store, "ckpt/step1/") == ["ckpt/step1/", "ckpt/step1/model.pt", "ckpt/step1/optim.pt"]
-    assert _keys(store, "ckpt/step1") == ["ckpt/step1/", "ckpt/step1/model.pt", "ckpt/step1/optim.pt",
+    assert _keys(object_store, "ckpt/step1/") == ["ckpt/step1/", "ckpt/step1/model.pt", "ckpt/step1/optim.pt"]
+    assert _keys(object_store, "ckpt/step1") == ["ckpt/step1/", "ckpt/step1/model.pt", "ckpt/step1/optim.pt",
                                           "ckpt/step10/", "ckpt/step10/model.pt"]
-    assert _keys(store, "ckpt/l") == ["ckpt/latest"]
-    assert _keys(store, "ckpt") == sorted((k for k in keys if k.startswith("ckpt")), key=str.encode)
-    assert _keys(store, "nothing/") == []
-    assert _keys(store, "emp") == ["empty/"]
+    assert _keys(object_store, "ckpt/l") == ["ckpt/latest"]
+    assert _keys(object_store, "ckpt") == sorted((k for k in keys if k.startswith("ckpt")), key=str.encode)
+    assert _keys(object_store, "nothing/") == []
+    assert _keys(object_store, "emp") == ["empty/"]
 
 
-def test_list_dir_is_one_level(store):
+def test_list_dir_is_one_level(object_store):
     keys = {"ckpt/": 0, "ckpt/latest": 2, "ckpt/step1/": 0, "ckpt/step1/model.pt": 3,
             "ckpt/step10/model.pt": 7, "ckpt/a b/x": 1, "ckpt/deep/er/still/f": 1, "ckpt-old": 1,
             "empty/": 0, "top.txt": 4}
     for key, size in keys.items():
-        store.put(key, b"x" * size)
-    top = store.list_dir("")
+        object_store.put(key, b"x" * size)
+    top = object_store.list_dir("")
     assert top.exists
     assert [(o.key, o.size) for o in top.files] == [("ckpt-old", 1), ("top.txt", 4)]
     assert top.dirs == ["ckpt", "empty"]
-    ckpt = store.list_dir("ckpt/")
+    ckpt = object_store.list_dir("ckpt/")
     assert ckpt.exists
     assert [o.key for o in ckpt.files] == ["ckpt/latest"]  # not the directory's own marker
     assert ckpt.dirs == ["a b", "deep", "step1", "step10"]  # markers and implied directories
     assert abs(ckpt.files[0].mtime - time.time()) < 300
-    assert store.list_dir("ckpt/step1/").exists and [o.key for o in store.list_dir("ckpt/step1/").files] == [
-        "ckpt/step1/model.pt"]
-    empty = store.list_dir("empty/")
+    listed = object_store.list_dir("ckpt/step1/")
+    assert listed.exists and [o.key for o in listed.files] == ["ckpt/step1/model.pt"]
+    empty = object_store.list_dir("empty/")
     assert empty.exists and empty.files == [] and empty.dirs == []
-    missing = store.list_dir("nothing/")
+    missing = object_store.list_dir("nothing/")
     assert not missing.exists and missing.files == [] and missing.dirs == []
-    assert not store.list_dir("top.txt/").exists
+    assert not object_store.list_dir("top.txt/").exists
     # limit: is there a directory under this name at all (a marker, or keys under it)?
-    assert store.list_dir("ckpt/deep/", limit=1).exists
-    assert store.list_dir("empty/", limit=1).exists
-    assert not store.list_dir("ckpt/latest/", limit=1).exists
-    one = store.list_dir("ckpt/", limit=1)
+    assert object_store.list_dir("ckpt/deep/", limit=1).exists
+    assert object_store.list_dir("empty/", limit=1).exists
+    assert not object_store.list_dir("ckpt/latest/", limit=1).exists
+    one = object_store.list_dir("ckpt/", limit=1)
     assert one.exists and len(one.files) + len(one.dirs) <= 1  # (S3 counts the marker as the one)
     with pytest.raises(ValueError):
-        store.list_dir("ckpt")
+        object_store.list_dir("ckpt")
 
 
-def test_listing_and_head_agree_on_an_objects_identity(store):
+def test_listing_and_head_agree_on_an_objects_identity(object_store):
     """A mount compares what list_dir says with what it saw earlier (from a listing or a HEAD)
     to notice objects another mount replaced: size, mtime and etag must agree between them."""
-    store.put("d/small", b"abc")
-    uid = store.create_multipart("d/big")
-    parts = [store.upload_part("d/big", uid, n, _blob(5 * MiB, seed=n)) for n in (1, 2)]
-    store.complete_multipart("d/big", uid, parts)
-    listed = {o.key: o for o in store.list_dir("d/").files}
-    walked = {o.key: o for o in store.list("d/")}
+    object_store.put("d/small", b"abc")
+    uid = object_store.create_multipart("d/big")
+    parts = [object_store.upload_part("d/big", uid, n, blob(5 * MiB, seed=n)) for n in (1, 2)]
+    object_store.complete_multipart("d/big", uid, parts)
+    listed = {o.key: o for o in object_store.list_dir("d/").files}
+    walked = {o.key: o for o in object_store.list("d/")}
     for key in ("d/small", "d/big"):
-        head = store.head(key)
+        head = object_store.head(key)
         assert listed[key].size == head.size == walked[key].size
         assert listed[key].etag == head.etag == walked[key].etag
         assert abs(listed[key].mtime - head.mtime) <= 1.0  # HTTP dates have whole seconds
     before = listed["d/small"]
     time.sleep(0.01)
-    store.put("d/small", b"xyz")  # same size, new content
-    after = store.list_dir("d/").files[-1]
+    object_store.put("d/small", b"xyz")  # same size, new content
+    after = object_store.list_dir("d/").files[-1]
     assert after.key == "d/small" and after.size == before.size
     assert (after.etag, after.mtime) != (before.etag, before.mtime)
 
 
-def test_unicode_and_spaces(store):
+def test_unicode_and_spaces(object_store):
     keys = ["my dir/file name.pt", "ünïcødé/模型 权重.bin", "emoji 🚀.txt", "a+b=c&d%20e.txt"]
     for i, key in enumerate(keys):
-        store.put(key, key.encode() * 3, {"n": str(i)})
+        object_store.put(key, key.encode() * 3, {"n": str(i)})
     for i, key in enumerate(keys):
-        assert store.get_range(key, 0, 1000) == key.encode() * 3
-        assert store.head(key).metadata == {"n": str(i)}
-    files = [k for k in _keys(store) if not k.endswith("/")]
+        assert object_store.get_range(key, 0, 1000) == key.encode() * 3
+        assert object_store.head(key).metadata == {"n": str(i)}
+    files = [k for k in _keys(object_store) if not k.endswith("/")]
     assert sorted(files) == sorted(keys)
-    assert "ünïcødé/模型 权重.bin" in _keys(store, "ünïcødé/")
-    store.copy("ünïcødé/模型 权重.bin", "my dir/副本 copy.bin")
-    assert store.get_range("my dir/副本 copy.bin", 0, 1000) == keys[1].encode() * 3
+    assert "ünïcødé/模型 权重.bin" in _keys(object_store, "ünïcødé/")
+    object_store.copy("ünïcødé/模型 权重.bin", "my dir/副本 copy.bin")
+    assert object_store.get_range("my dir/副本 copy.bin", 0, 1000) == keys[1].encode() * 3
     for key in keys:
-        store.delete(key)
-        assert store.head(key) is None
+        object_store.delete(key)
+        assert object_store.head(key) is None
 
 
-def test_delete(store):
-    store.put("d/sub/a.bin", b"a")
-    store.put("d/sub/b.bin", b"b")
-    store.delete("d/sub/a.bin")
-    assert store.head("d/sub/a.bin") is None
-    assert store.head("d/sub/b.bin").size == 1
-    store.delete("d/sub/a.bin")  # absent: fine
-    store.delete("never/was/there")
-    store.delete("d/sub/")  # a marker over other keys: no error, the other keys stay
-    assert store.head("d/sub/b.bin").size == 1
-    store.put("m/", b"")
-    store.delete("m/")
-    assert store.head("m/") is None
-    store.delete("m/")
+def test_delete(object_store):
+    object_store.put("d/sub/a.bin", b"a")
+    object_store.put("d/sub/b.bin", b"b")
+    object_store.delete("d/sub/a.bin")
+    assert object_store.head("d/sub/a.bin") is None
+    assert object_store.head("d/sub/b.bin").size == 1
+    object_store.delete("d/sub/a.bin")  # absent: fine
+    object_store.delete("never/was/there")
+    object_store.delete("d/sub/")  # a marker over other keys: no error, the other keys stay
+    assert object_store.head("d/sub/b.bin").size == 1
+    object_store.put("m/", b"")
+    object_store.delete("m/")
+    assert object_store.head("m/") is None
+    object_store.delete("m/")
 
 
-def test_copy_preserves_metadata(store):
-    data = _blob(300_000, seed=2)
-    store.put("src/a.pt", data, {"xxh3": "feedface", "compress": "none"})
-    store.put("dst/b.pt", b"to be replaced")
-    store.copy("src/a.pt", "dst/b.pt")
-    assert store.get_range("dst/b.pt", 0, len(data)) == data
-    info = store.head("dst/b.pt")
+def test_copy_preserves_metadata(object_store):
+    data = blob(300_000, seed=2)
+    object_store.put("src/a.pt", data, {"xxh3": "feedface", "compress": "none"})
+    object_store.put("dst/b.pt", b"to be replaced")
+    object_store.copy("src/a.pt", "dst/b.pt")
+    assert object_store.get_range("dst/b.pt", 0, len(data)) == data
+    info = object_store.head("dst/b.pt")
     assert info.size == len(data)
     assert info.metadata == {"xxh3": "feedface", "compress": "none"}
-    assert store.get_range("src/a.pt", 0, len(data)) == data  # the source stays
+    assert object_store.get_range("src/a.pt", 0, len(data)) == data  # the source stays
     with pytest.raises(NotFound):
-        store.copy("src/missing.pt", "dst/c.pt")
-    assert store.head("dst/c.pt") is None
+        object_store.copy("src/missing.pt", "dst/c.pt")
+    assert object_store.head("dst/c.pt") is None
 
 
 # -- multipart -----------------------------------------------------------------------
 
 
-def test_multipart_out_of_order_and_reupload(store):
-    p1, p2_old, p2, p3 = _blob(5 * MiB, 1), _blob(5 * MiB, 9), _blob(5 * MiB, 2), _blob(MiB + 3, 3)
+def test_multipart_out_of_order_and_reupload(object_store):
+    p1, p2_old, p2, p3 = blob(5 * MiB, 1), blob(5 * MiB, 9), blob(5 * MiB, 2), blob(MiB + 3, 3)
     key = "ckpt/step2/shard 0.pt"
-    uid = store.create_multipart(key, {"xxh3": "abc123", "parts": "3"})
-    assert (key, uid) in store.list_multipart()
-    i3 = store.upload_part(key, uid, 3, p3)
-    i2_old = store.upload_part(key, uid, 2, p2_old)
+    uid = object_store.create_multipart(key, {"xxh3": "abc123", "parts": "3"})
+    assert (key, uid) in object_store.list_multipart()
+    i3 = object_store.upload_part(key, uid, 3, p3)
+    i2_old = object_store.upload_part(key, uid, 2, p2_old)
     buf = bytearray(p1 + p2)  # parts as memoryview slices of one buffer, as the cache hands them
-    i1 = store.upload_part(key, uid, 1, memoryview(buf)[: 5 * MiB])
-    i2 = store.upload_part(key, uid, 2, memoryview(buf)[5 * MiB:])  # re-upload replaces part 2
+    i1 = object_store.upload_part(key, uid, 1, memoryview(buf)[: 5 * MiB])
+    i2 = object_store.upload_part(key, uid, 2, memoryview(buf)[5 * MiB:])  # re-upload replaces part 2
     assert [i1.number, i2.number, i3.number] == [1, 2, 3]
     assert i2.token != i2_old.token
-    assert store.head(key) is None  # nothing visible before completion
-    assert key not in _keys(store)
-    store.complete_multipart(key, uid, [i1, i2, i3])
-    info = store.head(key)
+    assert object_store.head(key) is None  # nothing visible before completion
+    assert key not in _keys(object_store)
+    object_store.complete_multipart(key, uid, [i1, i2, i3])
+    info = object_store.head(key)
     assert info.size == 10 * MiB + MiB + 3
     assert info.metadata == {"xxh3": "abc123", "parts": "3"}
-    assert store.get_range(key, 0, info.size) == p1 + p2 + p3
-    assert store.get_range(key, 5 * MiB - 2, 4) == p1[-2:] + p2[:2]
-    assert (key, uid) not in store.list_multipart()
+    assert object_store.get_range(key, 0, info.size) == p1 + p2 + p3
+    assert object_store.get_range(key, 5 * MiB - 2, 4) == p1[-2:] + p2[:2]
+    assert (key, uid) not in object_store.list_multipart()
 
 
-def test_multipart_stale_token_rejected(store):
+def test_multipart_stale_token_rejected(object_store):
     key = "stale.bin"
-    uid = store.create_multipart(key)
-    old = store.upload_part(key, uid, 1, _blob(5 * MiB, 1))
-    store.upload_part(key, uid, 1, _blob(5 * MiB, 2))
+    uid = object_store.create_multipart(key)
+    old = object_store.upload_part(key, uid, 1, blob(5 * MiB, 1))
+    object_store.upload_part(key, uid, 1, blob(5 * MiB, 2))
     with pytest.raises(StoreError) as exc:
-        store.complete_multipart(key, uid, [old])
+        object_store.complete_multipart(key, uid, [old])
     assert not exc.value.transient
-    assert store.head(key) is None
-    store.abort_multipart(key, uid)
+    assert object_store.head(key) is None
+    object_store.abort_multipart(key, uid)
 
 
-def test_multipart_abort_and_list(store):
-    ua = store.create_multipart("a/x.bin")
-    ub = store.create_multipart("b/y.bin")
-    store.upload_part("a/x.bin", ua, 1, b"part data")
-    assert store.list_multipart("a/") == [("a/x.bin", ua)]
-    assert sorted(store.list_multipart()) == sorted([("a/x.bin", ua), ("b/y.bin", ub)])
-    store.abort_multipart("a/x.bin", ua)
-    store.abort_multipart("a/x.bin", ua)  # unknown id now: fine
-    assert store.list_multipart() == [("b/y.bin", ub)]
-    assert store.head("a/x.bin") is None
-    assert _keys(store) == []  # uploads in progress are invisible to list
-    store.abort_multipart("b/y.bin", ub)
-    assert store.list_multipart() == []
+def test_multipart_abort_and_list(object_store):
+    ua = object_store.create_multipart("a/x.bin")
+    ub = object_store.create_multipart("b/y.bin")
+    object_store.upload_part("a/x.bin", ua, 1, b"part data")
+    assert object_store.list_multipart("a/") == [("a/x.bin", ua)]
+    assert sorted(object_store.list_multipart()) == sorted([("a/x.bin", ua), ("b/y.bin", ub)])
+    object_store.abort_multipart("a/x.bin", ua)
+    object_store.abort_multipart("a/x.bin", ua)  # unknown id now: fine
+    assert object_store.list_multipart() == [("b/y.bin", ub)]
+    assert object_store.head("a/x.bin") is None
+    assert _keys(object_store) == []  # uploads in progress are invisible to list
+    object_store.abort_multipart("b/y.bin", ub)
+    assert object_store.list_multipart() == []
     with pytest.raises(NotFound):
-        store.upload_part("a/x.bin", ua, 2, b"too late")
+        object_store.upload_part("a/x.bin", ua, 2, b"too late")
 
 
-
-def test_multipart_reupload_then_stale_and_new_token(store):
+def test_multipart_reupload_then_stale_and_new_token(object_store):
     """A part uploaded again with other bytes: completing with the old token fails and leaves
     the upload as it was; completing with the new one gives the new bytes."""
     key = "reup.bin"
-    p1, old2, new2, p3 = _blob(5 * MiB, 1), _blob(5 * MiB, 2), _blob(5 * MiB, 3), _blob(1000, 4)
-    uid = store.create_multipart(key)
-    i1 = store.upload_part(key, uid, 1, p1)
-    i2_old = store.upload_part(key, uid, 2, old2)
-    i3 = store.upload_part(key, uid, 3, p3)
-    i2 = store.upload_part(key, uid, 2, new2)
+    p1, old2, new2, p3 = blob(5 * MiB, 1), blob(5 * MiB, 2), blob(5 * MiB, 3), blob(1000, 4)
+    uid = object_store.create_multipart(key)
+    i1 = object_store.upload_part(key, uid, 1, p1)
+    i2_old = object_store.upload_part(key, uid, 2, old2)
+    i3 = object_store.upload_part(key, uid, 3, p3)
+    i2 = object_store.upload_part(key, uid, 2, new2)
     assert i2.token != i2_old.token
     with pytest.raises(StoreError) as exc:
-        store.complete_multipart(key, uid, [i1, i2_old, i3])
+        object_store.complete_multipart(key, uid, [i1, i2_old, i3])
     assert not exc.value.transient
-    assert store.head(key) is None
-    assert (key, uid) in store.list_multipart()
-    assert store.upload_part(key, uid, 1, p1).token == i1.token  # the same bytes again: same token
-    store.complete_multipart(key, uid, [i1, i2, i3])
-    assert store.get_range(key, 0, 20 * MiB) == p1 + new2 + p3
+    assert object_store.head(key) is None
+    assert (key, uid) in object_store.list_multipart()
+    assert object_store.upload_part(key, uid, 1, p1).token == i1.token  # the same bytes again: same token
+    object_store.complete_multipart(key, uid, [i1, i2, i3])
+    assert object_store.get_range(key, 0, 20 * MiB) == p1 + new2 + p3
 
 
-def test_multipart_last_part_first(store):
+def test_multipart_last_part_first(object_store):
     """Parts arrive in any order (parallel uploads): the short last part may come first."""
     key = "ckpt/last-first.pt"
-    blobs = {1: _blob(5 * MiB, 1), 2: _blob(5 * MiB, 2), 3: _blob(5 * MiB, 3), 4: _blob(12345, 4)}
-    uid = store.create_multipart(key, {"xxh3": "77"})
-    infos = {n: store.upload_part(key, uid, n, blobs[n]) for n in (4, 2, 3, 1)}
-    store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
-    info = store.head(key)
+    blobs = {1: blob(5 * MiB, 1), 2: blob(5 * MiB, 2), 3: blob(5 * MiB, 3), 4: blob(12345, 4)}
+    uid = object_store.create_multipart(key, {"xxh3": "77"})
+    infos = {n: object_store.upload_part(key, uid, n, blobs[n]) for n in (4, 2, 3, 1)}
+    object_store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
+    info = object_store.head(key)
     assert info.size == 15 * MiB + 12345 and info.metadata == {"xxh3": "77"}
-    assert store.get_range(key, 0, info.size) == b"".join(blobs[n] for n in sorted(blobs))
+    assert object_store.get_range(key, 0, info.size) == b"".join(blobs[n] for n in sorted(blobs))
 
 
-def test_multipart_odd_part_sizes(store):
+def test_multipart_odd_part_sizes(object_store):
     """Parts of different sizes (not ckptfs's layout, but the API allows it) still give their
     concatenation."""
     key = "odd.bin"
-    blobs = {1: _blob(5 * MiB + 1, 1), 2: _blob(6 * MiB, 2), 3: _blob(5 * MiB, 3), 4: _blob(3, 4)}
-    uid = store.create_multipart(key)
-    infos = {n: store.upload_part(key, uid, n, blobs[n]) for n in (2, 4, 1, 3)}
-    store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
+    blobs = {1: blob(5 * MiB + 1, 1), 2: blob(6 * MiB, 2), 3: blob(5 * MiB, 3), 4: blob(3, 4)}
+    uid = object_store.create_multipart(key)
+    infos = {n: object_store.upload_part(key, uid, n, blobs[n]) for n in (2, 4, 1, 3)}
+    object_store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
     whole = b"".join(blobs[n] for n in sorted(blobs))
-    assert store.head(key).size == len(whole)
-    assert store.get_range(key, 0, len(whole)) == whole
+    assert object_store.head(key).size == len(whole)
+    assert object_store.get_range(key, 0, len(whole)) == whole
 
 
-def test_multipart_parts_left_out(store):
+def test_multipart_parts_left_out(object_store):
     """Completing with some of the uploaded parts: numbers with gaps, or fewer at the end."""
-    blobs = {n: _blob(5 * MiB, n) for n in (1, 2, 3, 4)}
+    blobs = {n: blob(5 * MiB, n) for n in (1, 2, 3, 4)}
     for key, chosen in (("gap.bin", [1, 3, 4]), ("short.bin", [1, 2])):
-        uid = store.create_multipart(key)
-        infos = {n: store.upload_part(key, uid, n, blobs[n]) for n in blobs}
-        store.complete_multipart(key, uid, [infos[n] for n in chosen])
-        assert store.head(key).size == 5 * MiB * len(chosen)
-        assert store.get_range(key, 0, 20 * MiB) == b"".join(blobs[n] for n in chosen)
-        assert (key, uid) not in store.list_multipart()
+        uid = object_store.create_multipart(key)
+        infos = {n: object_store.upload_part(key, uid, n, blobs[n]) for n in blobs}
+        object_store.complete_multipart(key, uid, [infos[n] for n in chosen])
+        assert object_store.head(key).size == 5 * MiB * len(chosen)
+        assert object_store.get_range(key, 0, 20 * MiB) == b"".join(blobs[n] for n in chosen)
+        assert (key, uid) not in object_store.list_multipart()
 
 
-def test_multipart_parts_from_threads(store):
+def test_multipart_parts_from_threads(object_store):
     """ckptfs sends the parts of one upload from several threads at once, in no set order: a
     larger object of many parts is exactly their concatenation."""
     key = "big/model.pt"
     count = 8
-    blobs = {n: _blob(5 * MiB, n) for n in range(1, count + 1)}
-    blobs[count + 1] = _blob(MiB // 3, 99)
-    uid = store.create_multipart(key, {"xxh3": "big"})
+    blobs = {n: blob(5 * MiB, n) for n in range(1, count + 1)}
+    blobs[count + 1] = blob(MiB // 3, 99)
+    uid = object_store.create_multipart(key, {"xxh3": "big"})
     order = list(blobs)
     random.Random(7).shuffle(order)
     with ThreadPoolExecutor(4) as pool:
-        infos = dict(zip(order, pool.map(lambda n: store.upload_part(key, uid, n, blobs[n]), order)))
-    store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
+        infos = dict(zip(order, pool.map(lambda n: object_store.upload_part(key, uid, n, blobs[n]), order)))
+    object_store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
     whole = b"".join(blobs[n] for n in sorted(blobs))
-    assert store.head(key).size == len(whole)
-    assert store.get_range(key, 0, len(whole)) == whole
-    assert store.get_range(key, 5 * MiB - 3, 6) == blobs[1][-3:] + blobs[2][:3]
+    assert object_store.head(key).size == len(whole)
+    assert object_store.get_range(key, 0, len(whole)) == whole
+    assert object_store.get_range(key, 5 * MiB - 3, 6) == blobs[1][-3:] + blobs[2][:3]
 
 # -- local store -------------------------------------------------------------------
 
@@ -368,11 +363,12 @@ def test_multipart_parts_from_threads(store):
 @pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/../../b", "", ".", "./a", "a/./b", "..",
                                  "../", "a\0b", f"{TMP_DIR}/x", f"{TMP_DIR}/"])
 def test_local_rejects_escaping_keys(tmp_path, key):
-    store = LocalStore(tmp_path / "store")
-    store.check()
-    for call in (lambda: store.put(key, b"x"), lambda: store.get_range(key, 0, 1), lambda: store.head(key),
-                 lambda: store.delete(key), lambda: store.create_multipart(key),
-                 lambda: store.copy("ok", key)):
+    object_store = LocalStore(tmp_path / "store")
+    object_store.check()
+    for call in (lambda: object_store.put(key, b"x"), lambda: object_store.get_range(key, 0, 1),
+                 lambda: object_store.head(key),
+                 lambda: object_store.delete(key), lambda: object_store.create_multipart(key),
+                 lambda: object_store.copy("ok", key)):
         with pytest.raises(ValueError):
             call()
     assert not (tmp_path / "x").exists() and not (tmp_path / "b").exists()
@@ -380,26 +376,26 @@ def test_local_rejects_escaping_keys(tmp_path, key):
 
 def test_local_layout(tmp_path):
     root = tmp_path / "deep" / "store"
-    store = LocalStore(root)
-    store.check()  # creates the root, parents too
-    assert store.url == f"file://{root}"
-    store.put("a/b/c.bin", b"data", {"xxh3": "1234"})
+    object_store = LocalStore(root)
+    object_store.check()  # creates the root, parents too
+    assert object_store.url == f"file://{root}"
+    object_store.put("a/b/c.bin", b"data", {"xxh3": "1234"})
     assert (root / "a" / "b" / "c.bin").read_bytes() == b"data"
     assert os.getxattr(root / "a" / "b" / "c.bin", "user.ckptfs.xxh3") == b"1234"
     # Implicit directories list as markers; the internal dir never shows.
-    uid = store.create_multipart("pending.bin")
-    store.upload_part("pending.bin", uid, 1, b"p")
-    assert _keys(store) == ["a/", "a/b/", "a/b/c.bin"]
-    assert _keys(store, ".ckptfs") == []
+    uid = object_store.create_multipart("pending.bin")
+    object_store.upload_part("pending.bin", uid, 1, b"p")
+    assert _keys(object_store) == ["a/", "a/b/", "a/b/c.bin"]
+    assert _keys(object_store, ".ckptfs") == []
     assert os.listdir(root / TMP_DIR) == ["uploads"]  # no temp file left behind
-    store.delete("a/b/c.bin")
+    object_store.delete("a/b/c.bin")
     assert (root / "a" / "b").is_dir()  # parents stay
-    store.delete("a/")  # not empty: stays, no error
+    object_store.delete("a/")  # not empty: stays, no error
     assert (root / "a").is_dir()
-    store.delete("a/b/")
-    store.delete("a/")
+    object_store.delete("a/b/")
+    object_store.delete("a/")
     assert not (root / "a").exists()
-    store.abort_multipart("pending.bin", uid)
+    object_store.abort_multipart("pending.bin", uid)
     assert os.listdir(root / TMP_DIR / "uploads") == []
 
 
@@ -421,10 +417,10 @@ def test_local_check_errors(tmp_path):
 
 
 def test_local_file_in_the_way(tmp_path):
-    store = LocalStore(tmp_path)
-    store.put("a", b"x")
+    object_store = LocalStore(tmp_path)
+    object_store.put("a", b"x")
     with pytest.raises(StoreError) as exc:
-        store.put("a/b", b"y")  # a file where a directory must go: an errno, not a crash
+        object_store.put("a/b", b"y")  # a file where a directory must go: an errno, not a crash
     assert exc.value.errno == errno.ENOTDIR
 
 
@@ -451,23 +447,23 @@ def test_s3_prefix_isolation(s3_store):
 
 def test_s3_copy_in_ranges(s3_store):
     """Objects over 5 GiB are copied with UploadPartCopy: run that path with small sizes."""
-    store = s3_store()
-    store.max_single_copy = 0
-    store.copy_part_size = 5 * MiB
-    data = _blob(12 * MiB + 5, seed=4)
-    store.put("big.bin", data, {"xxh3": "99"})
-    store.copy("big.bin", "big copy.bin")
-    info = store.head("big copy.bin")
+    object_store = s3_store()
+    object_store.max_single_copy = 0
+    object_store.copy_part_size = 5 * MiB
+    data = blob(12 * MiB + 5, seed=4)
+    object_store.put("big.bin", data, {"xxh3": "99"})
+    object_store.copy("big.bin", "big copy.bin")
+    info = object_store.head("big copy.bin")
     assert info.size == len(data) and info.metadata == {"xxh3": "99"}
-    assert store.get_range("big copy.bin", 0, len(data)) == data
-    assert store.list_multipart() == []
+    assert object_store.get_range("big copy.bin", 0, len(data)) == data
+    assert object_store.list_multipart() == []
 
 
 def test_s3_unreachable_is_transient_and_fast(fake_credentials):
-    store = open_store("s3://bucket/p", endpoint_url="http://127.0.0.1:1")
+    object_store = open_store("s3://bucket/p", endpoint_url="http://127.0.0.1:1")
     t = time.monotonic()
     with pytest.raises(StoreError) as exc:
-        store.put("k", b"x")
+        object_store.put("k", b"x")
     assert exc.value.transient
     assert "127.0.0.1:1" in str(exc.value) and "\n" not in str(exc.value)
     assert time.monotonic() - t < 10
@@ -495,23 +491,23 @@ def test_open_store_bad_urls(url, words):
 
 def test_open_store_local(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    store = open_store(None)
-    assert isinstance(store, LocalStore) and store.root == tmp_path / "xdg" / "ckptfs" / "store"
-    store.check()
-    assert open_store("").root == store.root
+    object_store = open_store(None)
+    assert isinstance(object_store, LocalStore) and object_store.root == tmp_path / "xdg" / "ckptfs" / "store"
+    object_store.check()
+    assert open_store("").root == object_store.root
     spaced = tmp_path / "with space"
-    store = open_store(spaced.as_uri())
-    assert isinstance(store, LocalStore) and store.root == spaced
-    assert open_store(store.url).root == spaced  # url round-trips
+    object_store = open_store(spaced.as_uri())
+    assert isinstance(object_store, LocalStore) and object_store.root == spaced
+    assert open_store(object_store.url).root == spaced  # url round-trips
     with pytest.raises(StoreError, match="endpoint"):
         open_store(spaced.as_uri(), endpoint_url="http://127.0.0.1:9000")
 
 
 def _check_fails(url: str, endpoint: str) -> StoreError:
-    store = open_store(url, endpoint_url=endpoint)
+    object_store = open_store(url, endpoint_url=endpoint)
     t = time.monotonic()
     with pytest.raises(StoreError) as exc:
-        store.check()
+        object_store.check()
     assert time.monotonic() - t < 5, "check() must fail fast"
     msg = str(exc.value)
     assert "\n" not in msg and len(msg) < 300

@@ -21,7 +21,8 @@ from tests.faultproxy import (
     reset_mid_body,
     status,
 )
-from tests.mounting import Mount, ckptfs
+from tests.harness import write_files
+from tests.mounting import ckptfs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,62 +31,26 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def store(s3_server, s3_bucket):
-    """The bucket seen straight through the real endpoint."""
-    return StoreView(s3_server.client(), s3_bucket)
+def store(proxied_store):
+    """s3://bucket/run: mounts reach it through the fault proxy, the test reads it straight from
+    the real endpoint."""
+    return proxied_store
 
 
 @pytest.fixture
-def mount(s3_bucket, proxy, tmp_path):
-    """A mount of s3://bucket/run whose endpoint is the proxy (not started)."""
-    m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / "m", endpoint_url=proxy.url)
-    try:
-        yield m
-    finally:
-        proxy.clear()  # let the unmount drain
-        m.cleanup()
-
-
-class StoreView:
-    def __init__(self, client, bucket: str):
-        self.client = client
-        self.bucket = bucket
-
-    def read(self, key: str) -> bytes:
-        return self.client.get_object(Bucket=self.bucket, Key=f"{PREFIX}/{key}")["Body"].read()
-
-    def sizes(self) -> dict[str, int]:
-        out = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=PREFIX + "/"):
-            out |= {o["Key"][len(PREFIX) + 1:]: o["Size"] for o in page.get("Contents", [])
-                    if not o["Key"].endswith("/")  # directory markers are not files
-                    and not o["Key"][len(PREFIX) + 1:].startswith(".ckptfs-")}  # nor checksum manifests
-        return out
-
-    def open_uploads(self) -> list:
-        return self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
-
-    def assert_holds(self, files: dict[str, bytes]) -> None:
-        assert self.sizes() == {k: len(v) for k, v in files.items()}
-        for key, data in files.items():
-            assert self.read(key) == data, f"{key} differs in the store"
-
-
-def write_files(m: Mount, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        (m.path / name).parent.mkdir(parents=True, exist_ok=True)
-        (m.path / name).write_bytes(data)
+def mount(mount_factory):
+    """A started mount of s3://bucket/run whose endpoint is the proxy."""
+    return mount_factory("m").start()
 
 
 def test_slowdown_on_first_puts_and_parts_is_retried(proxy, store, mount):
-    mount.start()
     slow_down = status(503, "SlowDown", "Please reduce your request rate.")
     # botocore retries a call 3 times by itself (invisible to ckptfs); 4 in a row reach ckptfs's own retry
     rules = [proxy.add_rule(Rule(slow_down, kind="upload_part", query="partNumber=1", count=4)),
              proxy.add_rule(Rule(slow_down, kind="put", path=r"/small\.bin$", count=4)),
              proxy.add_rule(Rule(slow_down, kind=("upload_part", "put"), count=8))]
     files = {"big.bin": os.urandom(40 * MiB), "small.bin": os.urandom(3000)}
-    write_files(mount, files)
+    write_files(mount.path, files)
     mount.sync(timeout=120)
     assert [r.hits for r in rules] == [4, 4, 8]
     assert proxy.count(kind="upload_part") >= 5 + 4  # 5 parts, some sent again
@@ -96,7 +61,6 @@ def test_slowdown_on_first_puts_and_parts_is_retried(proxy, store, mount):
 
 
 def test_resets_and_lost_answers_on_parts_and_completion(proxy, store, mount):
-    mount.start()
     rules = [
         proxy.add_rule(Rule(reset_mid_body(), kind="upload_part", count=2)),  # server never gets the part
         proxy.add_rule(Rule(drop_response(), kind="upload_part", count=2)),  # server has it, client never hears
@@ -106,17 +70,16 @@ def test_resets_and_lost_answers_on_parts_and_completion(proxy, store, mount):
         proxy.add_rule(Rule(drop_response(), kind="put", count=1)),
     ]
     files = {"a.bin": os.urandom(20 * MiB + 5), "b.bin": os.urandom(17 * MiB), "c.txt": b"small" * 100}
-    write_files(mount, files)
+    write_files(mount.path, files)
     mount.sync(timeout=120)
     assert [r.hits for r in rules] == [2, 2, 4, 1, 1]
     store.assert_holds(files)
-    assert store.open_uploads() == []
+    assert store.multipart_uploads() == []
     assert any(e["key"] == "a.bin" for e in mount.status()["errors"])  # ckptfs's own retry was needed
     assert (mount.path / "a.bin").read_bytes() == files["a.bin"]
 
 
 def test_store_down_keeps_writes_and_cached_reads_working(s3_server, proxy, store, mount):
-    mount.start()
     before = os.urandom(12 * MiB)
     (mount.path / "before.bin").write_bytes(before)
     mount.sync()
@@ -143,11 +106,10 @@ def test_store_down_keeps_writes_and_cached_reads_working(s3_server, proxy, stor
     proxy.remove_rule(rule)  # the store is back
     mount.sync(timeout=120)
     store.assert_holds({"before.bin": before, "during.bin": during, "latest": b"during.bin"})
-    assert store.open_uploads() == []
+    assert store.multipart_uploads() == []
 
 
 def test_ordered_publish_under_a_slow_completion(proxy, store, mount):
-    mount.start()
     rule = proxy.add_rule(Rule(delay(4), kind="complete_multipart", path=r"/ckpt/shard-0\.bin$", count=1))
     files = {
         "ckpt/shard-0.bin": os.urandom(24 * MiB),
@@ -167,7 +129,7 @@ def test_ordered_publish_under_a_slow_completion(proxy, store, mount):
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        write_files(mount, files)  # in this order: `latest` is committed last
+        write_files(mount.path, files)  # in this order: `latest` is committed last
         committed = time.monotonic()
         mount.sync(timeout=120)
     finally:
@@ -186,7 +148,6 @@ def test_ordered_publish_under_a_slow_completion(proxy, store, mount):
 
 
 def test_access_denied_for_a_while_is_reported_without_secrets(s3_server, proxy, store, mount):
-    mount.start()
     rule = proxy.add_rule(Rule(status(403, "AccessDenied", "Access Denied."), method="PUT",
                                path=rf"/{PREFIX}/denied\.bin$", for_s=10))
     data = os.urandom(50_000)
@@ -217,14 +178,13 @@ def test_access_denied_for_a_while_is_reported_without_secrets(s3_server, proxy,
 
 
 def test_corrupted_part_on_the_wire_is_caught_and_sent_again(proxy, store, mount):
-    mount.start()
     rule = proxy.add_rule(Rule(corrupt_request_body(), kind="upload_part", query="partNumber=2", count=1))
     files = {"model.bin": os.urandom(30 * MiB)}
-    write_files(mount, files)
+    write_files(mount.path, files)
     mount.sync(timeout=120)
     assert rule.hits == 1
     store.assert_holds(files)
-    assert store.open_uploads() == []
+    assert store.multipart_uploads() == []
     # Who caught it: not a ckptfs part checksum (none is sent) but SigV4: botocore signs each part's
     # SHA-256 (x-amz-content-sha256) and Swift refuses the bent part with BadDigest; ckptfs sends it again.
     parts = [r for r in proxy.requests if r.kind == "upload_part"]
@@ -235,18 +195,12 @@ def test_corrupted_part_on_the_wire_is_caught_and_sent_again(proxy, store, mount
 
 
 @pytest.fixture
-def cold(proxy, mount, tmp_path):
+def cold(mount, mount_factory):
     """(a fresh mount through the proxy with an empty cache, the bytes of its 20 MiB ckpt.bin)."""
-    mount.start()
     data = os.urandom(20 * MiB)
     (mount.path / "ckpt.bin").write_bytes(data)
     mount.stop()  # drains
-    fresh = Mount(mount.store_url, tmp_path / "fresh", endpoint_url=proxy.url)
-    try:
-        yield fresh.start(), data
-    finally:
-        proxy.clear()
-        fresh.cleanup()
+    return mount_factory("fresh").start(), data
 
 
 def test_reset_mid_download_of_a_read_ahead_block_keeps_the_mount(proxy, cold):

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 
+from tests.harness import blob
 from tests.mounting import ckptfs
 
 TTL = 1.0
 SLACK = 4.0  # a loaded 2-core machine: the bound checked is TTL + SLACK
 MiB = 1 << 20
-
-
-def blob(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 def eventually(check, within: float) -> float:

@@ -8,7 +8,6 @@ calls), and once over the real S3 server of the test session.
 from __future__ import annotations
 
 import math
-import random
 from contextlib import asynccontextmanager
 
 import pytest
@@ -23,13 +22,10 @@ from ckptfs.store.base import MAX_PARTS
 from ckptfs.store.local import LocalStore
 from ckptfs.uploader import Uploader, part_size_for
 from tests.faults import FaultyStore
+from tests.harness import blob, trio_test
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 BS = 64 * KiB  # block size = base part size
-
-
-def blob(n: int, seed: int = 0) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 # -- part_size_for ---------------------------------------------------------------------------------
@@ -170,40 +166,36 @@ def test_small_and_multipart_files(env):
     env.assert_journal_empty()
 
 
-def test_file_with_holes_uploads_zeros(env):
+@trio_test
+async def test_file_with_holes_uploads_zeros(env):
     data = bytes(3 * BS + 10) + b"tail"  # blocks 0..2 were never written
 
-    async def main():
-        async with running(env) as up:
-            task = await env.commit("sparse.bin", b"tail", offset=3 * BS + 10)
-            assert task.content.blocks[:3] == [None, None, None]
-            await up.wait_durable(up.last_seq())
-
-    trio.run(main)
+    async with running(env) as up:
+        task = await env.commit("sparse.bin", b"tail", offset=3 * BS + 10)
+        assert task.content.blocks[:3] == [None, None, None]
+        await up.wait_durable(up.last_seq())
     env.assert_object("sparse.bin", data)
 
 
-def test_ordered_publish(env):
+@trio_test
+async def test_ordered_publish(env):
     first, second, third = blob(1000, 1), blob(2000, 2), blob(3 * BS, 3)
     gate = env.store.hold("put", "first.bin")
 
-    async def main():
-        async with running(env) as up:
-            await env.commit("first.bin", first)
-            t2 = await env.commit("second.bin", second)
-            t3 = await env.commit("third.bin", third)
-            await gate.entered()  # the publisher is stuck on the first file
-            await t2.ready.wait()  # the later files are hashed, and the big one's parts are sent
-            await t3.ready.wait()
-            assert env.store.count("upload_part", "third.bin") == 3
-            assert env.keys() == set()  # ... but nothing may appear before the first file
-            assert up.pending_count() == 3
-            gate.open()
-            await up.wait_durable(t2.op.seq)
-            assert {"first.bin", "second.bin"} <= env.keys()
-            await up.wait_durable(up.last_seq())
-
-    trio.run(main)
+    async with running(env) as up:
+        await env.commit("first.bin", first)
+        t2 = await env.commit("second.bin", second)
+        t3 = await env.commit("third.bin", third)
+        await gate.entered()  # the publisher is stuck on the first file
+        await t2.ready.wait()  # the later files are hashed, and the big one's parts are sent
+        await t3.ready.wait()
+        assert env.store.count("upload_part", "third.bin") == 3
+        assert env.keys() == set()  # ... but nothing may appear before the first file
+        assert up.pending_count() == 3
+        gate.open()
+        await up.wait_durable(t2.op.seq)
+        assert {"first.bin", "second.bin"} <= env.keys()
+        await up.wait_durable(up.last_seq())
     publishes = [c for c in env.store.calls if c[0] in ("put", "complete_multipart")
                  and not c[1].startswith(".ckptfs-manifest/")]
     assert publishes == [("put", "first.bin"), ("put", "second.bin"), ("complete_multipart", "third.bin")]
@@ -212,85 +204,77 @@ def test_ordered_publish(env):
     env.assert_journal_empty()
 
 
-def test_cancel_after_parts_sent_aborts_the_multipart_upload(env):
+@trio_test
+async def test_cancel_after_parts_sent_aborts_the_multipart_upload(env):
     gate = env.store.hold("put", "blocker.bin")
 
-    async def main():
-        async with running(env) as up:
-            await env.commit("blocker.bin", b"x")
-            task = await env.commit("big.bin", blob(3 * BS))
-            await gate.entered()
-            await task.ready.wait()
-            assert len(env.inner.list_multipart()) == 1
-            assert up.cancel(task.op.seq)
-            assert not up.cancel(task.op.seq)  # gone already
-            gate.open()
-            await up.wait_durable(up.last_seq())
-            # A bound, not a timing check: the abort never comes (it takes milliseconds when it does).
-            await env.store.called("abort_multipart", guard_s=5)
-
-    trio.run(main)
+    async with running(env) as up:
+        await env.commit("blocker.bin", b"x")
+        task = await env.commit("big.bin", blob(3 * BS))
+        await gate.entered()
+        await task.ready.wait()
+        assert len(env.inner.list_multipart()) == 1
+        assert up.cancel(task.op.seq)
+        assert not up.cancel(task.op.seq)  # gone already
+        gate.open()
+        await up.wait_durable(up.last_seq())
+        # A bound, not a timing check: the abort never comes (it takes milliseconds when it does).
+        await env.store.called("abort_multipart", guard_s=5)
     assert env.keys() == {"blocker.bin"}
     assert env.inner.list_multipart() == []
 
 
-def test_cancel_while_parts_upload_aborts_the_multipart_upload(env):
+@trio_test
+async def test_cancel_while_parts_upload_aborts_the_multipart_upload(env):
     gate = env.store.hold("upload_part", "big.bin")
 
-    async def main():
-        async with running(env) as up:
-            task = await env.commit("big.bin", blob(3 * BS))
-            small = await env.commit("small.bin", b"after")
-            await gate.entered()  # parts are on their way
-            assert len(env.inner.list_multipart()) == 1
-            assert up.cancel(task.op.seq)
-            gate.open()
-            await env.store.called("abort_multipart")
-            await up.wait_durable(small.op.seq)
-
-    trio.run(main)
+    async with running(env) as up:
+        task = await env.commit("big.bin", blob(3 * BS))
+        small = await env.commit("small.bin", b"after")
+        await gate.entered()  # parts are on their way
+        assert len(env.inner.list_multipart()) == 1
+        assert up.cancel(task.op.seq)
+        gate.open()
+        await env.store.called("abort_multipart")
+        await up.wait_durable(small.op.seq)
     assert env.keys() == {"small.bin"}
     assert env.inner.list_multipart() == []
     assert env.cache.refcounts == {}  # the cancelled content was released
     env.assert_journal_empty()
 
 
-def test_cancel_small_file_before_publish(env):
+@trio_test
+async def test_cancel_small_file_before_publish(env):
     gate = env.store.hold("put", "blocker.bin")
 
-    async def main():
-        async with running(env) as up:
-            await env.commit("blocker.bin", b"x")
-            task = await env.commit("small.bin", b"never")
-            await gate.entered()
-            assert up.cancel(task.op.seq)
-            gate.open()
-            await up.wait_durable(up.last_seq())
-
-    trio.run(main)
+    async with running(env) as up:
+        await env.commit("blocker.bin", b"x")
+        task = await env.commit("small.bin", b"never")
+        await gate.entered()
+        assert up.cancel(task.op.seq)
+        gate.open()
+        await up.wait_durable(up.last_seq())
     assert env.keys() == {"blocker.bin"}
     assert env.store.count("put", "small.bin") == 0
     env.assert_journal_empty()
 
 
-def test_retarget_before_publish(env):
+@trio_test
+async def test_retarget_before_publish(env):
     small, big = blob(500, 1), blob(4 * BS + 7, 2)
     gate = env.store.hold("put", "blocker.bin")
 
-    async def main():
-        async with running(env) as up:
-            await env.commit("blocker.bin", b"x")
-            t_small = await env.commit("tmp/small.bin", small)
-            t_big = await env.commit("tmp/big.bin", big)
-            await gate.entered()
-            await t_big.ready.wait()  # parts already sent under the old key
-            assert up.retarget(t_small.op.seq, "final/small.bin")
-            assert up.retarget(t_big.op.seq, "final/big.bin")
-            gate.open()
-            await up.wait_durable(up.last_seq())
-            assert not up.retarget(t_big.op.seq, "too-late")  # published: no longer pending
-
-    trio.run(main)
+    async with running(env) as up:
+        await env.commit("blocker.bin", b"x")
+        t_small = await env.commit("tmp/small.bin", small)
+        t_big = await env.commit("tmp/big.bin", big)
+        await gate.entered()
+        await t_big.ready.wait()  # parts already sent under the old key
+        assert up.retarget(t_small.op.seq, "final/small.bin")
+        assert up.retarget(t_big.op.seq, "final/big.bin")
+        gate.open()
+        await up.wait_durable(up.last_seq())
+        assert not up.retarget(t_big.op.seq, "too-late")  # published: no longer pending
     assert {k for k in env.keys() if not k.endswith("/")} == {"blocker.bin", "final/small.bin", "final/big.bin"}
     env.assert_object("final/small.bin", small)
     env.assert_object("final/big.bin", big)
@@ -298,18 +282,16 @@ def test_retarget_before_publish(env):
     env.assert_journal_empty()
 
 
-def test_transient_failures_are_retried(env):
+@trio_test
+async def test_transient_failures_are_retried(env):
     big, small = blob(4 * BS, 5), blob(100, 6)
     env.store.fail("upload_part", 3)
     env.store.fail("put", 2, key="small.bin")
 
-    async def main():
-        async with running(env) as up:
-            await env.commit("big.bin", big)
-            await env.commit("small.bin", small)
-            await up.wait_durable(up.last_seq())
-
-    trio.run(main)
+    async with running(env) as up:
+        await env.commit("big.bin", big)
+        await env.commit("small.bin", small)
+        await up.wait_durable(up.last_seq())
     env.assert_object("big.bin", big)
     env.assert_object("small.bin", small)
     assert env.store.count("upload_part") == 4 + 3
@@ -321,14 +303,12 @@ def test_transient_failures_are_retried(env):
     env.assert_journal_empty()
 
 
-def test_journal_records_done(env):
-    async def main():
-        async with running(env) as up:
-            for i in range(3):
-                await env.commit(f"f{i}", blob(10 + i, i))
-            await up.wait_durable(up.last_seq())
-
-    trio.run(main)
+@trio_test
+async def test_journal_records_done(env):
+    async with running(env) as up:
+        for i in range(3):
+            await env.commit(f"f{i}", blob(10 + i, i))
+        await up.wait_durable(up.last_seq())
     text = env.journal_path.read_text()
     assert text.count('"t":"done"') == 3
     env.assert_journal_empty()

@@ -17,31 +17,13 @@ import trio
 
 from ckptfs.errors import FsError
 from ckptfs.namespace import ROOT_INODE
-from ckptfs.store.local import LocalStore
+from tests.harness import assert_one_line_error, blob, trio_test, write_files
+from tests.inprocess import BS, GID, UID, create, ino, mkdirs, mounted, read_all, sync
 from tests.mounting import CKPTFS, ckptfs
-from tests.test_namespace import BS, GID, UID, blob, create, ino, mkdirs, mounted, read_all, sync
 
 pytestmark = pytest.mark.timeout(300)
 
 MiB = 1 << 20
-
-
-def write_files(root, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-
-
-def fetched(m) -> int:
-    return m.status()["fetched_bytes"]
-
-
-def one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
-    assert done.returncode != 0, done.stderr
-    assert "Traceback" not in done.stderr
-    lines = done.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ckptfs: ") and needle in lines[0], done.stderr
 
 
 def test_warmup_directory_then_reads_fetch_nothing(store, mount_factory):
@@ -58,23 +40,23 @@ def test_warmup_directory_then_reads_fetch_nothing(store, mount_factory):
     writer.stop()  # drains: everything is in the store
 
     m = mount_factory().start()  # another cache dir: nothing cached
-    assert fetched(m) == 0
+    assert m.fetched_bytes() == 0
     done = ckptfs("warmup", str(m.path / "step-2"))
     warmed = sum(len(data) for name, data in files.items() if name.startswith("step-2/"))
     assert "warmed 5 files" in done.stderr and "Traceback" not in done.stderr, done.stderr
-    assert fetched(m) == warmed
+    assert m.fetched_bytes() == warmed
 
     for name, data in files.items():
         if name.startswith("step-2/"):
             assert (m.path / name).read_bytes() == data
-    assert fetched(m) == warmed  # every read came from the cache
+    assert m.fetched_bytes() == warmed  # every read came from the cache
 
     # Again: everything is cached already, nothing is fetched.
     done = ckptfs("warmup", str(m.path / "step-2"), "--json")
     result = json.loads(done.stdout)
     assert (result["files"], result["total_bytes"], result["fetched_bytes"]) == (5, warmed, 0)
     assert result["seconds"] < 5
-    assert fetched(m) == warmed
+    assert m.fetched_bytes() == warmed
     m.stop()
 
 
@@ -89,27 +71,20 @@ def test_warmup_one_file_bad_paths_and_a_cache_too_small(store, mount_factory, t
     done = subprocess.run([*CKPTFS, "warmup", "ckpt/a.bin"], cwd=m.path, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0 and "warmed 1 file," in done.stderr, done.stderr
-    assert fetched(m) == 20 * MiB  # b.bin stays cold
+    assert m.fetched_bytes() == 20 * MiB  # b.bin stays cold
     assert (m.path / "ckpt/a.bin").read_bytes() == files["ckpt/a.bin"]
-    assert fetched(m) == 20 * MiB
+    assert m.fetched_bytes() == 20 * MiB
 
-    one_line_error(ckptfs("warmup", str(m.path / "ckpt/nope.bin"), check=False), "no such file")
-    one_line_error(ckptfs("warmup", str(tmp_path), check=False), "is not on a ckptfs mount")
+    assert_one_line_error(ckptfs("warmup", str(m.path / "ckpt/nope.bin"), check=False), None, "no such file")
+    assert_one_line_error(ckptfs("warmup", str(tmp_path), check=False), None, "is not on a ckptfs mount")
     # Both files need six blocks: the cache holds four. A clear error, not a hang.
-    one_line_error(ckptfs("warmup", str(m.path / "ckpt"), check=False, timeout=60), "cache holds at most")
+    assert_one_line_error(ckptfs("warmup", str(m.path / "ckpt"), check=False, timeout=60), None, "cache holds at most")
     assert (m.path / "ckpt/a.bin").read_bytes() == files["ckpt/a.bin"]  # the mount still serves
-    assert fetched(m) == 20 * MiB
+    assert m.fetched_bytes() == 20 * MiB
     m.stop()
 
 
 # -- in process: the namespace and the fetcher without FUSE (fast) ------------------------------------
-
-
-@pytest.fixture
-def local(tmp_path):
-    store = LocalStore(tmp_path / "store")
-    store.check()
-    return store
 
 
 async def warm(m, paths: list[str], progress: list | None = None) -> dict:
@@ -127,84 +102,78 @@ async def warm(m, paths: list[str], progress: list | None = None) -> dict:
             done()
 
 
-def test_warm_shares_fetches_with_a_reader_and_marks_files_recently_used(tmp_path, local):
+@trio_test
+async def test_warm_shares_fetches_with_a_reader_and_marks_files_recently_used(tmp_path, local):
     big, small = blob(10 * BS + 7, 1), blob(BS // 2, 2)
 
-    async def main():
-        async with mounted(tmp_path / "writer", local) as m:
-            await create(m.ns, "big.bin", big)
-            await create(m.ns, "small.bin", small)
-            await sync(m)
-        async with mounted(tmp_path / "reader", local) as m:  # a fresh cache: nothing cached
-            nodes = {name: m.ns.inodes[ino(m.ns, name)] for name in ("big.bin", "small.bin")}
-            assert await warm(m, ["small.bin"]) == {"files": 1, "total_bytes": len(small), "fetched_bytes": len(small)}
-            progress: list[dict] = []
-            read = {}
+    async with mounted(tmp_path / "writer", local) as m:
+        await create(m.ns, "big.bin", big)
+        await create(m.ns, "small.bin", small)
+        await sync(m)
+    async with mounted(tmp_path / "reader", local) as m:  # a fresh cache: nothing cached
+        nodes = {name: m.ns.inodes[ino(m.ns, name)] for name in ("big.bin", "small.bin")}
+        assert await warm(m, ["small.bin"]) == {"files": 1, "total_bytes": len(small), "fetched_bytes": len(small)}
+        progress: list[dict] = []
+        read = {}
 
-            async def reader():
-                read["big"] = await read_all(m.ns, "big.bin")
+        async def reader():
+            read["big"] = await read_all(m.ns, "big.bin")
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(reader)  # a concurrent reader of the same cold file
-                result = await warm(m, [""], progress)
-            assert read["big"] == big
-            assert result == {"files": 2, "total_bytes": len(big) + len(small), "fetched_bytes": len(big)}
-            assert m.fetcher.fetched_bytes == len(big) + len(small)  # each block fetched once
-            assert progress[-1] == {"done_bytes": len(big) + len(small), "total_bytes": len(big) + len(small),
-                                    "files": 2, "files_done": 2}
-            assert all(n.version.content.holders == 1 for n in nodes.values())  # released again
-            assert [n.name for n in m.cache.clean] == ["big.bin", "small.bin"]  # released in tree order
-            # Warming a cached file fetches nothing and makes it the most recently used.
-            for name in ("small.bin", "big.bin"):
-                assert (await warm(m, [name]))["fetched_bytes"] == 0
-                assert list(m.cache.clean)[-1] is nodes[name]
-            assert await read_all(m.ns, "small.bin") == small
-            assert m.fetcher.fetched_bytes == len(big) + len(small)
-
-    trio.run(main)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)  # a concurrent reader of the same cold file
+            result = await warm(m, [""], progress)
+        assert read["big"] == big
+        assert result == {"files": 2, "total_bytes": len(big) + len(small), "fetched_bytes": len(big)}
+        assert m.fetcher.fetched_bytes == len(big) + len(small)  # each block fetched once
+        assert progress[-1] == {"done_bytes": len(big) + len(small), "total_bytes": len(big) + len(small),
+                                "files": 2, "files_done": 2}
+        assert all(n.version.content.holders == 1 for n in nodes.values())  # released again
+        assert [n.name for n in m.cache.clean] == ["big.bin", "small.bin"]  # released in tree order
+        # Warming a cached file fetches nothing and makes it the most recently used.
+        for name in ("small.bin", "big.bin"):
+            assert (await warm(m, [name]))["fetched_bytes"] == 0
+            assert list(m.cache.clean)[-1] is nodes[name]
+        assert await read_all(m.ns, "small.bin") == small
+        assert m.fetcher.fetched_bytes == len(big) + len(small)
 
 
-def test_warm_into_a_cache_full_of_unsent_data_fails_clearly(tmp_path, local):
+@trio_test
+async def test_warm_into_a_cache_full_of_unsent_data_fails_clearly(tmp_path, local):
     """Blocks written all but their last byte never stream, so nothing can make room: warmup
     fails with ENOSPC and a message saying why, instead of waiting forever."""
     big = blob(10 * BS, 3)
 
-    async def main():
-        async with mounted(tmp_path / "writer", local) as m:
-            await create(m.ns, "big.bin", big)
-            await sync(m)
-        async with mounted(tmp_path / "reader", local) as m:
-            handle, _ = m.ns.create(ROOT_INODE, "gappy.bin", 0o644, os.O_WRONLY, UID, GID)
-            for index in range(76):  # the cache holds 80 blocks
-                await m.ns.write(handle.fh, index * BS, blob(BS - 1, index))
-            with trio.fail_after(30), pytest.raises(FsError) as info:
-                await warm(m, ["big.bin"])
-            assert info.value.errno == errno.ENOSPC and "cache is full" in str(info.value)
-            node = m.ns.inodes[ino(m.ns, "big.bin")]
-            assert node.version.content.holders == 1
-            m.ns.release(handle.fh)  # the writer goes away: now it fits
-            assert (await warm(m, ["big.bin"]))["total_bytes"] == len(big)
-            assert await read_all(m.ns, "big.bin") == big
-            assert m.fetcher.fetched_bytes <= 2 * len(big)
-
-    trio.run(main)
+    async with mounted(tmp_path / "writer", local) as m:
+        await create(m.ns, "big.bin", big)
+        await sync(m)
+    async with mounted(tmp_path / "reader", local) as m:
+        handle, _ = m.ns.create(ROOT_INODE, "gappy.bin", 0o644, os.O_WRONLY, UID, GID)
+        for index in range(76):  # the cache holds 80 blocks
+            await m.ns.write(handle.fh, index * BS, blob(BS - 1, index))
+        with trio.fail_after(30), pytest.raises(FsError) as info:
+            await warm(m, ["big.bin"])
+        assert info.value.errno == errno.ENOSPC and "cache is full" in str(info.value)
+        node = m.ns.inodes[ino(m.ns, "big.bin")]
+        assert node.version.content.holders == 1
+        m.ns.release(handle.fh)  # the writer goes away: now it fits
+        assert (await warm(m, ["big.bin"]))["total_bytes"] == len(big)
+        assert await read_all(m.ns, "big.bin") == big
+        assert m.fetcher.fetched_bytes <= 2 * len(big)
 
 
-def test_warm_more_than_the_ram_tier_keeps_every_file(tmp_path, local):
+@trio_test
+async def test_warm_more_than_the_ram_tier_keeps_every_file(tmp_path, local):
     """Files warmed first are not evicted to make room for the ones after them (the RAM tier,
     16 blocks, fills up long before the 40 blocks asked; the disk tier takes the rest)."""
     files = {f"step/{i}.bin": blob(10 * BS, 10 + i) for i in range(4)}
 
-    async def main():
-        async with mounted(tmp_path / "writer", local) as m:
-            mkdirs(m.ns, "step")
-            for name, data in files.items():
-                await create(m.ns, name, data)
-            await sync(m)
-        async with mounted(tmp_path / "reader", local) as m:
-            assert (await warm(m, ["step"]))["fetched_bytes"] == 40 * BS
-            for name, data in files.items():
-                assert await read_all(m.ns, name) == data
-            assert m.fetcher.fetched_bytes == 40 * BS
-
-    trio.run(main)
+    async with mounted(tmp_path / "writer", local) as m:
+        mkdirs(m.ns, "step")
+        for name, data in files.items():
+            await create(m.ns, name, data)
+        await sync(m)
+    async with mounted(tmp_path / "reader", local) as m:
+        assert (await warm(m, ["step"]))["fetched_bytes"] == 40 * BS
+        for name, data in files.items():
+            assert await read_all(m.ns, name) == data
+        assert m.fetcher.fetched_bytes == 40 * BS

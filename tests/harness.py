@@ -1,0 +1,120 @@
+"""Small helpers every kind of test uses: test data, waiting on a condition, running trio code,
+free ports and the ckptfs command's one-line errors. (Mounts: tests/mounting.py; the namespace
+driven in-process: tests/inprocess.py; fixtures: tests/conftest.py.)"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Hang guard of run_trio/trio_test: turns a deadlock into a failure; nothing waits on it otherwise.
+TRIO_GUARD_S = 120.0
+
+
+def blob(n: int, seed: int = 0) -> bytes:
+    """``n`` incompressible bytes, the same for the same seed and distinct across seeds (a swapped,
+    stale or shifted block shows up)."""
+    return random.Random(seed).randbytes(n)
+
+
+def floats(n_bytes: int, dtype="float32", seed: int = 0) -> bytes:
+    """Weight-like data: small normally distributed values of ``dtype`` (their exponent bytes
+    repeat, so they compress a little, as real weights do)."""
+    import numpy
+
+    rng = numpy.random.default_rng(seed)
+    return (rng.standard_normal(n_bytes // numpy.dtype(dtype).itemsize) * 0.02).astype(dtype).tobytes()
+
+
+def wait_until(predicate, timeout: float, step: float = 0.1, what: str | None = None):
+    """Poll ``predicate`` until it returns something true, at most ``timeout`` seconds; returns
+    that value. Without ``what``, returns the last (false) value at the deadline for the caller
+    to assert on; with it, fails with "timed out after Ns waiting for <what>"."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            break
+        time.sleep(step)
+    if not value and what is not None:
+        raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+    return value
+
+
+async def wait_until_async(predicate, timeout: float, what: str, step: float = 0.01):
+    """``wait_until`` inside trio: poll ``predicate`` (a plain function) without blocking the loop;
+    fails with "timed out after Ns waiting for <what>"."""
+    with trio.move_on_after(timeout):
+        while not (value := predicate()):
+            await trio.sleep(step)
+        return value
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def run_trio(fn, *args, guard_s: float = TRIO_GUARD_S):
+    """``trio.run(fn, *args)`` under a hang guard; returns what ``fn`` returns."""
+    async def guarded():
+        with trio.fail_after(guard_s):
+            return await fn(*args)
+    return trio.run(guarded)
+
+
+def trio_test(test):
+    """Decorator: an ``async def`` test (its fixtures as usual) run by ``run_trio``."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return run_trio(functools.partial(test, *args, **kwargs))
+    return run
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (a server started next may take it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_files(root: Path, files: dict[str, bytes]) -> None:
+    """Write each ``name: bytes`` under ``root``, making parent directories."""
+    for name, data in files.items():
+        path = Path(root) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def proc_state(pid: int) -> str | None:
+    """The process's state letter from /proc (``Z`` for a zombie), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The ckptfs command in a subprocess from the repository root; never raises on its exit code."""
+    return subprocess.run([sys.executable, "-m", "ckptfs", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, code: int | None, *needles: str) -> None:
+    """Exit ``code`` (None: any non-zero) and exactly one stderr line, "ckptfs: ...", holding every
+    needle; no traceback."""
+    if code is None:
+        assert done.returncode != 0, done.stderr
+    else:
+        assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptfs: "), done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
