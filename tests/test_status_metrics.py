@@ -159,9 +159,12 @@ def test_training_at_risk_rises_while_uploads_are_blocked_and_falls_after(mount_
     assert wait_until(lambda: Scrape(url).value("ckptfs_store_up") == 0, 40), "store_up stayed 1"
     assert rule.hits >= 1
 
+    # The sync starts while the upload is still held, so the file becomes durable during it.
+    sync = subprocess.Popen([*CKPTFS, "sync", str(m.path), "--json"], stdout=subprocess.PIPE, text=True)
+    assert wait_until(lambda: _has_socket(sync.pid), 30), "the sync never connected to the daemon"
     proxy.clear()
-    done = ckptfs("sync", str(m.path), "--json", timeout=180)
-    result = json.loads(done.stdout)
+    result = json.loads(sync.communicate(timeout=180)[0])
+    assert sync.returncode == 0
     assert result["files"] == 1 and result["bytes"] == len(data), result
     after = Scrape(url)
     assert after.value("ckptfs_training_at_risk_seconds") == 0 and after.value("ckptfs_pending_files") == 0
@@ -237,3 +240,11 @@ def test_a_silent_scraper_holds_the_endpoint_only_for_its_request_timeout(mount_
         silent.close()
     print(f"\na scrape behind a silent client: {took:.1f} s")
     assert took < 15
+
+
+def _has_socket(pid: int) -> bool:
+    """Whether process ``pid`` holds a socket (the CLI's connection to the daemon's control socket)."""
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
