@@ -10,7 +10,6 @@ import time
 
 import humanfriendly
 
-from ckptfs import catalog
 from ckptfs.cli_support import ENDPOINT_HELP, TARGET_HELP
 from ckptfs.errors import CkptfsError
 from ckptfs.target import resolve
@@ -89,6 +88,8 @@ def _table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from ckptfs import catalog  # (imported here: the other commands start without it)
+
     target = resolve(args.target, args.endpoint_url)
     files = catalog.ls(target, args.path, checksums=not args.no_checksums)
     if args.json:
@@ -106,6 +107,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
+    from ckptfs import catalog  # (imported here: the other commands start without it)
+
     target = resolve(args.target, args.endpoint_url)
     found = catalog.catalog(target)
     if args.json:
@@ -129,6 +132,8 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from ckptfs import catalog  # (imported here: the other commands start without it)
+
     target = resolve(args.target, args.endpoint_url)
     verb = "would delete" if args.dry_run else "deleted"
     result = catalog.gc(target, args.keep_last, args.keep_every, args.pattern, args.dry_run)

@@ -30,7 +30,6 @@ import threading
 import time
 from dataclasses import replace
 
-import numpy
 import xxhash
 import zstandard
 
@@ -78,6 +77,7 @@ def parse_spec(text: str) -> int:
 def group(data, by: int) -> bytes:
     """The bytes of ``data`` grouped by position in ``by``-byte values (a tail shorter than one
     value stays at the end as it is)."""
+    import numpy  # (here: the CLI's start does not pay for numpy)
     if by <= 1:
         return bytes(data)
     n = len(data) // by * by
@@ -86,6 +86,7 @@ def group(data, by: int) -> bytes:
 
 
 def _planes(data, by: int) -> list[bytes]:
+    import numpy  # (here: the CLI's start does not pay for numpy)
     if by <= 1:
         return [bytes(data)]
     values = numpy.frombuffer(data, numpy.uint8, count=len(data) // by * by).reshape(-1, by)
@@ -93,6 +94,7 @@ def _planes(data, by: int) -> list[bytes]:
 
 
 def ungroup(data, by: int) -> bytes:
+    import numpy  # (here: the CLI's start does not pay for numpy)
     if by <= 1:
         return bytes(data)
     n = len(data) // by * by

@@ -11,6 +11,7 @@ from pathlib import Path
 
 MiB = 1 << 20
 GiB = 1 << 30
+VERIFY_JOBS = 8  # parts `ckptfs verify` reads at once (by default)
 
 
 def default_store_dir() -> Path:

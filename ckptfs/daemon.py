@@ -24,10 +24,11 @@ import humanfriendly
 import pyfuse3
 import trio
 
-from . import catalog_handler, clean_index, control, integrity, limits, private, verify
+from . import catalog_handler, clean_index, integrity, limits, private, verify
 from .background import BackgroundThreads
 from .cache import RAM, Cache
-from .config import MountConfig, control_socket_path, mount_table
+from .config import VERIFY_JOBS, MountConfig, control_socket_path, mount_table
+from .control_server import ControlServer
 from .errors import CkptfsError, FsError, MountError, TimedOut
 from .fetcher import Fetcher
 from .fuse_ops import Operations
@@ -339,7 +340,7 @@ class Daemon:
             await nursery.start(prefill.run)
             await nursery.start(self.cache.run_populate, BackgroundThreads(1, "ckptfs-populate"))
             self.namespace.load(listing, pending, clean)
-            server = control.ControlServer(control_socket_path(self.mountpoint), {
+            server = ControlServer(control_socket_path(self.mountpoint), {
                 "status": self._status,
                 "sync": self._sync,
                 "warmup": self._warmup,
@@ -502,7 +503,7 @@ class Daemon:
 
     async def _verify(self, request: dict, progress) -> dict:
         """``ckptfs verify MOUNTPOINT``: read back what is in the store, with the mount's store."""
-        paths, jobs = request.get("paths") or [], request.get("jobs", verify.JOBS)
+        paths, jobs = request.get("paths") or [], request.get("jobs", VERIFY_JOBS)
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths) \
                 or not isinstance(jobs, int) or not 1 <= jobs <= 256:
             raise CkptfsError("verify: paths must be a list of strings and jobs 1 to 256")

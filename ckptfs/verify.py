@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass
 import trio
 
 from . import integrity
+from .config import VERIFY_JOBS
 from .integrity import IntegrityError
 from .store.base import RESERVED_PREFIX, NotFound, ObjectInfo, ObjectStore, StoreError
 
-JOBS = 8  # parts read at once (by default)
 PROGRESS_S = 0.5
 FAILURES = ("mismatch", "missing-manifest", "missing", "error")
 
@@ -72,7 +72,7 @@ def _targets(store: ObjectStore, paths: list[str]) -> list[tuple[str, ObjectInfo
 
 
 async def run(store: ObjectStore, paths: list[str], progress: Callable[[dict], Awaitable[None]] | None = None,
-              jobs: int = JOBS) -> dict:
+              jobs: int = VERIFY_JOBS) -> dict:
     """Verify the objects at or under ``paths`` (keys relative to the store; [] for all).
     Returns {"store", "files": [Result as dict], "total_bytes", "seconds"}."""
     started = time.monotonic()

@@ -7,12 +7,9 @@ import argparse
 import json
 import sys
 
-import trio
-
 from ckptfs import target
 from ckptfs.cli_support import ENDPOINT_HELP, TARGET_HELP, ProgressBar, _call, _fmt, _positive_int
-from ckptfs.logical_store import LogicalStore
-from ckptfs.verify import JOBS, failed, run
+from ckptfs.config import VERIFY_JOBS as JOBS
 
 
 def add_parser(sub) -> None:
@@ -55,6 +52,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_url(where, paths: list[str], args: argparse.Namespace, bar) -> dict:
+    import trio  # (imported here, as below: the other commands start without them)
+
+    from ckptfs.logical_store import LogicalStore
+    from ckptfs.verify import run
+
     # (sizes as a mount shows them: a compressed object's is its uncompressed size)
     store = LogicalStore(where.open_store(max_connections=args.jobs + 4))
     try:
@@ -69,6 +71,8 @@ def _verify_url(where, paths: list[str], args: argparse.Namespace, bar) -> dict:
 
 
 def report(result: dict, as_json: bool, strict: bool) -> int:
+    from ckptfs.verify import failed
+
     files = result["files"]
     bad = failed(files, strict)
     counts: dict[str, int] = {}

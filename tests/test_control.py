@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from ckptfs import control
+from ckptfs.control_server import ControlServer
 from ckptfs.errors import CkptfsError, ControlError
 from tests.harness import trio_test
 
@@ -51,7 +52,7 @@ def _with_server(sock_path: Path, handlers: dict, client) -> object:
 
     async def main():
         async with trio.open_nursery() as nursery:
-            await nursery.start(control.ControlServer(sock_path, handlers).serve)
+            await nursery.start(ControlServer(sock_path, handlers).serve)
             try:
                 return await trio.to_thread.run_sync(client, sock_path)
             finally:
@@ -101,9 +102,9 @@ def test_stale_socket_is_replaced(sock_path):
 @trio_test
 async def test_live_socket_is_not_stolen(sock_path):
     async with trio.open_nursery() as nursery:
-        await nursery.start(control.ControlServer(sock_path, HANDLERS).serve)
+        await nursery.start(ControlServer(sock_path, HANDLERS).serve)
         with pytest.raises(ControlError, match="in use"):
-            await control.ControlServer(sock_path, HANDLERS).serve()
+            await ControlServer(sock_path, HANDLERS).serve()
         nursery.cancel_scope.cancel()
 
 
@@ -118,7 +119,7 @@ async def test_client_hangup_cancels_handler(sock_path):
             cancelled.set()
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(control.ControlServer(sock_path, {"wait": wait_forever}).serve)
+        await nursery.start(ControlServer(sock_path, {"wait": wait_forever}).serve)
         with pytest.raises(ControlError, match="no answer"):
             await trio.to_thread.run_sync(lambda: control.call_socket(sock_path, "wait", timeout=0.5))
         with trio.fail_after(5):

@@ -35,11 +35,11 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("local-store uploads", {"store.local_multipart"}),
     ("stores, part encoding", {"store.local", "store.s3", "compression"}),
     ("store choice, cache arenas, checksums", {"store", "cache", "integrity"}),
-    ("cache users, admin targets", {"journal", "clean_index", "target",
+    ("cache users, admin targets and client", {"journal", "clean_index", "target", "control",
                                                   "logical_store"}),
     ("transfer", {"uploader", "fetcher", "prefill", "openers", "verify"}),
     ("model", {"namespace"}),
-    ("FUSE glue, admin channel", {"fuse_ops", "control", "catalog_handler"}),
+    ("FUSE glue, admin server", {"fuse_ops", "control_server", "catalog_handler"}),
     ("mount checks (ask a mount's daemon)", {"paths"}),
     ("daemon wiring", {"daemon"}),
     ("admin clients, Python API", {"catalog", "api", "cli_support"}),
@@ -146,3 +146,12 @@ def test_imports_go_down_the_layers(name):
     assert not upward, (f"ckptfs/{name.replace('.', '/')} ({LAYERS[RANK[name]][0]}) imports "
                         + ", ".join(f"{t} ({LAYERS[RANK[t]][0]})" for t in upward)
                         + ": only lower layers may be imported")
+
+
+def test_the_command_line_starts_without_trio_or_numpy():
+    """Every `ckptfs` command pays for what `import ckptfs.cli` loads (the tests call it hundreds
+    of times): the event loop and numpy load only in the commands that use them."""
+    code = "import sys, ckptfs.cli\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'trio', 'numpy'}))\n"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"loaded by the CLI at import: {done.stdout.strip()}"
