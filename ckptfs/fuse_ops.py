@@ -12,6 +12,7 @@ import errno
 import functools
 import logging
 import os
+import stat
 import time
 
 import pyfuse3
@@ -101,6 +102,9 @@ class Operations(pyfuse3.Operations):
         self.save_stall = Histogram(STALL_BUCKETS)
         self._opened_at: dict[int, float] = {}  # writable handles, by fh
         self._wrote: set[int] = set()
+        # The largest file the store can hold (one object of at most 10,000 parts): a size or a
+        # write beyond it gets EFBIG at once, before any cache, journal or upload work.
+        self.max_file_size = namespace.store.limits.max_file_size
 
     def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()
@@ -114,7 +118,7 @@ class Operations(pyfuse3.Operations):
         # invalidates them in the kernel.
         entry.attr_timeout = 0 if attr.writing else self.entry_timeout
         entry.st_mode = attr.mode
-        entry.st_nlink = 2 if attr.is_dir else 1
+        entry.st_nlink = attr.nlink
         entry.st_uid = attr.uid
         entry.st_gid = attr.gid
         entry.st_rdev = 0
@@ -127,9 +131,17 @@ class Operations(pyfuse3.Operations):
         return entry
 
     # -- names ---------------------------------------------------------------------------
+    def _checked_name(self, parent_inode: int, raw: bytes) -> str:
+        """The name of any call that takes one; ENAMETOOLONG for a name that cannot be in the
+        store (over 255 bytes, or a key longer than the store's), whether or not the call would
+        create it, as a disk answers. (The namespace refuses a new name one byte earlier.)"""
+        if raw not in (b".", b".."):
+            self.ns.check_name_length(self.ns.node(parent_inode), raw, spare=0)
+        return _name(raw)
+
     @_errno_boundary
     async def lookup(self, parent_inode, name, ctx=None):
-        name = _name(name)
+        name = self._checked_name(parent_inode, name)
         try:
             return self._entry(await self.ns.lookup_async(parent_inode, name))
         except FsError as exc:
@@ -154,6 +166,8 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def setattr(self, inode, attr, fields, fh, ctx):
+        if fields.update_size and attr.st_size > self.max_file_size:
+            raise FsError(errno.EFBIG, f"{attr.st_size} bytes: larger than the store's largest object")
         result = await self.ns.setattr(
             inode,
             fh,
@@ -168,19 +182,42 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return self._entry(self.ns.mkdir(parent_inode, _name(name), mode & ~ctx.umask, ctx.uid, ctx.gid))
+        name = self._checked_name(parent_inode, name)
+        return self._entry(self.ns.mkdir(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
 
     @_errno_boundary
     async def rmdir(self, parent_inode, name, ctx):
-        self.ns.rmdir(parent_inode, _name(name))
+        self.ns.rmdir(parent_inode, self._checked_name(parent_inode, name))
 
     @_errno_boundary
     async def unlink(self, parent_inode, name, ctx):
-        self.ns.unlink(parent_inode, _name(name))
+        self.ns.unlink(parent_inode, self._checked_name(parent_inode, name))
 
     @_errno_boundary
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        self.ns.rename(parent_inode_old, _name(name_old), parent_inode_new, _name(name_new), flags)
+        self.ns.rename(parent_inode_old, self._checked_name(parent_inode_old, name_old),
+                       parent_inode_new, self._checked_name(parent_inode_new, name_new), flags)
+
+    @_errno_boundary
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        name = self._checked_name(parent_inode, name)
+        if stat.S_IFMT(mode) not in (0, stat.S_IFREG):
+            # mkfifo, device nodes, bind() of an AF_UNIX socket: an object store holds only
+            # files and directories.
+            raise FsError(errno.EPERM, "FIFOs, devices and sockets cannot be stored")
+        # A regular file: made, committed and closed as open(O_CREAT | O_EXCL) + close make it.
+        handle, attr = self.ns.create(parent_inode, name, mode & ~ctx.umask, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                      ctx.uid, ctx.gid)
+        try:
+            self.ns.flush(handle.fh)
+        finally:
+            self.ns.release(handle.fh)
+        return self._entry(self.ns.getattr(attr.ino))
+
+    @_errno_boundary
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        self._checked_name(new_parent_inode, new_name)
+        raise FsError(errno.EPERM, "hard links cannot be stored (one object per name)")
 
     # -- directories -------------------------------------------------------------------------
     @_errno_boundary
@@ -212,7 +249,8 @@ class Operations(pyfuse3.Operations):
     # -- files -----------------------------------------------------------------------------------
     @_errno_boundary
     async def create(self, parent_inode, name, mode, flags, ctx):
-        handle, attr = self.ns.create(parent_inode, _name(name), mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
+        name = self._checked_name(parent_inode, name)
+        handle, attr = self.ns.create(parent_inode, name, mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
         self.openers.opened(handle.fh, attr.ino, ctx.pid, flags)
         self._opened_at[handle.fh] = time.monotonic()
         # direct_io: the kernel hands large writes straight to us (1 MiB requests)
@@ -233,6 +271,10 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def write(self, fh, off, buf):
+        if off + len(buf) > self.max_file_size:  # as a disk: short up to the limit, EFBIG at it
+            if off >= self.max_file_size:
+                raise FsError(errno.EFBIG, "a write past the store's largest object")
+            buf = buf[:self.max_file_size - off]
         written = await self.ns.write(fh, off, buf)
         self.written_bytes += written
         self._wrote.add(fh)

@@ -115,6 +115,13 @@ class LogicalStore(ObjectStore):
         self.inner.check()
 
     @property
+    def limits(self):
+        return self.inner.limits
+
+    def key_room(self) -> int:
+        return self.inner.key_room()
+
+    @property
     def server_checksums(self) -> bool:
         return self.inner.server_checksums
 

@@ -77,6 +77,7 @@ class Attr:
     mtime_ns: int
     ctime_ns: int
     writing: bool = False  # a handle holds a staged copy: the kernel's size may be the writer's
+    nlink: int = 1
 
 
 class Version:
@@ -192,6 +193,7 @@ class Namespace:
         # Refresh from the store: seconds a directory listing or a missing name is trusted
         # (0: ask every time; None: never, the tree is the listing at mount plus our changes).
         self.store = fetcher.store
+        self.max_key_bytes = self.store.key_room()  # (S3: 1024 bytes less the prefix's)
         self.list_ttl = list_ttl
         # Set by the daemon: the kernel drops its cached entry (and so the attributes) of a
         # name, asynchronously. Used when the store changed a file behind the kernel's back.
@@ -377,9 +379,12 @@ class Namespace:
         return self.attr(node)
 
     def attr(self, node: Node) -> Attr:
+        # Links as on a local disk: a directory's "." and its entry, and each subdirectory's "..";
+        # none once unlinked (a file still open).
+        nlink = 2 + sum(c.is_dir for c in node.children.values()) if node.is_dir else 1
         return Attr(
             node.ino, node.is_dir, node.mode, node.size(), node.uid, node.gid,
-            node.atime_ns, node.mtime_ns, node.ctime_ns, node.writers > 0,
+            node.atime_ns, node.mtime_ns, node.ctime_ns, node.writers > 0, 0 if node.unlinked else nlink,
         )
 
     def readdir(self, ino: int) -> list[tuple[str, Attr]]:
@@ -1075,7 +1080,7 @@ class Namespace:
                 raise FsError(errno.ENOTEMPTY)
             new_prefix = (new_parent.key() + new_name).encode()
             longest = max(len(n.key().encode()) - len(node.key().encode()) for n in node.walk())
-            if len(new_prefix) + 1 + longest > MAX_KEY_BYTES:
+            if len(new_prefix) + 1 + longest > self.max_key_bytes:
                 raise FsError(errno.ENAMETOOLONG)
         elif target is not None and target.is_dir:
             raise FsError(errno.EISDIR)
@@ -1342,14 +1347,19 @@ class Namespace:
             encoded = name.encode("utf-8")
         except UnicodeEncodeError:
             raise FsError(errno.EINVAL, "names must be valid UTF-8 to be stored as keys") from None
-        if len(encoded) > MAX_NAME_BYTES:
-            raise FsError(errno.ENAMETOOLONG)
-        if len(parent.key().encode()) + len(encoded) + 1 > MAX_KEY_BYTES:
-            raise FsError(errno.ENAMETOOLONG, "the path is longer than the store's key limit")
+        self.check_name_length(parent, encoded)
         if parent is self.root and name.startswith(RESERVED_PREFIX):
             raise FsError(errno.EINVAL, f"names starting with {RESERVED_PREFIX} are reserved at the top")
         if name in (".", ".."):
             raise FsError(errno.EINVAL)
+
+    def check_name_length(self, parent: Node, name: bytes, spare: int = 1) -> None:
+        """ENAMETOOLONG for a name over 255 bytes, or one whose key would pass the store's limit
+        (``spare``: bytes kept for a new directory's trailing "/"; 0 for a name that may exist)."""
+        if len(name) > MAX_NAME_BYTES:
+            raise FsError(errno.ENAMETOOLONG)
+        if len(parent.key().encode()) + len(name) + spare > self.max_key_bytes:
+            raise FsError(errno.ENAMETOOLONG, "the path is longer than the store's key limit")
 
     def _touch(self, node: Node) -> None:
         node.mtime_ns = node.ctime_ns = time.time_ns()

@@ -16,23 +16,31 @@ from dataclasses import dataclass, field
 
 from ckptfs.errors import NotFound, StoreError  # noqa: F401  (re-exported: defined in errors for to_errno)
 
-MiB, GiB = 1 << 20, 1 << 30
+MiB, GiB, TiB = 1 << 20, 1 << 30, 1 << 40
 
 
 @dataclass(frozen=True)
 class StoreLimits:
     """What a store accepts: keys of at most ``max_key_bytes`` bytes (UTF-8), multipart uploads of
     at most ``max_parts`` parts, each of ``min_part_size``..``max_part_size`` bytes but the last
-    (which may be smaller). A store declares its own in ``ObjectStore.limits``."""
+    (which may be smaller), objects of at most ``max_object_size`` bytes. A store declares its
+    own in ``ObjectStore.limits``."""
 
     max_key_bytes: int = 1024
     max_parts: int = 10_000
     min_part_size: int = 5 * MiB
     max_part_size: int = 5 * GiB
+    max_object_size: int = 5 * TiB
+
+    @property
+    def max_file_size(self) -> int:
+        """The largest file a mount can store: one object, in at most ``max_parts`` parts."""
+        return min(self.max_object_size, self.max_parts * self.max_part_size)
 
 
 # S3's (and what every ckptfs store keeps to, so that a mount's files fit any of them): at most
-# 10,000 parts per upload, parts of 5 MiB..5 GiB (but the last), keys of at most 1024 bytes.
+# 10,000 parts per upload, parts of 5 MiB..5 GiB (but the last), objects of at most 5 TiB, keys
+# of at most 1024 bytes.
 # (User metadata: at most 2 KiB.)
 S3_LIMITS = StoreLimits()
 MAX_PARTS = S3_LIMITS.max_parts
@@ -77,6 +85,11 @@ class ObjectStore(ABC):
 
     url: str  # printable location, never with credentials
     limits: StoreLimits = S3_LIMITS  # what it accepts (keys, part count, part sizes)
+
+    def key_room(self) -> int:
+        """How long (UTF-8 bytes) a key may be: the key limit less what the store puts before
+        every key (S3's prefix)."""
+        return self.limits.max_key_bytes
 
     server_checksums = False  # whether parts carry a checksum the server verifies (S3: CRC32C)
 

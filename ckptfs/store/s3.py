@@ -192,6 +192,9 @@ class S3Store(ObjectStore):
 
     # -- helpers ---------------------------------------------------------------
 
+    def key_room(self) -> int:
+        return self.limits.max_key_bytes - len(self._base.encode())
+
     def _key(self, key: str) -> str:
         if not key or key.startswith("/"):
             raise ValueError(f"invalid store key {key!r}")
