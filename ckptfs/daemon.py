@@ -172,11 +172,11 @@ class Daemon:
                                  self.config.upload_concurrency, compress_level=self.config.compress or None)
         self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
         covered = os.stat(self.mountpoint)  # the root looks like the directory it covers
+        self.health = StoreHealth()  # one view of the store's trouble, fed by everything that calls it
+        self.uploader.health = self.fetcher.health = self.health
         self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid(),
                                    list_ttl=self.config.list_ttl, umask=self.config.umask,
-                                   root=(covered.st_mode, covered.st_uid, covered.st_gid))
-        self.health = StoreHealth()  # one view of the store's trouble, fed by everything that calls it
-        self.uploader.health = self.fetcher.health = self.namespace.health = self.health
+                                   root=(covered.st_mode, covered.st_uid, covered.st_gid), health=self.health)
         self.store.report_to(self.health)
         self.cache.write_timeout = self.config.write_timeout
         self.fetcher.read_timeout = self.config.read_timeout
