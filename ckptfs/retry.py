@@ -74,7 +74,8 @@ def reading(on_retry: Callable[[BaseException], None] = lambda exc: None,
     return tenacity.AsyncRetrying(
         sleep=trio.sleep,
         retry=tenacity.retry_if_exception(lambda e: isinstance(e, at_once)
-                                          or (isinstance(e, StoreError) and e.transient)),
+                                          or (isinstance(e, StoreError) and e.transient
+                                              and not isinstance(e, NotFound))),
         wait=wait,
         stop=tenacity.stop_after_attempt(READ_ATTEMPTS),
         before_sleep=before_sleep,
