@@ -1,9 +1,6 @@
-"""Wiring: builds the parts, serves the mount and the workers in one trio nursery, shuts down cleanly.
-
-Start-up order matters for crash recovery: the journal is replayed and its blocks
-adopted by the cache before anything can allocate, the log is compacted to what is
-still pending, and only then does the namespace lay those ops over the store
-listing and hand them back to the uploader.
+"""The daemon: the mountpoint and cache dir checks, the store, the parts (``core.build_core``:
+the wiring and the start-up order crash recovery needs), the FUSE loop, the control commands
+and the workers in one trio nursery, signals and a clean shutdown.
 """
 
 from __future__ import annotations
@@ -24,27 +21,24 @@ import humanfriendly
 import pyfuse3
 import trio
 
-from . import catalog_handler, clean_index, control, integrity, limits, private, verify
+from . import catalog_handler, clean_index, control, integrity, private, verify
 from .background import BackgroundThreads
-from .cache import RAM, Cache
+from .cache import RAM
 from .config import MountConfig, control_socket_path, mount_table
+from .core import CLEAN_INDEX, build_core
 from .errors import CkptfsError, FsError, MountError, TimedOut
-from .fetcher import Fetcher
 from .fuse_ops import Operations
-from .health import StoreHealth, describe
+from .health import describe
 from .journal import Journal
-from .namespace import Namespace
 from .paths import DEAD, LIVE, SILENT, check_mount_paths, mount_at
 from .logical_store import LogicalStore
 from .store import open_store
 from .store.base import StoreError
-from .uploader import Uploader
 
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
 READ_AHEAD_KB = 1024  # read requests of 1 MiB instead of 128 KiB (docs/machine-facts.md)
-CLEAN_INDEX = "clean.index"
 
 
 def run(config: MountConfig, on_ready: Callable[[], None] | None = None) -> None:
@@ -152,34 +146,13 @@ class Daemon:
         except StoreError as exc:
             raise MountError(str(exc)) from exc
         self.ram_dir = claim_ram_dir(self.cache_dir, Path(self.config.shm_dir))
-        self.cache = Cache(self.cache_dir, self.ram_dir, self.config.part_size,
-                           self.config.ram_cache, self.config.cache_size)
-        ram = self.cache.tiers[RAM]
-        try:
-            limits.check_ram_room(self.config, ram.budget, ram.fd, ram.held_bytes())
-        except MountError:
-            self.cache.close()
-            raise
-        self.journal = Journal(self.cache_dir / "journal", self.cache.ram_arena_id)
-        pending, open_uploads = self.journal.replay()
-        pending = self._adopt_blocks(pending)
-        self.journal.open(pending, open_uploads)
-        clean = clean_index.load(self.cache_dir / CLEAN_INDEX, self.cache,
-                                 {ref for op in pending for ref in op.blocks if ref is not None})
-        if pending:
-            log.info("journal: %d operations still pending from the last run; resuming", len(pending))
-        self.uploader = Uploader(self.store, self.cache, self.journal, self.config.part_size,
-                                 self.config.upload_concurrency, compress_level=self.config.compress or None)
-        self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
         covered = os.stat(self.mountpoint)  # the root looks like the directory it covers
-        self.health = StoreHealth()  # one view of the store's trouble, fed by everything that calls it
-        self.uploader.health = self.fetcher.health = self.health
-        self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid(),
-                                   list_ttl=self.config.list_ttl, umask=self.config.umask,
-                                   root=(covered.st_mode, covered.st_uid, covered.st_gid), health=self.health)
+        self.core = build_core(self.config, self.store, self.cache_dir, self.ram_dir,
+                               root=(covered.st_mode, covered.st_uid, covered.st_gid))
+        core = self.core
+        self.health, self.cache, self.journal = core.health, core.cache, core.journal
+        self.uploader, self.fetcher, self.namespace = core.uploader, core.fetcher, core.namespace
         self.store.report_to(self.health)
-        self.cache.write_timeout = self.config.write_timeout
-        self.fetcher.read_timeout = self.config.read_timeout
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
         # default_permissions (in pyfuse3's defaults): the kernel checks every access against the
         # modes, so other users, when allowed in at all, reach only what the modes let them.
@@ -194,13 +167,11 @@ class Daemon:
         except RuntimeError as exc:
             raise MountError(f"cannot mount at {self.mountpoint}: {exc}") from exc
         try:
-            trio.run(self._serve, pending, open_uploads, listing, clean, on_ready)
+            trio.run(self._serve, listing, on_ready)
             self._save_clean_index()
         finally:
             pyfuse3.close(unmount=True)
-            self.uploader.close()  # store calls abandoned at shutdown may no longer read the cache
-            self.journal.close()
-            self.cache.close()
+            core.close()
             self.store.close()
             log.info("unmounted %s", self.mountpoint)
         self._drop_ram_tier()  # a clean stop only: after a crash the next mount needs it
@@ -246,17 +217,6 @@ class Daemon:
             lock.close()
             raise MountError(f"cache dir {self.cache_dir} is in use by another ckptfs mount") from None
         return lock
-
-    def _adopt_blocks(self, pending):
-        kept = []
-        for op in pending:
-            bad = [ref for ref in op.blocks if ref is not None and not self.cache.valid_ref(ref)]
-            if bad:
-                log.error("journal: %s names cache blocks that no longer exist; dropped", op.key)
-                continue
-            kept.append(op)
-        self.cache.adopt((op.size, op.blocks) for op in kept)
-        return kept
 
     # -- serving ---------------------------------------------------------------------------------
     def _save_clean_index(self) -> None:
@@ -324,13 +284,13 @@ class Daemon:
             "store_up": 1 if health.get("state") == "ok" else 0,
         }
 
-    async def _serve(self, pending, open_uploads, listing, clean, on_ready) -> None:
+    async def _serve(self, listing, on_ready) -> None:
         self.stop_requested = trio.Event()
         self.serving = trio.Event()  # the start-up stat through the mount has returned
         self.trio_token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.uploader.run, open_uploads)
-            await nursery.start(self.fetcher.run)
+            await self.core.start(nursery)
+            # The kernel hooks, once the FUSE channel is open (only this module imports pyfuse3).
             prefill = self.namespace.prefill
             prefill.store_pages, prefill.invalidate = pyfuse3.notify_store, pyfuse3.invalidate_inode
             prefill.stat = lambda key: os.stat(os.path.join(self.mountpoint, key))
@@ -338,7 +298,7 @@ class Daemon:
                 parent_ino, os.fsencode(name), ignore_enoent=True)
             await nursery.start(prefill.run)
             await nursery.start(self.cache.run_populate, BackgroundThreads(1, "ckptfs-populate"))
-            self.namespace.load(listing, pending, clean)
+            self.core.load(listing)
             server = control.ControlServer(control_socket_path(self.mountpoint), {
                 "status": self._status,
                 "sync": self._sync,

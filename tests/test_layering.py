@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("model facade", {"namespace"}),
     ("FUSE glue, admin channel", {"fuse_ops", "control", "catalog_handler"}),
     ("mount checks (ask a mount's daemon)", {"paths"}),
+    ("the parts, built and wired (build_core)", {"core"}),
     ("daemon wiring", {"daemon"}),
     ("admin clients, Python API", {"catalog", "api", "cli_support"}),
     ("commands", {"catalog_cli", "verify_cli"}),
