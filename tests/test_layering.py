@@ -7,8 +7,9 @@ functions count too), so the layering cannot rot silently:
 - each module imports only modules of lower layers (LAYERS below, bottom first): the order of
   docs/architecture.md's diagram (daemon > fuse_ops > namespace > uploader/fetcher/prefill >
   journal > cache > store), with the modules the diagram leaves out placed where their imports
-  put them today. Callbacks handed up at run time (the cache's ``pinned``/``reclaim``, the
-  uploader's ``on_durable``) are calls, not imports: issue 16 is about those.
+  put them today. Calls handed up at run time (the cache's ``CachePolicy``, the uploader's
+  ``on_durable``/``on_moved`` and ``retained_ops``, prefill's ``busy``) are calls, not imports:
+  docs/architecture.md lists them ("Who calls whom").
 
 A new module gets a line in LAYERS (test_every_module_has_a_layer says which are missing).
 """
@@ -42,6 +43,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("FUSE glue, admin channel", {"fuse_ops", "control", "catalog_handler"}),
     ("mount checks (ask a mount's daemon)", {"paths"}),
     ("the parts, built and wired (build_core)", {"core"}),
+    ("the control commands' answers", {"commands"}),
     ("daemon wiring", {"daemon"}),
     ("admin clients, Python API", {"catalog", "api", "cli_support"}),
     ("commands", {"catalog_cli", "verify_cli"}),
