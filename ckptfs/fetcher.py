@@ -298,19 +298,21 @@ class Fetcher:
         through transient failures and short bodies (retry.reading)."""
         key = content.key
 
+        async def once() -> tuple[bytes, dict[str, str]]:
+            nonlocal key
+            key = content.key
+            started = time.monotonic()
+            data, metadata = await self._get_range(content, start, length)
+            self.get_latency.observe(time.monotonic() - started)
+            if len(data) != length:
+                raise _ShortRead(len(data))
+            return data, metadata
+
         def retrying(exc: BaseException) -> None:
             self.retries += 1
 
         try:
-            async for attempt in retry.reading(retrying, at_once=(_ShortRead,)):
-                with attempt:
-                    key = content.key
-                    started = time.monotonic()
-                    data, metadata = await self._get_range(content, start, length)
-                    self.get_latency.observe(time.monotonic() - started)
-                    if len(data) != length:
-                        raise _ShortRead(len(data))
-                    return data, metadata
+            return await retry.call(lambda: retry.reading(retrying, at_once=(_ShortRead,)), once)
         except StoreError as exc:
             log.error("read of %s failed: %s", key, exc)
             self.health.failed("read", key, f"{_errno_name(exc.errno)}: {exc}")
@@ -349,10 +351,8 @@ class Fetcher:
         mkey = integrity.manifest_key(upload)
         try:
             try:
-                async for attempt in retry.reading():
-                    with attempt:
-                        raw = await trio.to_thread.run_sync(self.store.get_range, mkey, 0, MANIFEST_MAX,
-                                                            limiter=self.threads, abandon_on_cancel=True)
+                raw = await retry.call(retry.reading, lambda: trio.to_thread.run_sync(
+                    self.store.get_range, mkey, 0, MANIFEST_MAX, limiter=self.threads, abandon_on_cancel=True))
             except NotFound:
                 raise IntegrityError(f"its manifest {mkey} is missing from the store") from None
             except StoreError as exc:

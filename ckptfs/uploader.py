@@ -404,9 +404,7 @@ class Uploader:
                       exc_info=exc)
             self._record_error(task.op.key, exc)
 
-        async for attempt in retry.AFTER_BUG.retrying(failed):
-            with attempt:
-                return await step(task)
+        return await retry.call(lambda: retry.AFTER_BUG.retrying(failed), lambda: step(task))
 
     async def _upload_parts(self, task: Task) -> None:
         if task.upload is None:
@@ -802,15 +800,16 @@ class Uploader:
 
     async def _call(self, key: str, fn, *args, attempts: int | None = None):
         """Run a blocking store call in a thread, retrying failures with backoff (retry.publishing)."""
-        async for attempt in retry.publishing(lambda exc: self._record_error(key, exc), attempts):
-            with attempt:
-                started = time.monotonic()
-                try:
-                    result = await self.store_threads.run(fn, *args)
-                finally:
-                    self.call_latency.observe(time.monotonic() - started)
-                self.health.answered()
-                return result
+        async def once():
+            started = time.monotonic()
+            try:
+                result = await self.store_threads.run(fn, *args)
+            finally:
+                self.call_latency.observe(time.monotonic() - started)
+            self.health.answered()
+            return result
+
+        return await retry.call(lambda: retry.publishing(lambda exc: self._record_error(key, exc), attempts), once)
 
     def _record_error(self, key: str, exc: BaseException) -> None:
         message = str(exc)
