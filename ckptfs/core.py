@@ -8,10 +8,12 @@ over the store listing and hand them back to the uploader.
 
 Who gets what (docs/architecture.md, "Wiring"): the cache receives the model's cache policy in
 its constructor; the fetcher its health and read timeout; the namespace the policy (and so the
-tree) and the shared health. Two links are made after construction, both here: the policy
-learns the cache and the uploader (``CachePolicy.bind``: the cache is built with the policy and
-the uploader with the cache, a cycle), and the uploader its health and the journal ops the
-model keeps besides its own (``retained_ops``, set by the namespace).
+tree) and the shared health. Three links are made after construction, all inside
+``build_core``: the policy learns the cache and the uploader (``CachePolicy.bind``, called by
+the ``Namespace`` constructor: the cache is built with the policy and the uploader with the
+cache, a cycle); the uploader gets the shared health and the journal ops the model keeps
+besides its own (``retained_ops``, set by the ``Namespace`` constructor), as uploader.py takes
+neither in its constructor.
 """
 
 from __future__ import annotations
