@@ -241,10 +241,30 @@ class Tier:
         os.close(self.fd)
 
 
+class CachePolicy:
+    """What the cache asks of the model (ckptfs/model/policy.py implements it); this default,
+    for a cache on its own: nothing pinned, nothing to reclaim, uploads may free space."""
+
+    def pinned(self, owner: object) -> bool:
+        """Whether ``owner``'s clean data goes last (the latest checkpoint)."""
+        return False
+
+    def reclaim(self) -> bool:
+        """Free one block of a file still being written whose part is already uploaded; False
+        when there is none."""
+        return False
+
+    def releases_pending(self) -> bool:
+        """Whether some holder of blocks will let go of them by itself (an upload in progress).
+        When none will, a writer waiting for space would wait forever: it gets ENOSPC instead."""
+        return True
+
+
 class Cache:
     """Slot allocation with budgets, reference counts, clean-data eviction."""
 
-    def __init__(self, cache_dir: Path, ram_dir: Path, block_size: int, ram_budget: int, disk_budget: int):
+    def __init__(self, cache_dir: Path, ram_dir: Path, block_size: int, ram_budget: int, disk_budget: int,
+                 policy: CachePolicy | None = None, write_timeout: float | None = None):
         self.block_size = block_size
         for directory, what in ((cache_dir, "cache dir"), (ram_dir, "RAM tier directory")):
             directory.parent.mkdir(parents=True, exist_ok=True)
@@ -261,16 +281,11 @@ class Cache:
         self.waiters = 0
         # A writer waits for space at most this long without a block being freed (the store is
         # down: nothing drains), then gets ENOSPC (--write-timeout; None: as long as it takes).
-        self.write_timeout: float | None = None
+        self.write_timeout = write_timeout
         self._freed_at = 0.0  # time.monotonic() of the last block given back
-        # Whether some holder of blocks will let go of them by itself (an upload in progress).
-        # When none will, a writer waiting for space would wait forever: it gets ENOSPC instead.
-        self.releases_pending: Callable[[], bool] = lambda: True
-        # Frees one block of a file still being written whose part is already uploaded
-        # (the namespace knows them); False when there is none.
-        self.reclaim: Callable[[], bool] = lambda: False
-        # Clean data of the latest checkpoint goes last (the namespace knows which it is).
-        self.pinned: Callable[[object], bool] = lambda owner: False
+        # What only the model knows (model/policy.py): which clean data goes last, blocks of
+        # files being written that may go, whether a waiting writer can expect space.
+        self.policy: CachePolicy = policy or CachePolicy()
         self.populate_ahead = 0  # free RAM slots to keep touched (the largest save so far)
         self._populate_wanted = trio.Event()
         for tier in self.tiers:
@@ -309,7 +324,7 @@ class Cache:
                 ref = (tier.index, slot)
                 self.refcounts[ref] = 1
                 return ref
-        if self._evict(prefer_tier=only) or (only is None and self.reclaim()):
+        if self._evict(prefer_tier=only) or (only is None and self.policy.reclaim()):
             return self.try_alloc(only)
         return None
 
@@ -318,7 +333,7 @@ class Cache:
         uploads free blocks: ENOSPC after ``write_timeout`` seconds without one freed."""
         started = time.monotonic()
         while (ref := self.try_alloc(only)) is None:
-            if not self.releases_pending():
+            if not self.policy.releases_pending():
                 raise OSError(errno.ENOSPC, "the cache is full of files still open for writing: "
                                             "raise --ram-cache/--cache-size or write fewer files at once")
             left = math.inf
@@ -391,7 +406,7 @@ class Cache:
         latest checkpoint's only when nothing else is left."""
         for spare_pinned in (True, False):
             for owner, (content, on_evict, whole) in self.clean.items():
-                if spare_pinned and self.pinned(owner):
+                if spare_pinned and self.policy.pinned(owner):
                     continue
                 held = [i for i, r in enumerate(content.blocks) if r is not None and prefer_tier in (None, r[0])]
                 if not held:

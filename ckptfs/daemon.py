@@ -1,9 +1,6 @@
-"""Wiring: builds the parts, serves the mount and the workers in one trio nursery, shuts down cleanly.
-
-Start-up order matters for crash recovery: the journal is replayed and its blocks
-adopted by the cache before anything can allocate, the log is compacted to what is
-still pending, and only then does the namespace lay those ops over the store
-listing and hand them back to the uploader.
+"""The daemon: the mountpoint and cache dir checks, the store, the parts (``core.build_core``:
+the wiring and the start-up order crash recovery needs), the FUSE loop, the control commands
+and the workers in one trio nursery, signals and a clean shutdown.
 """
 
 from __future__ import annotations
@@ -20,32 +17,27 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import humanfriendly
 import pyfuse3
 import trio
 
-from . import catalog_handler, clean_index, integrity, limits, private, verify
+from . import catalog_handler, clean_index, integrity, private
 from .background import BackgroundThreads
-from .cache import RAM, Cache
-from .config import VERIFY_JOBS, MountConfig, control_socket_path, mount_table
+from .cache import RAM
+from .config import MountConfig, control_socket_path, mount_table
+from .commands import Commands
 from .control_server import ControlServer
-from .errors import CkptfsError, FsError, MountError, TimedOut
-from .fetcher import Fetcher
+from .core import CLEAN_INDEX, build_core
+from .errors import MountError
 from .fuse_ops import Operations
-from .health import StoreHealth, describe
 from .journal import Journal
-from .namespace import Namespace
 from .paths import DEAD, LIVE, SILENT, check_mount_paths, mount_at
 from .logical_store import LogicalStore
 from .store import open_store
 from .store.base import StoreError
-from .uploader import Uploader
 
 log = logging.getLogger(__name__)
 
-PROGRESS_INTERVAL_S = 0.5
 READ_AHEAD_KB = 1024  # read requests of 1 MiB instead of 128 KiB (docs/machine-facts.md)
-CLEAN_INDEX = "clean.index"
 
 
 def run(config: MountConfig, on_ready: Callable[[], None] | None = None) -> None:
@@ -153,34 +145,13 @@ class Daemon:
         except StoreError as exc:
             raise MountError(str(exc)) from exc
         self.ram_dir = claim_ram_dir(self.cache_dir, Path(self.config.shm_dir))
-        self.cache = Cache(self.cache_dir, self.ram_dir, self.config.part_size,
-                           self.config.ram_cache, self.config.cache_size)
-        ram = self.cache.tiers[RAM]
-        try:
-            limits.check_ram_room(self.config, ram.budget, ram.fd, ram.held_bytes())
-        except MountError:
-            self.cache.close()
-            raise
-        self.journal = Journal(self.cache_dir / "journal", self.cache.ram_arena_id)
-        pending, open_uploads = self.journal.replay()
-        pending = self._adopt_blocks(pending)
-        self.journal.open(pending, open_uploads)
-        clean = clean_index.load(self.cache_dir / CLEAN_INDEX, self.cache,
-                                 {ref for op in pending for ref in op.blocks if ref is not None})
-        if pending:
-            log.info("journal: %d operations still pending from the last run; resuming", len(pending))
-        self.uploader = Uploader(self.store, self.cache, self.journal, self.config.part_size,
-                                 self.config.upload_concurrency, compress_level=self.config.compress or None)
-        self.fetcher = Fetcher(self.store, self.cache, self.config.upload_concurrency)
         covered = os.stat(self.mountpoint)  # the root looks like the directory it covers
-        self.namespace = Namespace(self.cache, self.journal, self.uploader, self.fetcher, os.getuid(), os.getgid(),
-                                   list_ttl=self.config.list_ttl, umask=self.config.umask,
-                                   root=(covered.st_mode, covered.st_uid, covered.st_gid))
-        self.health = StoreHealth()  # one view of the store's trouble, fed by everything that calls it
-        self.uploader.health = self.fetcher.health = self.namespace.health = self.health
+        self.core = build_core(self.config, self.store, self.cache_dir, self.ram_dir,
+                               root=(covered.st_mode, covered.st_uid, covered.st_gid))
+        core = self.core
+        self.health, self.cache, self.journal = core.health, core.cache, core.journal
+        self.uploader, self.fetcher, self.namespace = core.uploader, core.fetcher, core.namespace
         self.store.report_to(self.health)
-        self.cache.write_timeout = self.config.write_timeout
-        self.fetcher.read_timeout = self.config.read_timeout
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
         # default_permissions (in pyfuse3's defaults): the kernel checks every access against the
         # modes, so other users, when allowed in at all, reach only what the modes let them.
@@ -195,13 +166,11 @@ class Daemon:
         except RuntimeError as exc:
             raise MountError(f"cannot mount at {self.mountpoint}: {exc}") from exc
         try:
-            trio.run(self._serve, pending, open_uploads, listing, clean, on_ready)
+            trio.run(self._serve, listing, on_ready)
             self._save_clean_index()
         finally:
             pyfuse3.close(unmount=True)
-            self.uploader.close()  # store calls abandoned at shutdown may no longer read the cache
-            self.journal.close()
-            self.cache.close()
+            core.close()
             self.store.close()
             log.info("unmounted %s", self.mountpoint)
         self._drop_ram_tier()  # a clean stop only: after a crash the next mount needs it
@@ -248,17 +217,6 @@ class Daemon:
             raise MountError(f"cache dir {self.cache_dir} is in use by another ckptfs mount") from None
         return lock
 
-    def _adopt_blocks(self, pending):
-        kept = []
-        for op in pending:
-            bad = [ref for ref in op.blocks if ref is not None and not self.cache.valid_ref(ref)]
-            if bad:
-                log.error("journal: %s names cache blocks that no longer exist; dropped", op.key)
-                continue
-            kept.append(op)
-        self.cache.adopt((op.size, op.blocks) for op in kept)
-        return kept
-
     # -- serving ---------------------------------------------------------------------------------
     def _save_clean_index(self) -> None:
         """Leave the cached durable files for the next mount with this cache dir."""
@@ -293,45 +251,19 @@ class Daemon:
         if token is None:
             return None
         try:
-            return trio.from_thread.run_sync(self._figures, trio_token=token)
+            return trio.from_thread.run_sync(self.commands.figures, trio_token=token)
         except (trio.RunFinishedError, trio.Cancelled):
             return None
 
-    def _figures(self) -> dict:
-        """Live figures for status and the metrics (on the trio loop)."""
-        up, usage, health = self.uploader, self.cache.usage(), self.health.status()
-        files, size = up.pending_files_and_size()
-        return {
-            "written_bytes": self.ops.written_bytes,
-            "committed_bytes": up.committed_bytes,
-            "uploaded_bytes": up.uploaded_bytes,
-            "stored_bytes": up.stored_bytes,
-            "fetched_bytes": self.fetcher.fetched_bytes,
-            "durable_files": up.durable_files,
-            "pending_files": files,
-            "pending_size": size,
-            "pending_bytes": up.pending_bytes(),
-            "upload_rate": up.upload_rate.rate(),
-            "oldest_pending_s": up.oldest_pending_age(),
-            "at_risk_s": up.at_risk_seconds(),
-            "cache": {"ram": usage["ram"], "disk": usage["disk"]},
-            "clean_bytes": usage["clean_bytes"],
-            "upload_latency": up.call_latency.snapshot(),
-            "fetch_latency": self.fetcher.get_latency.snapshot(),
-            "save_stall": self.ops.save_stall.snapshot(),
-            "retries": {"upload": up.retries, "fetch": self.fetcher.retries,
-                        "integrity": self.fetcher.integrity_retries},
-            "errors": self.health.failures.snapshot(),
-            "store_up": 1 if health.get("state") == "ok" else 0,
-        }
-
-    async def _serve(self, pending, open_uploads, listing, clean, on_ready) -> None:
+    async def _serve(self, listing, on_ready) -> None:
         self.stop_requested = trio.Event()
+        self.commands = Commands(self.core, self.config, self.mountpoint, self.cache_dir, self.started, self.ops,
+                                 self.metrics, self.stop_requested)
         self.serving = trio.Event()  # the start-up stat through the mount has returned
         self.trio_token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.uploader.run, open_uploads)
-            await nursery.start(self.fetcher.run)
+            await self.core.start(nursery)
+            # The kernel hooks, once the FUSE channel is open (only this module imports pyfuse3).
             prefill = self.namespace.prefill
             prefill.store_pages, prefill.invalidate = pyfuse3.notify_store, pyfuse3.invalidate_inode
             prefill.stat = lambda key: os.stat(os.path.join(self.mountpoint, key))
@@ -339,13 +271,9 @@ class Daemon:
                 parent_ino, os.fsencode(name), ignore_enoent=True)
             await nursery.start(prefill.run)
             await nursery.start(self.cache.run_populate, BackgroundThreads(1, "ckptfs-populate"))
-            self.namespace.load(listing, pending, clean)
+            self.core.load(listing)
             server = ControlServer(control_socket_path(self.mountpoint), {
-                "status": self._status,
-                "sync": self._sync,
-                "warmup": self._warmup,
-                "verify": self._verify,
-                "umount": self._umount,
+                **self.commands.handlers(),
                 "catalog": functools.partial(catalog_handler.handle, self.namespace),
             })
             await nursery.start(server.serve)
@@ -408,140 +336,3 @@ class Daemon:
             log.info("manifest sweep skipped: %s", exc)
         except Exception:  # a bug here must not take the mount down
             log.exception("manifest sweep failed")
-
-    # -- control commands -------------------------------------------------------------------------
-    async def _status(self, request: dict, progress) -> dict:
-        usage = self.cache.usage()
-        up = self.uploader
-        f = self._figures()
-        return {
-            "mountpoint": self.mountpoint,
-            "store": self.store.url,
-            "cache_dir": str(self.cache_dir),
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - self.started, 1),
-            "part_size": self.config.part_size,
-            "ram": usage["ram"],
-            "disk": usage["disk"],
-            "clean_bytes": usage["clean_bytes"],
-            "writers_waiting": usage["writers_waiting"],
-            "pending": {"files": up.pending_count(), "bytes": up.pending_bytes()},
-            "uploading": {"parts_in_flight": self.config.upload_concurrency - up.part_slots.value},
-            "uploaded_bytes": up.uploaded_bytes,
-            "stored_bytes": up.stored_bytes,  # (compressed size where compressed)
-            "durable_files": up.durable_files,
-            "fetched_bytes": self.fetcher.fetched_bytes,
-            "page_cache_pushed_bytes": self.namespace.prefill.pushed_bytes,
-            "page_cache_queued_files": self.namespace.prefill.queued_files,
-            "errors": self.health.errors(),
-            "store_health": self.health.status(),
-            # Reads whose bytes never matched their checksum (EIO), and mismatches fetched again.
-            "integrity_errors": list(self.fetcher.integrity_errors),
-            "integrity_retries": self.fetcher.integrity_retries,
-            "unverified_reads": self.fetcher.unverified_reads,
-            "written_bytes": f["written_bytes"],
-            "committed_bytes": f["committed_bytes"],
-            "upload_rate_bytes_per_s": round(f["upload_rate"]),
-            "oldest_pending_s": round(f["oldest_pending_s"], 1),
-            "training_at_risk_s": round(f["at_risk_s"], 1),
-            "retries": f["retries"],
-            "latest_checkpoint": self.namespace.checkpoint_dir or None,  # pinned: evicted last
-            "metrics_url": self.metrics.url if self.metrics is not None else None,
-            "server_checksums": self.store.server_checksums,
-            **self.namespace.status(),
-        }
-
-    async def _sync(self, request: dict, progress) -> dict:
-        try:
-            target = self.namespace.sync_target(request.get("paths") or [])
-        except FsError as exc:
-            raise CkptfsError(str(exc)) from None
-        timeout = request.get("timeout")
-        started = time.monotonic()
-        files, size = self.uploader.pending_files_and_size(target)  # what this sync makes durable
-        with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
-            await self._drain(target, progress)
-        if scope.cancelled_caught:
-            up = self.uploader
-            raise TimedOut(f"timed out after {timeout:g} s: {up.pending_count(target)} operations "
-                           f"({up.pending_bytes(target)} bytes) not yet in the store "
-                           f"(store: {describe(self.health.status())}); nothing is lost, they stay pending")
-        return {"durable_up_to": target, "files": files, "bytes": size,
-                "seconds": round(time.monotonic() - started, 3)}
-
-    async def _warmup(self, request: dict, progress) -> dict:
-        """Fetch the files at or under ``paths`` into the cache, reporting progress."""
-        started = time.monotonic()
-        await self.namespace.refresh_paths(request.get("paths") or [])  # (what other mounts published)
-        try:
-            targets = self.namespace.contents_under(request.get("paths") or [])
-        except FsError as exc:
-            raise CkptfsError(str(exc)) from None
-        last: dict = {}
-
-        async def report(update: dict) -> None:
-            last.update(update)
-            await progress(update)
-
-        timeout = request.get("timeout")
-        try:
-            with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
-                for content, _ in targets:  # blocks kept from the last mount are checked before they count
-                    if content.verify:
-                        await self.namespace.verify_kept(content)
-                result = await self.fetcher.warm([content for content, _ in targets], report, PROGRESS_INTERVAL_S)
-        except FsError as exc:
-            raise CkptfsError(str(exc)) from None
-        finally:
-            for _, done in targets:  # in order: the last file becomes the most recently used
-                done()
-        if scope.cancelled_caught:
-            cached, total = (humanfriendly.format_size(last.get(key, 0), binary=True)
-                             for key in ("done_bytes", "total_bytes"))
-            raise TimedOut(f"timed out after {timeout:g} s: {cached} of {total} cached")
-        return {**result, "seconds": round(time.monotonic() - started, 3)}
-
-    async def _verify(self, request: dict, progress) -> dict:
-        """``ckptfs verify MOUNTPOINT``: read back what is in the store, with the mount's store."""
-        paths, jobs = request.get("paths") or [], request.get("jobs", VERIFY_JOBS)
-        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths) \
-                or not isinstance(jobs, int) or not 1 <= jobs <= 256:
-            raise CkptfsError("verify: paths must be a list of strings and jobs 1 to 256")
-        try:
-            return await verify.run(self.store, paths, progress, jobs)
-        except StoreError as exc:
-            raise CkptfsError(str(exc)) from None
-
-    async def _umount(self, request: dict, progress) -> dict:
-        if request.get("wait", True):
-            target, timeout = self.uploader.last_seq(), request.get("timeout")
-            with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
-                await self._drain(target, progress)
-            if scope.cancelled_caught:  # the mount stays: the caller decides whether to leave anyway
-                up = self.uploader
-                store = describe(self.health.status())
-                raise TimedOut(
-                    f"gave up after {timeout:g} s: {up.pending_count(target)} files "
-                    f"({humanfriendly.format_size(up.pending_bytes(target), binary=True)}) not yet in the store "
-                    f"(store: {store}); {self.mountpoint} stays mounted. To unmount now: "
-                    f"'ckptfs umount --no-wait {self.mountpoint}' (pending uploads resume at the next mount "
-                    "with the same cache dir)")
-        self.stop_requested.set()
-        return {"pending_files": self.uploader.pending_count()}
-
-    async def _drain(self, target: int, progress) -> None:
-        """Wait until every op up to ``target`` is in the store, reporting progress."""
-        up = self.uploader
-        total = up.pending_bytes(target)
-        async with trio.open_nursery() as nursery:
-            async def report():
-                while True:
-                    left = up.pending_bytes(target)
-                    await progress({"pending_files": up.pending_count(target), "pending_bytes": left,
-                                    "total_bytes": max(total, left), "store": describe(self.health.status())})
-                    await trio.sleep(PROGRESS_INTERVAL_S)
-            nursery.start_soon(report)
-            await up.wait_durable(target)
-            nursery.cancel_scope.cancel()
-        await progress({"pending_files": 0, "pending_bytes": 0, "total_bytes": total})
-

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -27,7 +26,7 @@ from collections.abc import Awaitable, Callable
 import humanfriendly
 import trio
 
-from . import compression, integrity
+from . import compression, integrity, retry
 from .cache import Cache, Content, in_pages
 from .errors import FsError
 from .health import StoreHealth
@@ -37,14 +36,23 @@ from .store.base import NotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 
-READ_ATTEMPTS = 5  # a reader waits through short glitches, not through an outage
+READ_ATTEMPTS = retry.READ_ATTEMPTS  # a reader waits through short glitches, not through an outage
 MOVE_WAIT = 30.0  # how long a reader that got NotFound waits for content.key to follow a move
 VERIFY_ATTEMPTS = 3  # fetches of a range whose bytes do not match their checksum, before EIO
 MANIFEST_MAX = 4 << 20  # bytes of a manifest read at most (10,000 parts take about 200 KiB)
 
 
+class _ShortRead(Exception):
+    """The store sent fewer bytes than asked for (asked again at once, see retry.reading)."""
+
+    def __init__(self, got: int):
+        super().__init__(f"short read: {got} bytes")
+        self.got = got
+
+
 class Fetcher:
-    def __init__(self, store: ObjectStore, cache: Cache, concurrency: int):
+    def __init__(self, store: ObjectStore, cache: Cache, concurrency: int, health: StoreHealth | None = None,
+                 read_timeout: float | None = None):
         self.store = store
         self.cache = cache
         self.threads = trio.CapacityLimiter(concurrency)
@@ -57,8 +65,8 @@ class Fetcher:
         self.retries = 0  # GETs tried again after a transient failure
         self.read_ahead = concurrency  # blocks fetched ahead of a sequential reader
         self.nursery: trio.Nursery | None = None
-        self.health = StoreHealth()  # the daemon shares one with the uploader and the namespace
-        self.read_timeout: float | None = None  # see MountConfig.read_timeout; None: wait for the store
+        self.health = health or StoreHealth()  # the daemon shares one with the uploader and the namespace
+        self.read_timeout = read_timeout  # see MountConfig.read_timeout; None: wait for the store
         self.integrity_errors: deque[dict] = deque(maxlen=20)  # reads failed: bytes never matched
         self.integrity_retries = 0  # ranges that did not match once and were fetched again
         self.unverified_reads = 0  # ranges of objects with no checksums, read unchecked
@@ -287,26 +295,32 @@ class Fetcher:
 
     async def _get(self, content: Content, start: int, length: int) -> tuple[bytes, dict[str, str]]:
         """Bytes [start, start + length) of ``content``'s object and the metadata of that answer,
-        through transient failures and short bodies (READ_ATTEMPTS)."""
-        for attempt in range(1, READ_ATTEMPTS + 1):
+        through transient failures and short bodies (retry.reading)."""
+        key = content.key
+
+        async def once() -> tuple[bytes, dict[str, str]]:
+            nonlocal key
             key = content.key
-            try:
-                started = time.monotonic()
-                data, metadata = await self._get_range(content, start, length)
-                self.get_latency.observe(time.monotonic() - started)
-            except StoreError as exc:
-                if not exc.transient or attempt == READ_ATTEMPTS:
-                    log.error("read of %s failed: %s", key, exc)
-                    self.health.failed("read", key, f"{_errno_name(exc.errno)}: {exc}")
-                    raise FsError(exc.errno, str(exc)) from exc
-                self.retries += 1
-                await trio.sleep(min(0.2 * 2 ** attempt, 5) * random.random())  # jittered backoff
-                continue
-            if len(data) == length:
-                return data, metadata
-        message = f"{key}: short read from the store ({len(data)} of {length} bytes)"
-        self.health.failed("read", key, f"EIO: {message}")
-        raise FsError(errno.EIO, message)
+            started = time.monotonic()
+            data, metadata = await self._get_range(content, start, length)
+            self.get_latency.observe(time.monotonic() - started)
+            if len(data) != length:
+                raise _ShortRead(len(data))
+            return data, metadata
+
+        def retrying(exc: BaseException) -> None:
+            self.retries += 1
+
+        try:
+            return await retry.call(lambda: retry.reading(retrying, at_once=(_ShortRead,)), once)
+        except StoreError as exc:
+            log.error("read of %s failed: %s", key, exc)
+            self.health.failed("read", key, f"{_errno_name(exc.errno)}: {exc}")
+            raise FsError(exc.errno, str(exc)) from exc
+        except _ShortRead as short:
+            message = f"{key}: short read from the store ({short.got} of {length} bytes)"
+            self.health.failed("read", key, f"EIO: {message}")
+            raise FsError(errno.EIO, message) from None
 
     # -- integrity ---------------------------------------------------------------------------------
     async def _checksums(self, content: Content, metadata: dict[str, str]) -> Checksums:
@@ -336,17 +350,14 @@ class Fetcher:
         event = self._manifests[upload] = trio.Event()
         mkey = integrity.manifest_key(upload)
         try:
-            for attempt in range(1, READ_ATTEMPTS + 1):
-                try:
-                    raw = await trio.to_thread.run_sync(self.store.get_range, mkey, 0, MANIFEST_MAX,
-                                                        limiter=self.threads, abandon_on_cancel=True)
-                    return Checksums.from_manifest(raw, content.size)
-                except NotFound:
-                    raise IntegrityError(f"its manifest {mkey} is missing from the store") from None
-                except StoreError as exc:
-                    if not exc.transient or attempt == READ_ATTEMPTS:
-                        raise FsError(exc.errno, f"{content.key}: cannot read its manifest: {exc}") from exc
-                    await trio.sleep(min(0.2 * 2 ** attempt, 5) * random.random())
+            try:
+                raw = await retry.call(retry.reading, lambda: trio.to_thread.run_sync(
+                    self.store.get_range, mkey, 0, MANIFEST_MAX, limiter=self.threads, abandon_on_cancel=True))
+            except NotFound:
+                raise IntegrityError(f"its manifest {mkey} is missing from the store") from None
+            except StoreError as exc:
+                raise FsError(exc.errno, f"{content.key}: cannot read its manifest: {exc}") from exc
+            return Checksums.from_manifest(raw, content.size)
         finally:
             del self._manifests[upload]
             event.set()

@@ -40,11 +40,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import tenacity
 import trio
 import xxhash
 
-from . import compression, integrity
+from . import compression, integrity, retry
 from .background import BackgroundThreads, Gate
 from .cache import BlockRef, Cache, Content
 from .health import StoreHealth
@@ -53,8 +52,6 @@ from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
 from .store.base import MAX_PARTS, NotFound, ObjectStore, PartInfo, StoreError
 
 log = logging.getLogger(__name__)
-
-UNEXPECTED_RETRY_S = 30
 
 
 def part_size_for(size: int, base: int, max_parts: int = MAX_PARTS) -> int:
@@ -402,13 +399,12 @@ class Uploader:
     async def _until_done(self, task: Task, step) -> None:
         """Run ``step(task)``, retrying after unexpected errors: a bug or a cache read
         failure must not stop the uploader, nor lose the data (it stays in the cache)."""
-        while True:
-            try:
-                return await step(task)
-            except Exception as exc:
-                log.exception("upload of %s failed unexpectedly; retrying in %d s", task.op.key, UNEXPECTED_RETRY_S)
-                self._record_error(task.op.key, exc)
-                await trio.sleep(UNEXPECTED_RETRY_S)
+        def failed(exc: BaseException) -> None:
+            log.error("upload of %s failed unexpectedly; retrying in %g s", task.op.key, retry.AFTER_BUG.interval_s,
+                      exc_info=exc)
+            self._record_error(task.op.key, exc)
+
+        return await retry.call(lambda: retry.AFTER_BUG.retrying(failed), lambda: step(task))
 
     async def _upload_parts(self, task: Task) -> None:
         if task.upload is None:
@@ -803,24 +799,17 @@ class Uploader:
         self.journal.compact(sorted(ops, key=lambda op: op.seq), open_uploads)
 
     async def _call(self, key: str, fn, *args, attempts: int | None = None):
-        """Run a blocking store call in a thread, retrying failures with backoff (NotFound is final)."""
-        retrying = tenacity.AsyncRetrying(
-            sleep=trio.sleep,
-            retry=tenacity.retry_if_exception(lambda e: isinstance(e, StoreError) and not isinstance(e, NotFound)),
-            wait=tenacity.wait_random_exponential(multiplier=0.2, max=30),
-            stop=tenacity.stop_after_attempt(attempts) if attempts else tenacity.stop_never,
-            before_sleep=lambda state: self._record_error(key, state.outcome.exception()),
-            reraise=True,
-        )
-        async for attempt in retrying:
-            with attempt:
-                started = time.monotonic()
-                try:
-                    result = await self.store_threads.run(fn, *args)
-                finally:
-                    self.call_latency.observe(time.monotonic() - started)
-                self.health.answered()
-                return result
+        """Run a blocking store call in a thread, retrying failures with backoff (retry.publishing)."""
+        async def once():
+            started = time.monotonic()
+            try:
+                result = await self.store_threads.run(fn, *args)
+            finally:
+                self.call_latency.observe(time.monotonic() - started)
+            self.health.answered()
+            return result
+
+        return await retry.call(lambda: retry.publishing(lambda exc: self._record_error(key, exc), attempts), once)
 
     def _record_error(self, key: str, exc: BaseException) -> None:
         message = str(exc)

@@ -260,7 +260,7 @@ def test_small_files_cost_the_disk_budget_their_bytes_not_whole_blocks(tmp_path)
     cache = make_cache(tmp_path, ram_blocks=1, disk_blocks=8)
     disk = cache.tiers[DISK]
     sizes = [random.Random(n).randrange(1, 2 * page) for n in range(40)]  # 40 files of 1-2 pages
-    cache.releases_pending = lambda: False  # out of room: ENOSPC, not a wait
+    cache.policy.releases_pending = lambda: False  # out of room: ENOSPC, not a wait
 
     async def main():
         contents, datas = [], []
@@ -537,7 +537,7 @@ def test_the_latest_checkpoint_is_evicted_last(tmp_path):
         ref = cache.try_alloc()
         contents[owner] = Content(cache, 4096, [ref], in_store=True)
         cache.mark_clean(owner, contents[owner], lambda: None)
-    cache.pinned = lambda owner: owner == "latest"
+    cache.policy.pinned = lambda owner: owner == "latest"
     evicted = []
     for _ in range(3):
         assert cache.try_alloc() is not None

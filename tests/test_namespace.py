@@ -16,7 +16,8 @@ import time
 import pytest
 import trio
 
-from ckptfs import namespace
+from ckptfs import retry
+from ckptfs.model.tree import Tree
 from ckptfs.namespace import RENAME_NOREPLACE, ROOT_INODE, Namespace
 from ckptfs.store.base import ObjectInfo
 from tests.faults import FaultyStore
@@ -675,10 +676,10 @@ async def test_the_latest_checkpoint_is_the_directory_of_the_last_save(tmp_path,
                 mkdirs(m.ns, f"iter_{step}/mp_rank_{rank:02d}")
                 await create(m.ns, f"iter_{step}/mp_rank_{rank:02d}/model.pt", blob(BS + 1, rank))
             await create(m.ns, f"latest-{step}.txt", str(step).encode())  # (a pointer at the top)
-            m.ns._last_shard_commit -= 3600  # the next save comes much later
+            m.ns.policy._last_shard_commit -= 3600  # the next save comes much later
         assert m.ns.checkpoint_dir == "iter_2/"
-        assert m.ns._pinned(m.ns.node(ino(m.ns, "iter_2/mp_rank_01/model.pt")))
-        assert not m.ns._pinned(m.ns.node(ino(m.ns, "iter_1/mp_rank_01/model.pt")))
+        assert m.ns.policy.pinned(m.ns.node(ino(m.ns, "iter_2/mp_rank_01/model.pt")))
+        assert not m.ns.policy.pinned(m.ns.node(ino(m.ns, "iter_1/mp_rank_01/model.pt")))
 
 
 # -- refresh from the store: what another mount made durable ---------------------------------------------
@@ -703,7 +704,7 @@ async def alist(ns: Namespace, path: str = "") -> list[str]:
 def clock(monkeypatch):
     """The namespace's monotonic clock, moved by hand: ``clock[0] += seconds``."""
     now = [1000.0]
-    monkeypatch.setattr(Namespace, "_now", lambda self: now[0])
+    monkeypatch.setattr(Tree, "now", lambda self: now[0])
     return now
 
 
@@ -883,7 +884,7 @@ async def test_an_object_changed_in_the_store_replaces_clean_cached_content(tmp_
 async def test_a_refresh_that_fails_keeps_the_tree(tmp_path, local, monkeypatch):
     store = FaultyStore(local)
     local.put("d/a", b"a")
-    monkeypatch.setattr(namespace, "STORE_ANSWER_S", 0.5)
+    monkeypatch.setattr(retry.ANSWER, "limit_s", 0.5)
 
     async with mounted(tmp_path, store) as m:
         ns = m.ns

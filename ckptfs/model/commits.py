@@ -1,0 +1,202 @@
+"""The commit path: the only writer of journal ops and the only submitter to the uploader.
+
+A change to the tree becomes store ops here, journaled before the call returns (no await in
+between: trio is single-threaded, so a change and its journal record are one atomic step), and
+handed to the uploader with the callback that marks the version durable. fsync shadows (put
+ops journaled but not uploaded) are kept here too: the journal keeps them through compaction.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+
+from ..cache import Cache, Content
+from ..errors import FsError
+from ..journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
+from ..prefill import Prefill
+from ..uploader import Uploader
+from .policy import CachePolicy
+from .tree import MIN_MULTIPART, Handle, Node, Shadow, Tree, Version
+
+log = logging.getLogger(__name__)
+
+
+class Commits:
+    def __init__(self, tree: Tree, cache: Cache, journal: Journal, uploader: Uploader, policy: CachePolicy,
+                 prefill: Prefill):
+        self.tree = tree
+        self.cache = cache
+        self.journal = journal
+        self.uploader = uploader
+        self.policy = policy
+        self.prefill = prefill
+        self.shadows: dict[int, Shadow] = {}  # by op seq; kept in the journal through compaction
+
+    def retained_ops(self) -> list[Op]:
+        """Ops the journal keeps besides the uploader's pending ones (the uploader asks when it
+        compacts the journal)."""
+        return [shadow.op for shadow in self.shadows.values()]
+
+    # -- commits -----------------------------------------------------------------------------------
+    def commit(self, node: Node, content: Content, handle: Handle | None = None) -> None:
+        try:
+            op = put_op(node.key(), content)
+            op.replaces = self._replaced_manifest(node)
+            op = self.log(op)
+        except BaseException:
+            content.drop_blocks()
+            raise
+        self.drop_pending(node)
+        self.set_version(node, content, op)
+        for shadow in node.shadows:
+            # This commit supersedes what any writer fsynced before it (the last close wins):
+            # those shadows retire once it is durable (until then they guard a node reboot).
+            if shadow.covers is None:
+                shadow.covers, shadow.handle = op.seq, None
+        self.policy.note_commit(node, content.size)
+        stream, stamps = None, None
+        if handle is not None and handle.stream is not None:
+            stream, stamps, handle.stream = handle.stream, list(handle.staged.stamps), None
+        self.uploader.submit(op, content, self.on_durable(node), stream, stamps)
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+
+    def _replaced_manifest(self, node: Node) -> str:
+        """The manifest a new version of ``node`` makes obsolete once it is in the store: the
+        durable version's upload id where known, "?" where it may have one (the uploader asks)."""
+        version = node.version
+        if version is None or version.seq is not None or version.content.key != node.key():
+            return ""
+        checks = version.content.checksums
+        if checks is not None:
+            return checks.upload if checks.source == "manifest" else ""
+        return "?" if version.content.size > min(self.cache.block_size, MIN_MULTIPART) else ""
+
+    def set_version(self, node: Node, content: Content, op: Op) -> None:
+        old = node.version
+        node.version = Version(content, op.seq)
+        node.last_seq = op.seq
+        self.policy.keep(node)
+        if old is not None:
+            old.content.release()
+
+    def on_durable(self, node: Node):
+        """The uploader's callback once ``node``'s current version is in the store."""
+        version = node.version
+
+        def durable(op: Op) -> None:
+            version.seq = None
+            version.content.durable_at = time.time()
+            version.content.in_store = True
+            version.content.key = op.key
+            version.content.remote = {}  # evicted parts are now plain store reads
+            self.retire_shadows(node, op.seq)
+            self.policy.maybe_clean(node)
+            if version.content.size >= self.cache.block_size and (node.parent is self.tree.root
+                                                                  or self.policy.pinned(node)):
+                self.prefill.want(node, version)  # a checkpoint a restart will load: into the page cache
+
+        return durable
+
+    def on_moved(self, node: Node | None):
+        """The uploader's callback once a move op is in the store: the version's key follows."""
+        version = node.version if node is not None else None
+
+        def moved(op: Op) -> None:
+            if version is not None and version.seq is None:
+                version.content.key = op.key
+
+        return moved
+
+    def drop_pending(self, node: Node) -> None:
+        """The node's pending put will never be needed (overwritten, unlinked, replaced)."""
+        if node.version is not None and node.version.seq is not None:
+            self.uploader.cancel(node.version.seq)
+
+    def relocate(self, node: Node, old_key: str) -> None:
+        """Store ops for one node after a rename moved it from ``old_key``."""
+        new_key = node.key()
+        if node.is_dir:
+            node.last_seq = self.log(Op(MKDIR, new_key)).seq
+            return
+        for shadow in node.shadows:
+            shadow.op.key = new_key
+            self.journal.retarget(shadow.op.seq, new_key)
+        version = node.version
+        if version is None:
+            return  # created, never committed: its commit will use the new key
+        if version.seq is not None and self.uploader.retarget(version.seq, new_key):
+            node.last_seq = version.seq
+            self.log(Op(DELETE, old_key))  # an older durable version may sit there
+            return
+        op = self.log(Op(MOVE, new_key, src=old_key))
+        node.last_seq = op.seq
+        self.uploader.submit(op, None, self.on_moved(node))
+
+    def log(self, op: Op) -> Op:
+        """Journal an op and hand it to the uploader (a put is handed over by commit)."""
+        try:
+            self.journal.append(op)
+        except OSError as exc:
+            log.error("journal write failed: %s", exc)
+            raise FsError(exc.errno or errno.EIO, "journal write failed") from exc
+        if op.kind in (DELETE, MKDIR):
+            self.uploader.submit(op)
+        return op
+
+    def detach(self, node: Node) -> None:
+        """Take a node out of the tree; it lives on while the kernel or a handle knows it."""
+        for n in list(node.walk()):
+            if not n.is_dir:
+                self.drop_pending(n)
+                self.retire_shadows(n)
+            self.policy.keep(n)
+            if n.version is not None:
+                n.version.content.release()
+                n.version = None
+            n.unlinked = True
+        del node.parent.children[node.name]
+        self.tree.maybe_drop(node)
+
+    # -- fsync shadows -----------------------------------------------------------------------------
+    def add_shadow(self, node: Node, content: Content, handle: Handle | None, covers: int | None) -> None:
+        op = self.journal.append(put_op(node.key(), content))
+        for old in [s for s in node.shadows if handle is not None and s.handle is handle]:
+            self._retire_shadow(node, old)  # superseded by this later fsync of the same writer
+        shadow = Shadow(op, content, handle, covers)
+        node.shadows.append(shadow)
+        self.shadows[op.seq] = shadow
+
+    def _retire_shadow(self, node: Node, shadow: Shadow) -> None:
+        node.shadows.remove(shadow)
+        del self.shadows[shadow.op.seq]
+        self.journal.cancel(shadow.op.seq)
+        shadow.content.release()
+
+    def retire_shadows(self, node: Node, durable_seq: int | None = None) -> None:
+        """Shadows covered by a durable version (all of them when ``durable_seq`` is None)."""
+        for shadow in list(node.shadows):
+            if durable_seq is None or (shadow.covers is not None and shadow.covers <= durable_seq):
+                self._retire_shadow(node, shadow)
+
+    # -- questions about pending ops ---------------------------------------------------------------
+    def pending_names(self, prefix: str) -> set[str]:
+        """Names right under directory ``prefix`` that a pending op of this mount is about (a put,
+        delete or move of them or of anything below): the store's word on them is not final."""
+        names = set()
+        for task in self.uploader.pending.values():
+            for key in (task.op.key, task.op.src):
+                if key and key.startswith(prefix) and len(key) > len(prefix):
+                    names.add(key[len(prefix):].split("/", 1)[0])
+        return names
+
+
+def put_op(key: str, content: Content) -> Op:
+    op = Op(PUT, key, size=content.size, blocks=list(content.blocks))
+    if content.remote:  # the upload holding the evicted parts (a restart completes it)
+        upload = content.upload
+        op.upload = [upload.key, upload.upload_id, upload.journal_id]
+        op.parts = {index: part.token for index, part in content.remote.items()}
+        op.hashes = {index: part.xxh3 for index, part in content.remote.items() if part.xxh3}
+    return op

@@ -1,0 +1,285 @@
+"""File operations: open handles, reads, writes into a private staged copy, the commit on
+close, fsync (local durability through shadows), truncate and attributes."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+
+import trio
+
+from ..cache import DISK, RAM, Cache, Content, StagedFile
+from ..errors import FsError
+from ..fetcher import Fetcher
+from ..store.base import MAX_PARTS
+from .commits import Commits
+from .tree import Attr, Handle, Node
+
+log = logging.getLogger(__name__)
+
+
+class Files:
+    def __init__(self, commits: Commits, fetcher: Fetcher):
+        self.commits = commits
+        self.tree = commits.tree
+        self.cache: Cache = commits.cache
+        self.policy = commits.policy
+        self.uploader = commits.uploader
+        self.prefill = commits.prefill
+        self.fetcher = fetcher
+
+    def create(self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[Handle, Attr]:
+        parent = self.tree.dir(parent_ino)
+        if name in parent.children:
+            raise FsError(errno.EEXIST)  # (O_EXCL or not: the kernel only sends create for names it found absent)
+        self.tree.check_new_name(parent, name)
+        node = self.tree.add(parent, name, is_dir=False, mode=stat.S_IFREG | (mode & 0o7777), uid=uid, gid=gid)
+        node.nlookup += 1
+        handle = self._open_handle(node, StagedFile(self.cache), None, bool(flags & os.O_APPEND))
+        handle.dirty = True  # a created file exists once closed, even empty
+        self.tree.touch(parent)
+        return handle, self.tree.attr(node)
+
+    async def open(self, ino: int, flags: int) -> tuple[Handle, bool, bool]:
+        """A handle; whether the kernel may keep its cached pages of this file; whether reads
+        must bypass the kernel cache (direct I/O)."""
+        node = self.tree.node(ino)
+        if node.gone:  # deleted by another mount; the kernel's entry for it has not expired yet
+            raise FsError(errno.ENOENT)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        writing = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if node.version is not None and node.version.content.verify:
+            await self.policy.verify_kept(node.version.content)
+        if not writing:
+            await self.prefill.settle(node)  # no page of an older version may land after our answer
+            content = node.version.content if node.version is not None else Content(self.cache, 0, [])
+            # While another handle writes this file, the kernel's idea of its size follows that
+            # writer's private copy; a page-cache read would stop at it. Direct reads ask us.
+            direct = node.writers > 0
+            keep_cache = not direct and node.version is not None and node.kernel_version is node.version
+            node.kernel_version = None if direct else node.version
+            return self._open_handle(node, None, content.hold(), False), keep_cache, direct
+        if flags & os.O_TRUNC or node.version is None:
+            staged = StagedFile(self.cache)
+        else:
+            base = node.version.content
+            base.hold()  # keep it while we fetch what is not cached
+            try:
+                await self._fetch_range(node, base, 0, base.size)
+                staged = StagedFile(self.cache, base)
+            finally:
+                base.release()
+        handle = self._open_handle(node, staged, None, bool(flags & os.O_APPEND))
+        handle.dirty = bool(flags & os.O_TRUNC)
+        return handle, False, True
+
+    def _open_handle(self, node: Node, staged: StagedFile | None, content: Content | None, append: bool) -> Handle:
+        handle = self.tree.new_handle(node, staged, content, append)
+        self.policy.keep(node)
+        self.policy.maybe_clean(node)  # a reader: evictable block by block
+        return handle
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
+        handle = self.tree.handle(fh)
+        if handle.staged is not None:
+            try:
+                return handle.staged.read(offset, size)
+            except OSError as exc:
+                raise FsError(exc.errno, str(exc)) from None
+        content = handle.content
+        while content.remote and not content.in_store:
+            # Parts evicted under cache pressure come back once the file is in the store.
+            if content.orphaned:
+                raise FsError(errno.EIO, "this version was replaced before it reached the store")
+            await self.uploader.progress.wait()
+        if content.in_store:
+            if offset == handle.read_end:  # sequential: keep the next blocks coming
+                self.fetcher.prefetch(content, (offset + size) // self.cache.block_size)
+            handle.read_end = offset + size
+            self.cache.touch(handle.node)  # the file being read goes last among clean data
+            # Loop: a block fetched for this read may be evicted while the next one arrives.
+            while missing := content.missing(offset, size):
+                await self.fetcher.fill(content, missing)
+        return content.read(offset, size)  # (no await since the check: every block is there)
+
+    async def _fetch_range(self, node: Node, content: Content, offset: int, size: int) -> None:
+        """Cache a range of ``content`` to build a writer's copy from: none of it may be evicted
+        before the copy shares it (a file larger than the cache gets ENOSPC)."""
+        self.policy.keep(node)
+        try:
+            while missing := content.missing(offset, size):
+                await self.fetcher.fill(content, missing)
+        finally:
+            self.policy.maybe_clean(node)
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self.tree.handle(fh)
+        if handle.staged is None:
+            raise FsError(errno.EBADF)
+        if handle.error:
+            raise FsError(handle.error)
+        if handle.frozen:
+            raise FsError(errno.EIO, "this file was committed with parts evicted to the store: reopen it to write")
+        if handle.append:
+            offset = handle.staged.size
+        if handle.staged.remote and offset + len(data) > MAX_PARTS * self.cache.block_size:
+            raise FsError(errno.EFBIG, "a file streamed through a full cache cannot outgrow 10,000 parts")
+        self._send_full_blocks(handle, offset)
+        try:
+            written = await handle.staged.write(offset, data)
+        except OSError as exc:  # the cache disk is full or failing: never commit a torn file
+            handle.error = exc.errno or errno.EIO
+            log.error("write to %s failed: %s; the file will not be committed", handle.node.key(), exc)
+            raise FsError(handle.error) from None
+        handle.dirty = True
+        handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
+        return written
+
+    def _send_full_blocks(self, handle: Handle, offset: int) -> None:
+        """Streaming upload: blocks the writer filled and has moved past (it now writes at
+        ``offset``) are sent at once; the commit re-sends any that change again."""
+        staged = handle.staged
+        bs = self.cache.block_size
+        sealed = [i for i in staged.changed
+                  if i < offset // bs and staged.valid[i] == bs and staged.blocks[i] is not None]
+        if not sealed or handle.node.unlinked:
+            return
+        if handle.stream is None:
+            handle.stream = self.uploader.open_stream(handle.node.key())
+        for index in sealed:
+            staged.changed.discard(index)
+            self.uploader.stream_part(handle.stream, index, staged.blocks[index], staged.stamps[index])
+
+    def flush(self, fh: int, commit: bool = True) -> None:
+        """Commit what this handle wrote (every close calls it; a clean handle is a no-op).
+        ``commit=False``: a close that is not the last (a forked child's copy): only report a
+        failed write; the handle stays dirty for the next flush or release."""
+        handle = self.tree.handle(fh)
+        if handle.error:
+            raise FsError(handle.error, "an earlier write failed: the file was not committed")
+        if not commit or handle.staged is None or not handle.dirty:
+            return
+        node = handle.node
+        handle.dirty = False
+        if node.unlinked:
+            return  # written after unlink: nobody can see it
+        self.commits.commit(node, self._snapshot(handle), handle)
+        if handle.staged.remote:
+            handle.frozen = True
+
+    @staticmethod
+    def _snapshot(handle: Handle) -> Content:
+        content = handle.staged.snapshot()
+        if content.remote:
+            content.upload = handle.stream.upload
+        return content
+
+    def release(self, fh: int) -> None:
+        handles = self.tree.handles
+        handle = handles.pop(fh, None)
+        if handle is None:
+            return
+        node = handle.node
+        if handle.dirty and not handle.error:  # release without flush (should not happen): still commit
+            handles[fh] = handle
+            try:
+                self.flush(fh)
+            finally:
+                del handles[fh]
+        if handle.stream is not None:  # closed without a commit that took its parts
+            self.uploader.abandon(handle.stream)
+        if handle.staged is not None:
+            handle.staged.discard()
+        if handle.content is not None:
+            handle.content.release()
+        node.handles -= 1
+        if handle.staged is not None:
+            node.writers -= 1
+        if not node.handles:
+            self.prefill.closed(node)
+        self.policy.maybe_clean(node)
+        self.tree.maybe_drop(node)
+
+    async def fsync(self, fh: int) -> None:
+        """Local durability: what this handle wrote so far (a writer), or the committed version
+        (a reader or a clean writer), survives a node reboot. RAM blocks are copied to the disk
+        tier, the disk arena is synced, then a put op naming those blocks is journaled and synced.
+        The op is not uploaded (the commit or the version it shadows is); it only matters to a
+        restart that lost the RAM tier."""
+        handle = self.tree.handle(fh)
+        node = handle.node
+        if handle.staged is not None and handle.dirty:
+            content, covers = self._snapshot(handle), None
+        elif node.version is not None and node.version.seq is not None:
+            content, covers = node.version.content, node.version.seq
+            if not any(ref is not None and ref[0] == RAM for ref in content.blocks):
+                content = None  # already on disk: the journal record is enough
+        else:
+            return  # durable in the store already, or nothing committed
+        if content is not None:
+            content.hold()
+            try:
+                disk = await self.cache.on_disk(content)
+            finally:
+                content.release()
+            disk.hold()
+            try:
+                await trio.to_thread.run_sync(self.cache.tiers[DISK].sync)
+                if not node.unlinked and fh in self.tree.handles:
+                    self.commits.add_shadow(node, disk, handle if covers is None else None, covers)
+            finally:
+                disk.release()
+        await trio.to_thread.run_sync(self.commits.journal.sync)
+
+    async def setattr(self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None,
+                      atime_ns=None, mtime_ns=None) -> Attr:
+        node = self.tree.node(ino)
+        if size is not None:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            await self._truncate(node, fh, size)
+        if mode is not None:
+            node.mode = (node.mode & ~0o7777) | (mode & 0o7777)
+        if uid is not None:
+            node.uid = uid
+        if gid is not None:
+            node.gid = gid
+        if atime_ns is not None:
+            node.atime_ns = atime_ns
+        if mtime_ns is not None:
+            node.mtime_ns = mtime_ns
+        node.ctime_ns = time.time_ns()
+        return self.tree.attr(node)
+
+    async def _truncate(self, node: Node, fh: int | None, size: int) -> None:
+        handle = self.tree.handles.get(fh) if fh is not None else None
+        if handle is not None and handle.staged is not None:  # ftruncate: the writer's staged copy
+            staged, bs = handle.staged, self.cache.block_size
+            if self.uploader.codec is not None and size < staged.size and size % bs == 0 \
+                    and size // bs - 1 in staged.remote:
+                # A compressed upload's last part is sent again at commit, followed by the seek
+                # table: an evicted block cannot be read back to be that part.
+                raise FsError(errno.EIO, "the file's new last block was uploaded and evicted from the cache "
+                                         "(cache full): a compressed file cannot end there before it is closed")
+            await staged.truncate(size)
+            handle.dirty = True
+            return
+        # No writer: truncate(path) is open + truncate + close.
+        base = node.version.content.hold() if node.version is not None else None
+        try:
+            if base is not None and base.size == size:
+                return
+            if base is not None and size:
+                await self._fetch_range(node, base, 0, min(size, base.size))
+            staged = StagedFile(self.cache, base)
+        finally:
+            if base is not None:
+                base.release()
+        await staged.truncate(size)
+        if not node.unlinked:
+            self.commits.commit(node, staged.snapshot())
+        staged.discard()

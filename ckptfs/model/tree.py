@@ -1,0 +1,309 @@
+"""The tree: inodes, directories, open handles, and how a path becomes a store key.
+
+Plain data and the bookkeeping of the tree's shape; nothing here talks to the cache, the
+journal or the store.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ..cache import Cache, Content, StagedFile
+from ..errors import FsError
+from ..journal import Op
+from ..store.base import MAX_KEY_BYTES, RESERVED_PREFIX, ObjectInfo
+from ..uploader import Stream
+
+ROOT_INODE = 1
+MAX_NAME_BYTES = 255
+MIN_MULTIPART = 5 << 20  # S3's smallest part: a multipart object is larger
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+@dataclass
+class Attr:
+    ino: int
+    is_dir: bool
+    mode: int
+    size: int
+    uid: int
+    gid: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    writing: bool = False  # a handle holds a staged copy: the kernel's size may be the writer's
+    nlink: int = 1
+
+
+class Version:
+    """A committed content of a file; ``seq`` is its pending put op, None once durable."""
+
+    def __init__(self, content: Content, seq: int | None):
+        self.content = content.hold()
+        self.seq = seq
+        self.stamp: ObjectInfo | None = None  # how the store last showed this version (refresh)
+
+
+class Shadow:
+    """A disk-backed copy of a file's content, journaled by fsync as a put op that is not uploaded.
+
+    It is what a restart after a node reboot (RAM tier lost) restores. ``covers`` is the seq of
+    the version it stands for (None while it belongs to an open writer that has not committed);
+    it retires once that version, or a later one, is durable.
+    """
+
+    def __init__(self, op: Op, content: Content, handle: Handle | None, covers: int | None):
+        self.op = op
+        self.content = content.hold()
+        self.handle = handle
+        self.covers = covers
+
+
+class Node:
+    def __init__(self, ino: int, name: str, parent: Node | None, is_dir: bool, mode: int, uid: int, gid: int):
+        self.ino = ino
+        self.name = name
+        self.parent = parent
+        self.is_dir = is_dir
+        self.mode = mode
+        self.uid, self.gid = uid, gid
+        self.atime_ns = self.mtime_ns = self.ctime_ns = time.time_ns()
+        self.children: dict[str, Node] = {}
+        self.version: Version | None = None
+        self.nlookup = 0
+        self.handles = 0
+        self.writers = 0  # open handles with a staged copy
+        self.kernel_version: Version | None = None  # what the kernel page cache may hold
+        self.last_seq = 0  # newest op that concerns this node (for sync PATH)
+        self.shadows: list[Shadow] = []
+        self.unlinked = False
+        self.listed_at: float | None = None  # directories: last merged store listing (monotonic); None: never
+        self.gone = False  # taken out because the store no longer has it (another mount deleted it)
+        self.changed_here: float | None = None  # directories: last create/unlink/rename in it here (monotonic)
+
+    def key(self) -> str:
+        parts = []
+        node = self
+        while node.parent is not None:
+            parts.append(node.name)
+            node = node.parent
+        key = "/".join(reversed(parts))
+        return key + "/" if self.is_dir and key else key
+
+    def size(self) -> int:
+        """The committed size. A writer's staged copy is private until it commits, so its
+        growing size is not shown (readers of the committed version must not be cut short)."""
+        return self.version.content.size if self.version is not None else 0
+
+    def walk(self) -> Iterable[Node]:
+        yield self
+        for child in list(self.children.values()):
+            yield from child.walk()
+
+
+class Handle:
+    def __init__(self, fh: int, node: Node, staged: StagedFile | None, content: Content | None, append: bool):
+        self.fh = fh
+        self.node = node
+        self.staged = staged  # writers: the private copy
+        self.content = content  # readers: the version they opened (held)
+        self.append = append
+        self.dirty = False
+        self.error = 0  # sticky: a write that failed (ENOSPC, EIO) poisons the handle's commit
+        self.read_end = 0  # where the last read stopped (sequential reads trigger read-ahead)
+        self.stream: Stream | None = None  # writers: parts sent before the commit
+        # Committed with parts evicted to the store: no more writes (they belong to that upload).
+        self.frozen = False
+
+
+class Tree:
+    """Inodes by number, the directory tree, open handles by fh, and the model's clock."""
+
+    def __init__(self, uid: int, gid: int, umask: int = 0o022, root: tuple[int, int, int] | None = None,
+                 clock: Callable[[], float] = time.monotonic, max_key_bytes: int = MAX_KEY_BYTES):
+        # Owner and modes of what the store does not say (loaded objects): the mounting user, and
+        # 0666/0777 less ``umask``; the root directory: (mode, uid, gid), as the mountpoint was.
+        self.uid, self.gid = uid, gid
+        self.file_mode, self.dir_mode = 0o666 & ~umask, 0o777 & ~umask
+        root_mode, root_uid, root_gid = root or (0o755, uid, gid)
+        self.root = Node(ROOT_INODE, "", None, True, stat.S_IFDIR | (root_mode & 0o7777), root_uid, root_gid)
+        self.inodes: dict[int, Node] = {ROOT_INODE: self.root}
+        self.handles: dict[int, Handle] = {}
+        self.clock = clock
+        self.max_key_bytes = max_key_bytes  # the store's key room (S3: 1024 bytes less the prefix's)
+        self._next_ino = ROOT_INODE + 1
+        self._next_fh = 1
+
+    def now(self) -> float:
+        """Monotonic seconds: listing ages, the negative cache, changes made here."""
+        return self.clock()
+
+    # -- finding -------------------------------------------------------------------------------
+    def node(self, ino: int) -> Node:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT) from None
+
+    def dir(self, ino: int) -> Node:
+        node = self.node(ino)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return node
+
+    @staticmethod
+    def child(parent: Node, name: str) -> Node:
+        node = parent.children.get(name)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        return node
+
+    def handle(self, fh: int) -> Handle:
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+
+    def find(self, parts: list[str]) -> Node | None:
+        node = self.root
+        for part in parts:
+            node = node.children.get(part) if node.is_dir else None
+            if node is None:
+                return None
+        return node
+
+    def find_path(self, path: str) -> Node | None:
+        """A path as a control command gives it ("a/b", "/a/./b", "" for the top)."""
+        return self.find([p for p in path.split("/") if p and p != "."])
+
+    @staticmethod
+    def attr(node: Node) -> Attr:
+        # Links as on a local disk: a directory's "." and its entry, and each subdirectory's "..";
+        # none once unlinked (a file still open).
+        nlink = 2 + sum(c.is_dir for c in node.children.values()) if node.is_dir else 1
+        return Attr(
+            node.ino, node.is_dir, node.mode, node.size(), node.uid, node.gid,
+            node.atime_ns, node.mtime_ns, node.ctime_ns, node.writers > 0, 0 if node.unlinked else nlink,
+        )
+
+    def files(self) -> Iterable[Node]:
+        return (n for n in self.root.walk() if not n.is_dir)
+
+    # -- shaping ------------------------------------------------------------------------------
+    def add(self, parent: Node, name: str, is_dir: bool, mode: int | None = None, uid=None, gid=None) -> Node:
+        if mode is None:
+            mode = stat.S_IFDIR | self.dir_mode if is_dir else stat.S_IFREG | self.file_mode
+        node = Node(self._next_ino, name, parent, is_dir, mode, self.uid if uid is None else uid,
+                    self.gid if gid is None else gid)
+        self._next_ino += 1
+        self.inodes[node.ino] = node
+        parent.children[name] = node
+        return node
+
+    def ensure_dir(self, parts: list[str]) -> Node | None:
+        node = self.root
+        for part in parts:
+            child = node.children.get(part)
+            if child is None:
+                child = self.add(node, part, is_dir=True)
+            elif not child.is_dir:
+                return None
+            node = child
+        return node
+
+    @staticmethod
+    def move(node: Node, new_parent: Node, new_name: str) -> None:
+        del node.parent.children[node.name]
+        node.parent = new_parent
+        node.name = new_name
+        new_parent.children[new_name] = node
+        node.ctime_ns = time.time_ns()
+
+    def touch(self, node: Node) -> None:
+        """A directory changed here (create, unlink, rename in it)."""
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+        node.changed_here = self.now()
+
+    def maybe_drop(self, node: Node) -> None:
+        """Forget an unlinked node once neither the kernel nor a handle knows it."""
+        if node.unlinked and node.nlookup == 0 and node.handles == 0:
+            self.inodes.pop(node.ino, None)
+
+    def new_handle(self, node: Node, staged: StagedFile | None, content: Content | None, append: bool) -> Handle:
+        handle = Handle(self._next_fh, node, staged, content, append)
+        self._next_fh += 1
+        self.handles[handle.fh] = handle
+        node.handles += 1
+        if staged is not None:
+            node.writers += 1
+        return handle
+
+    def check_new_name(self, parent: Node, name: str) -> None:
+        try:
+            encoded = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FsError(errno.EINVAL, "names must be valid UTF-8 to be stored as keys") from None
+        self.check_name_length(parent, encoded)
+        if parent is self.root and name.startswith(RESERVED_PREFIX):
+            raise FsError(errno.EINVAL, f"names starting with {RESERVED_PREFIX} are reserved at the top")
+        if name in (".", ".."):
+            raise FsError(errno.EINVAL)
+
+    def check_name_length(self, parent: Node, name: bytes, spare: int = 1) -> None:
+        """ENAMETOOLONG for a name over 255 bytes, or one whose key would pass the store's limit
+        (``spare``: bytes kept for a new directory's trailing "/"; 0 for a name that may exist)."""
+        if len(name) > MAX_NAME_BYTES:
+            raise FsError(errno.ENAMETOOLONG)
+        if len(parent.key().encode()) + len(name) + spare > self.max_key_bytes:
+            raise FsError(errno.ENAMETOOLONG, "the path is longer than the store's key limit")
+
+
+def split_key(key: str) -> list[str] | None:
+    """A store key as path parts, or None if it cannot be shown safely (.., empty, overlong)."""
+    if not key or key.startswith("/") or len(key.encode()) > MAX_KEY_BYTES:
+        return None
+    parts = key.rstrip("/").split("/") if key != "/" else []
+    if not parts or any(p in ("", ".", "..") or len(p.encode()) > MAX_NAME_BYTES for p in parts):
+        return None
+    if parts[0].startswith(RESERVED_PREFIX):
+        return None
+    return parts
+
+
+def common_dir(a: str, b: str) -> str:
+    """The deepest directory key both directory keys ``a`` and ``b`` are under ("" = the root)."""
+    common = []
+    for x, y in zip(a.split("/")[:-1], b.split("/")[:-1]):
+        if x != y:
+            break
+        common.append(x)
+    return "/".join(common) + "/" if common else ""
+
+
+def n_blocks(size: int, block_size: int) -> int:
+    return (size + block_size - 1) // block_size
+
+
+def store_content(cache: Cache, info: ObjectInfo) -> Content:
+    """A durable file as the store lists it: no block cached yet."""
+    content = Content(cache, info.size, [None] * n_blocks(info.size, cache.block_size), in_store=True)
+    content.key = info.key
+    content.durable_at = info.mtime
+    return content
+
+
+def show_store_version(node: Node, content: Content, info: ObjectInfo) -> None:
+    """``node`` shows the store's object ``info`` (held in ``content``)."""
+    node.version = Version(content, None)
+    node.version.stamp = info
+    node.mtime_ns = node.ctime_ns = int(info.mtime * 1e9)
+
+
+def release_blocks(cache: Cache, blocks: list) -> None:
+    for ref in blocks:
+        if ref is not None:
+            cache.decref(ref)
