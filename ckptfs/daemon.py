@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from .core import CLEAN_INDEX, build_core
 from .errors import MountError
 from .fuse_ops import Operations
 from .journal import Journal
-from .paths import DEAD, LIVE, SILENT, check_mount_paths, mount_at
+from .paths import check_mount_paths, prepare_mountpoint
 from .logical_store import LogicalStore
 from .store import open_store
 from .store.base import StoreError
@@ -127,7 +126,7 @@ class Daemon:
             self._stop_metrics()
 
     def _run(self, on_ready: Callable[[], None]) -> None:
-        self._prepare_mountpoint()
+        prepare_mountpoint(self.mountpoint)
         check_mount_paths(self.config)
         given = Path(self.config.cache_dir).expanduser()
         if given.is_symlink():  # whoever can make the link would choose where root writes
@@ -176,19 +175,6 @@ class Daemon:
         self._drop_ram_tier()  # a clean stop only: after a crash the next mount needs it
 
     # -- start-up helpers ---------------------------------------------------------------
-    def _prepare_mountpoint(self) -> None:
-        found = mount_at(self.mountpoint)
-        if found == DEAD:  # a daemon died and left its mount behind: clear it to mount again
-            log.warning("%s: clearing a stale mount left by a dead daemon", self.mountpoint)
-            subprocess.run(["umount", "-l", self.mountpoint] if os.geteuid() == 0
-                           else ["fusermount3", "-u", "-z", self.mountpoint], check=False)
-        elif found == SILENT:
-            raise MountError(f"{self.mountpoint} is already a mount point (its daemon does not answer)")
-        elif found == LIVE:
-            raise MountError(f"{self.mountpoint} is already a mount point")
-        if not os.path.isdir(self.mountpoint):
-            raise MountError(f"mount point {self.mountpoint} is not a directory")
-
     def _drop_ram_tier(self) -> None:
         """Give the RAM arena (and the weights in it) back to the node, unless asked to keep it or
         the journal still needs blocks in it (uploads left pending by `umount --no-wait` or a

@@ -421,7 +421,7 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
 
 
 def test_mount_right_after_sigkill_clears_the_stale_mount(tmp_path):
-    from ckptfs.daemon import Daemon
+    from ckptfs.paths import prepare_mountpoint
     from ckptfs.errors import CkptfsError
 
     m = Mount(f"file://{tmp_path / 'store'}", tmp_path / "m")
@@ -435,7 +435,7 @@ def test_mount_right_after_sigkill_clears_the_stale_mount(tmp_path):
         m.pid = None
         config = MountConfig(mountpoint=str(m.path), store_url=m.store_url, cache_dir=str(m.cache_dir))
         try:
-            Daemon(config)._prepare_mountpoint()  # what `ckptfs mount` does first
+            prepare_mountpoint(config.mountpoint)  # what the daemon does first
         except CkptfsError as exc:
             pytest.fail(f"a dead daemon's mount is taken for a live one: {exc}")
     finally:
