@@ -419,6 +419,12 @@ class Cache:
     def view(self, ref: BlockRef, length: int):
         return self.tiers[ref[0]].view(ref[1], length)
 
+    def view_range(self, ref: BlockRef, offset: int, length: int) -> memoryview:
+        """A view of part of a RAM block (no copy)."""
+        tier = self.tiers[ref[0]]
+        pos = ref[1] * self.block_size + offset
+        return memoryview(tier.mm)[pos : pos + length]
+
     def copy_block(self, src: BlockRef, dst: BlockRef, length: int) -> None:
         if length:
             self.write(dst, 0, self.read(src, 0, length))
@@ -571,14 +577,20 @@ class Content:
         end = min(offset + length, self.size)
         return [i for i in range(offset // bs, (end + bs - 1) // bs) if self.blocks[i] is None]
 
-    def read(self, offset: int, length: int) -> bytes:
-        """Bytes from cached blocks (holes read as zeros); callers fetch missing blocks first."""
+    def read(self, offset: int, length: int, view: bool = False) -> bytes | memoryview:
+        """Bytes from cached blocks (holes read as zeros); callers fetch missing blocks first.
+        ``view``: a range within one RAM block comes back as a view of the arena, no copy. Only
+        for a caller that is done with it before anything else runs (a FUSE reply): the slot
+        may be reused once this content is released."""
         end = min(offset + length, self.size)
         if offset >= end:
             return b""
         bs = self.cache.block_size
         first, last = offset // bs, (end - 1) // bs
-        if first == last:  # the common case: one block, one copy
+        if first == last:  # the common case: one block, one copy (or none)
+            ref = self._block_ref(first) if view else None
+            if ref is not None and ref[0] == RAM:
+                return self.cache.view_range(ref, offset - first * bs, end - offset)
             return self._read_block(first, offset - first * bs, end - offset)
         chunks = []
         for i in range(first, last + 1):

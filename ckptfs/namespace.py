@@ -804,7 +804,7 @@ class Namespace:
         handle.dirty = bool(flags & os.O_TRUNC)
         return handle, False, True
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes:
+    async def read(self, fh: int, offset: int, size: int, view: bool = False) -> bytes | memoryview:
         handle = self._handle(fh)
         if handle.staged is not None:
             try:
@@ -825,7 +825,7 @@ class Namespace:
             # Loop: a block fetched for this read may be evicted while the next one arrives.
             while missing := content.missing(offset, size):
                 await self.fetcher.fill(content, missing)
-        return content.read(offset, size)  # (no await since the check: every block is there)
+        return content.read(offset, size, view)  # (no await since the check: every block is there)
 
     async def _fetch_range(self, node: Node, content: Content, offset: int, size: int) -> None:
         """Cache a range of ``content`` to build a writer's copy from: none of it may be evicted
