@@ -32,7 +32,7 @@ from .mounts import fuse_mounts_under, unmount
 from .targets import TARGETS, Context
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("save", "cold", "write", "ram4x", "dcp", "small")
+SCENARIOS = ("save", "cold", "write", "scale", "ram4x", "dcp", "small")
 SLOW_PEERS = ("s3fs", "rclone")  # 15-30 s per 1 GiB save here, twice the others
 MiB = 1 << 20
 
@@ -119,10 +119,10 @@ def budget(opts) -> dict[str, str]:
 
     slow = [t for t in SLOW_PEERS if t in opts.targets]
     out = {}
-    for s in ("save", "cold", "write", "dcp"):
+    for s in ("save", "cold", "write", "scale", "dcp"):
         if s in opts.scenarios:
             out[s] = runs(opts.runs)
-            if s != "write" and slow and opts.slow_runs < opts.runs:
+            if s not in ("write", "scale") and slow and opts.slow_runs < opts.runs:
                 out[s] += f" ({' and '.join(slow)}: {runs(opts.slow_runs)})"
     if "ram4x" in opts.scenarios:
         out["ram4x"] = runs(1)
@@ -202,6 +202,8 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
         workloads.cold_loads(bench, nbytes)
     if "write" in opts.scenarios:
         workloads.write_path(bench, state, nbytes)
+    if "scale" in opts.scenarios:
+        workloads.scaling(bench, nbytes)
     if "ram4x" in opts.scenarios and "ckptfs-s3" in targets:
         ram_budget = workloads.ram_budget_4x(bench, ctx, state, nbytes)
     del state
