@@ -186,6 +186,16 @@ class Tier:
             self.charge(slot, min(in_pages(end), self.block_size))
         os.pwrite(self.fd, data, pos)
 
+    def fill(self, slot: int, data) -> None:
+        """Write a freshly taken slot's block from its start through the file, not the map: the
+        GIL is released for the copy (callable from a worker thread: no bookkeeping here, the
+        slot was charged a whole block when taken) and tmpfs takes the bytes without a page
+        fault per page of the map (a fresh mount's RAM slots have never been mapped)."""
+        view, pos = memoryview(data), slot * self.block_size
+        while view:
+            written = os.pwrite(self.fd, view, pos)
+            view, pos = view[written:], pos + written
+
     def read(self, slot: int, offset: int, length: int) -> bytes:
         pos = slot * self.block_size + offset
         if self.mm is not None:
@@ -409,6 +419,10 @@ class Cache:
     # -- block I/O ----------------------------------------------------------------------
     def write(self, ref: BlockRef, offset: int, data) -> None:
         self.tiers[ref[0]].write(ref[1], offset, data)
+
+    def fill(self, ref: BlockRef, data) -> None:
+        """``Tier.fill``: a fresh block's bytes, from a worker thread."""
+        self.tiers[ref[0]].fill(ref[1], data)
 
     def read(self, ref: BlockRef, offset: int, length: int) -> bytes:
         return self.tiers[ref[0]].read(ref[1], offset, length)
