@@ -255,7 +255,8 @@ def scaling(bench: Bench, nbytes: int) -> None:
             bench.results.add(f"scale_write_{k}", t.name, gib / m.stall)
             if m.cpu is not None:
                 bench.results.add(f"scale_write_cpu_{k}", t.name, m.cpu / gib)
-            line.append(f"{k} writers {gib / m.stall:5.2f} GiB/s" + (f" ({m.cpu / gib:.2f} CPU s/GiB)" if m.cpu else ""))
+            cpu = f" ({m.cpu / gib:.2f} CPU s/GiB)" if m.cpu is not None else ""
+            line.append(f"{k} writers {gib / m.stall:5.2f} GiB/s{cpu}")
         if hasattr(t, "fresh_mount"):  # cold readers: ckptfs only (a fresh mount of the same store)
             with t.fresh_mount() as mount:
                 for k in SCALE_READERS:
