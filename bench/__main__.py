@@ -32,7 +32,7 @@ from .mounts import fuse_mounts_under, unmount
 from .targets import TARGETS, Context
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("save", "cold", "write", "ram4x", "dcp", "small")
+SCENARIOS = ("save", "cold", "write", "scale", "ram4x", "dcp", "small")
 SLOW_PEERS = ("s3fs", "rclone")  # 15-30 s per 1 GiB save here, twice the others
 MiB = 1 << 20
 
@@ -106,6 +106,8 @@ def runs_policy(opts):
             return opts.small_runs
         if scenario == "ram4x":
             return 1  # a peak: one save of 4x the budget answers it
+        if scenario == "scale":
+            return 1  # five figures a target, a minute or more each for ckptfs-s3: the time budget
         if target in SLOW_PEERS:
             return min(opts.runs, opts.slow_runs)
         return opts.runs
@@ -124,6 +126,8 @@ def budget(opts) -> dict[str, str]:
             out[s] = runs(opts.runs)
             if s != "write" and slow and opts.slow_runs < opts.runs:
                 out[s] += f" ({' and '.join(slow)}: {runs(opts.slow_runs)})"
+    if "scale" in opts.scenarios:
+        out["scale"] = runs(1)
     if "ram4x" in opts.scenarios:
         out["ram4x"] = runs(1)
     if "small" in opts.scenarios:
@@ -202,6 +206,8 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
         workloads.cold_loads(bench, nbytes)
     if "write" in opts.scenarios:
         workloads.write_path(bench, state, nbytes)
+    if "scale" in opts.scenarios:
+        workloads.scaling(bench, nbytes)
     if "ram4x" in opts.scenarios and "ckptfs-s3" in targets:
         ram_budget = workloads.ram_budget_4x(bench, ctx, state, nbytes)
     del state

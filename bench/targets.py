@@ -212,9 +212,15 @@ class Ckptfs(Target):
 
     @contextlib.contextmanager
     def fresh(self) -> Iterator[Path]:
+        with self.fresh_mount() as mount:
+            yield mount.mountpoint
+
+    @contextlib.contextmanager
+    def fresh_mount(self) -> Iterator[CkptfsMount]:
+        """``fresh``, with the mount itself (its daemon's pid)."""
         mount = self._mount()
         try:
-            yield mount.mountpoint
+            yield mount
         finally:
             mount.stop()
 
@@ -284,9 +290,15 @@ class FusePeer(Target):
 
     @contextlib.contextmanager
     def fresh(self) -> Iterator[Path]:
+        with self.fresh_mount() as mount:
+            yield mount.mountpoint
+
+    @contextlib.contextmanager
+    def fresh_mount(self) -> Iterator[CkptfsMount]:
+        """``fresh``, with the mount itself (its daemon's pid)."""
         mount = self._mount()
         try:
-            yield mount.mountpoint
+            yield mount
         finally:
             mount.stop()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,6 +192,88 @@ def write_path(bench: Bench, state, nbytes: int) -> None:
                        f"torch.save {saved / GiB / s.stall:5.2f} GiB/s")
         t.remove(rel)
         t.remove(save_rel)
+
+
+SCALE_WRITERS = (1, 2, 4)
+SCALE_READERS = (1, 4)
+
+
+def _concurrently(jobs: list[Callable[[], None]]) -> None:
+    """Run the jobs in threads at once (os.write and readinto release the GIL) and re-raise a failure."""
+    errors = []
+
+    def run(job):
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _write_file(path, nbytes: int, chunk: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for _ in range(nbytes // len(chunk)):
+            os.write(fd, chunk)
+    finally:
+        os.close(fd)
+
+
+def _read_file(path) -> None:
+    buf = bytearray(WRITE_CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def scaling(bench: Bench, nbytes: int) -> None:
+    """Aggregate throughput and daemon CPU per GiB as work grows: 1, 2 and 4 threads each writing
+    their own file (a checkpoint's bytes split between them) into one mount; then 1 and 4 threads
+    each reading a different file from a fresh mount (empty cache, page cache dropped). Writers
+    are timed to their last close; their CPU figure runs to durable (save and upload), as in the
+    save scenario."""
+    chunk = os.urandom(WRITE_CHUNK)
+    for i, n, t in bench.each_run("scale", ("nullfs", "ckptfs-local", "ckptfs-s3")):
+        line = []
+        if i == 0:  # untimed: the RAM tier's slots get their pages, as for a job's second save
+            measure(t, lambda t=t: _write_file(t.root / "scale-warm.bin", nbytes // WRITE_CHUNK * WRITE_CHUNK, chunk),
+                    ["scale-warm.bin"])
+            t.remove("scale-warm.bin")
+        for k in SCALE_WRITERS:
+            each = max(1, nbytes // k // WRITE_CHUNK) * WRITE_CHUNK
+            rels = [f"scale-{i}-w{k}-{j}.bin" for j in range(k)]  # (nullfs has no directories)
+            m = measure(t, lambda rels=rels, each=each, t=t: _concurrently(
+                [lambda rel=rel: _write_file(t.root / rel, each, chunk) for rel in rels]), rels)
+            gib = each * k / GiB
+            bench.results.add(f"scale_write_{k}", t.name, gib / m.stall)
+            if m.cpu is not None:
+                bench.results.add(f"scale_write_cpu_{k}", t.name, m.cpu / gib)
+            cpu = f" ({m.cpu / gib:.2f} CPU s/GiB)" if m.cpu is not None else ""
+            line.append(f"{k} writers {gib / m.stall:5.2f} GiB/s{cpu}")
+        if hasattr(t, "fresh_mount"):  # cold readers: ckptfs only (a fresh mount of the same store)
+            with t.fresh_mount() as mount:
+                for k in SCALE_READERS:
+                    writers = k if k in SCALE_WRITERS else max(SCALE_WRITERS)
+                    paths = [mount.mountpoint / f"scale-{i}-w{writers}-{j}.bin" for j in range(k)]
+                    sysinfo.drop_page_cache()
+                    cpu0, start = sysinfo.cpu_seconds(mount.pid), time.monotonic()
+                    _concurrently([lambda p=p: _read_file(p) for p in paths])
+                    seconds, cpu = time.monotonic() - start, sysinfo.cpu_seconds(mount.pid) - cpu0
+                    gib = sum(p.stat().st_size for p in paths) / GiB
+                    bench.results.add(f"scale_read_{k}", t.name, gib / seconds)
+                    bench.results.add(f"scale_read_cpu_{k}", t.name, cpu / gib)
+                    line.append(f"{k} cold readers {gib / seconds:5.2f} GiB/s ({cpu / gib:.2f} CPU s/GiB)")
+        bench.progress(f"scale     {t.name:17} run {i + 1}/{n}: " + ", ".join(line))
+        for k in SCALE_WRITERS:
+            for j in range(k):
+                t.remove(f"scale-{i}-w{k}-{j}.bin")
 
 
 def ram_budget_4x(bench: Bench, ctx, state, nbytes: int, make_target=CkptfsS3) -> int:

@@ -186,6 +186,16 @@ class Tier:
             self.charge(slot, min(in_pages(end), self.block_size))
         os.pwrite(self.fd, data, pos)
 
+    def fill(self, slot: int, data) -> None:
+        """Write a freshly taken slot's block from its start through the file, not the map: the
+        GIL is released for the copy (callable from a worker thread: no bookkeeping here, the
+        slot was charged a whole block when taken) and tmpfs takes the bytes without a page
+        fault per page of the map (a fresh mount's RAM slots have never been mapped)."""
+        view, pos = memoryview(data), slot * self.block_size
+        while view:
+            written = os.pwrite(self.fd, view, pos)
+            view, pos = view[written:], pos + written
+
     def read(self, slot: int, offset: int, length: int) -> bytes:
         pos = slot * self.block_size + offset
         if self.mm is not None:
@@ -425,6 +435,10 @@ class Cache:
     def write(self, ref: BlockRef, offset: int, data) -> None:
         self.tiers[ref[0]].write(ref[1], offset, data)
 
+    def fill(self, ref: BlockRef, data) -> None:
+        """``Tier.fill``: a fresh block's bytes, from a worker thread."""
+        self.tiers[ref[0]].fill(ref[1], data)
+
     def read(self, ref: BlockRef, offset: int, length: int) -> bytes:
         return self.tiers[ref[0]].read(ref[1], offset, length)
 
@@ -433,6 +447,12 @@ class Cache:
 
     def view(self, ref: BlockRef, length: int):
         return self.tiers[ref[0]].view(ref[1], length)
+
+    def view_range(self, ref: BlockRef, offset: int, length: int) -> memoryview:
+        """A view of part of a RAM block (no copy)."""
+        tier = self.tiers[ref[0]]
+        pos = ref[1] * self.block_size + offset
+        return memoryview(tier.mm)[pos : pos + length]
 
     def copy_block(self, src: BlockRef, dst: BlockRef, length: int) -> None:
         if length:
@@ -586,14 +606,20 @@ class Content:
         end = min(offset + length, self.size)
         return [i for i in range(offset // bs, (end + bs - 1) // bs) if self.blocks[i] is None]
 
-    def read(self, offset: int, length: int) -> bytes:
-        """Bytes from cached blocks (holes read as zeros); callers fetch missing blocks first."""
+    def read(self, offset: int, length: int, view: bool = False) -> bytes | memoryview:
+        """Bytes from cached blocks (holes read as zeros); callers fetch missing blocks first.
+        ``view``: a range within one RAM block comes back as a view of the arena, no copy. Only
+        for a caller that is done with it before anything else runs (a FUSE reply): the slot
+        may be reused once this content is released."""
         end = min(offset + length, self.size)
         if offset >= end:
             return b""
         bs = self.cache.block_size
         first, last = offset // bs, (end - 1) // bs
-        if first == last:  # the common case: one block, one copy
+        if first == last:  # the common case: one block, one copy (or none)
+            ref = self._block_ref(first) if view else None
+            if ref is not None and ref[0] == RAM:
+                return self.cache.view_range(ref, offset - first * bs, end - offset)
             return self._read_block(first, offset - first * bs, end - offset)
         chunks = []
         for i in range(first, last + 1):

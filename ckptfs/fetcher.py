@@ -286,7 +286,12 @@ class Fetcher:
             if content.blocks[index] is not None:
                 continue
             ref = await self.cache.alloc()
-            self.cache.write(ref, 0, memoryview(data)[lo - begin:lo - begin + length])
+            try:  # (copied in a thread: 8 MiB on the trio thread would hold up every request)
+                await trio.to_thread.run_sync(self.cache.fill, ref, memoryview(data)[lo - begin:lo - begin + length],
+                                              limiter=self.threads)
+            except BaseException:
+                self.cache.decref(ref)
+                raise
             self.cache.fit(ref, length)
             if content.blocks[index] is None and content.holders > 0:
                 content.blocks[index] = ref

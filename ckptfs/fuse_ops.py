@@ -267,7 +267,9 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def read(self, fh, off, size):
-        return await self.ns.read(fh, off, size)
+        # A view of the RAM tier where it can be (no copy per read): pyfuse3 hands it to the
+        # kernel before anything else runs, so the block cannot change or go away meanwhile.
+        return await self.ns.read(fh, off, size, view=True)
 
     @_errno_boundary
     async def write(self, fh, off, buf):

@@ -219,8 +219,10 @@ class Namespace:
     async def open(self, ino: int, flags: int) -> tuple[Handle, bool, bool]:
         return await self.files.open(ino, flags)
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes:
-        return await self.files.read(fh, offset, size)
+    async def read(self, fh: int, offset: int, size: int, view: bool = False) -> bytes | memoryview:
+        """``view``: a block's own bytes may come back as a view of the arena (for a reply sent
+        before anything else runs: fuse_ops)."""
+        return await self.files.read(fh, offset, size, view)
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         return await self.files.write(fh, offset, data)

@@ -82,6 +82,10 @@ def test_a_part_damaged_on_the_way_is_refused_by_the_server_and_sent_again(verif
     assert head.get("ChecksumCRC32C")  # composite: the CRC32C of the part CRC32Cs, "-3"
     parts_sent = [r for r in proxy.requests if r.kind == "upload_part"]
     assert parts_sent and all("x-amz-checksum-crc32c" in r.headers for r in parts_sent)
+    # The CRC32C the server verifies protects those bodies: no SHA-256 payload signature on them.
+    with_bodies = parts_sent + [r for r in proxy.requests if r.kind == "put" and "x-amz-checksum-crc32c" in r.headers
+                                and "checksum-probe" not in r.path]  # (the probe at mount: signed, 55 bytes)
+    assert {r.headers.get("x-amz-content-sha256") for r in with_bodies} == {"UNSIGNED-PAYLOAD"}
     # A fresh mount (empty cache) reads both back equal.
     m.stop()
     fresh = mounts(f"s3://{bucket}/run", tmp_path / "r", proxy.url)
@@ -100,6 +104,9 @@ def test_swift_does_not_verify_so_no_checksum_headers_are_sent(s3_server, s3_buc
     m.sync(timeout=120)
     assert tagged.hits == 0
     assert proxy.count(kind="upload_part") >= 3 and proxy.count(kind="put") >= 1
+    # Nothing else protects the bodies on the way over plain http: each is signed (SHA-256).
+    bodies = [r for r in proxy.requests if r.kind in ("upload_part", "put")]
+    assert all(len(r.headers.get("x-amz-content-sha256", "")) == 64 for r in bodies)
     assert _reserved_keys(s3_server.client(), s3_bucket) == []  # the probe was deleted
     m.stop()
     fresh = mounts(f"s3://{s3_bucket}/run", tmp_path / "r", proxy.url)

@@ -83,7 +83,7 @@ class Files:
         self.policy.maybe_clean(node)  # a reader: evictable block by block
         return handle
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes:
+    async def read(self, fh: int, offset: int, size: int, view: bool = False) -> bytes | memoryview:
         handle = self.tree.handle(fh)
         if handle.staged is not None:
             try:
@@ -104,7 +104,7 @@ class Files:
             # Loop: a block fetched for this read may be evicted while the next one arrives.
             while missing := content.missing(offset, size):
                 await self.fetcher.fill(content, missing)
-        return content.read(offset, size)  # (no await since the check: every block is there)
+        return content.read(offset, size, view)  # (no await since the check: every block is there)
 
     async def _fetch_range(self, node: Node, content: Content, offset: int, size: int) -> None:
         """Cache a range of ``content`` to build a writer's copy from: none of it may be evicted

@@ -148,6 +148,12 @@ class S3Store(ObjectStore):
         # upload. It goes through a client that never retries, so the caller sees every attempt.
         self._client_once = self._session.client("s3", endpoint_url=endpoint_url, config=self._config.merge(
             Config(retries={"mode": "standard", "total_max_attempts": 1})))
+        # Bodies that carry a CRC32C the server verifies go without the SHA-256 payload signature
+        # (UNSIGNED-PAYLOAD, as botocore itself does over https): the server refuses a damaged body
+        # by its CRC32C, the xxh3 manifest checks every read, and the signature would cost 0.7 CPU
+        # s/GiB (docs/architecture.md, Integrity). Everything else stays signed.
+        self._client_unsigned = self._session.client("s3", endpoint_url=endpoint_url, config=self._config.merge(
+            Config(s3={**(self._config.s3 or {}), "payload_signing_enabled": False})))
         self.endpoint = redact_url(self._client.meta.endpoint_url)  # as printed: without a password
         self._health = None
         self._attempt = threading.local()  # (token, op, key) of this thread's HTTP attempt
@@ -162,7 +168,7 @@ class S3Store(ObjectStore):
         """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage
         shows from the first failed attempt, not once the last retry gave up."""
         self._health = health
-        for client in (self._client, self._client_once):
+        for client in (self._client, self._client_once, self._client_unsigned):
             client.meta.events.register("before-send.s3", self._attempt_starts)
             client.meta.events.register("needs-retry.s3", self._attempt_ends)
 
@@ -280,9 +286,14 @@ class S3Store(ObjectStore):
 
     def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
         body = _as_bytes(data)
-        extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc32c_b64(body)} \
-            if self.server_checksums else {}
-        self._call("put", key, "put_object", Key=self._key(key), Body=body, Metadata=metadata or {}, **extra)
+        crc = crc32c_b64(body) if self.server_checksums else None
+        extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
+        self._call("put", key, "put_object", client=self._body_client(crc), Key=self._key(key), Body=body,
+                   Metadata=metadata or {}, **extra)
+
+    def _body_client(self, crc32c: str | None):
+        """The client for a request with a body: unsigned when the server verifies its CRC32C."""
+        return self._client_unsigned if crc32c else self._client
 
     def detect_server_checksums(self) -> bool:
         """Find out once (at mount) whether the server verifies ``x-amz-checksum-crc32c``: PUT a
@@ -497,8 +508,8 @@ class S3Store(ObjectStore):
         body = _as_bytes(data)
         crc = crc32c_b64(body) if self._uses_checksums(key, upload_id) else None
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
-        r = self._call("upload_part", key, "upload_part", Key=self._key(key), UploadId=upload_id,
-                       PartNumber=number, Body=body, **extra)
+        r = self._call("upload_part", key, "upload_part", client=self._body_client(crc), Key=self._key(key),
+                       UploadId=upload_id, PartNumber=number, Body=body, **extra)
         return PartInfo(number, _token(r["ETag"], crc))
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
@@ -542,3 +553,4 @@ class S3Store(ObjectStore):
     def close(self) -> None:
         self._client.close()
         self._client_once.close()
+        self._client_unsigned.close()
