@@ -44,6 +44,10 @@ class NoDaemon(ControlError):
     """Nothing listens on the mount's control socket (not mounted, or the daemon died)."""
 
 
+class Dropped(ControlError):
+    """The daemon closed or reset the connection without an answer (it crashed, or is dying)."""
+
+
 def _encode(message: dict) -> bytes:
     # json.dumps escapes control characters, so the line never contains a raw newline.
     return json.dumps(message).encode() + b"\n"
@@ -152,7 +156,7 @@ def call_socket(
                     sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 chunk = sock.recv(65536)
                 if not chunk:
-                    raise ControlError(f"the ckptfs daemon at {name} closed the connection without an answer (see its log)")
+                    raise Dropped(f"the ckptfs daemon at {name} closed the connection without an answer (see its log)")
                 scanned = len(buf)
                 buf += chunk
         except TimedOut:
@@ -160,7 +164,7 @@ def call_socket(
         except TimeoutError:
             raise ControlError(f"no answer from the ckptfs daemon at {name} within {timeout:g} s") from None
         except (ConnectionResetError, BrokenPipeError):
-            raise ControlError(f"the ckptfs daemon at {name} dropped the connection (see its log)") from None
+            raise Dropped(f"the ckptfs daemon at {name} dropped the connection (see its log)") from None
     finally:
         sock.close()
 

@@ -144,10 +144,20 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _daemon_pid(mountpoint: str):
+    """The pid its daemon reports. A daemon that drops the connection unanswered may be dying
+    (killed, its threads still closing its files): asked once more, it is gone (NoDaemon)."""
+    try:
+        return control.call(mountpoint, "status", timeout=30).get("pid")
+    except control.Dropped:
+        time.sleep(1.0)
+        return control.call(mountpoint, "status", timeout=30).get("pid")
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = _mountpoint(args.mountpoint)
     try:
-        pid = control.call(mountpoint, "status", timeout=30).get("pid")
+        pid = _daemon_pid(mountpoint)
     except control.NoDaemon:
         if mountpoint not in ckptfs_mounts():
             raise

@@ -93,11 +93,26 @@ def write_files(root: Path, files: dict[str, bytes]) -> None:
 
 
 def proc_state(pid: int) -> str | None:
-    """The process's state letter from /proc (``Z`` for a zombie), None when it is gone."""
+    """The process's state letter from /proc (``Z`` for a zombie), None when it is gone. A
+    leader that has exited while its other threads still tear down (and hold its files, such as
+    the control socket) shows as the state of a live thread, not as ``Z``."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        leader = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+    if leader == "Z":
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return leader
+        for tid in tasks:
+            try:
+                state = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state not in ("Z", "X"):
+                return state
+    return leader
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -178,7 +178,8 @@ def test_link_counts_directories_two_plus_subdirectories_unlinked_open_file_zero
     (d / "a").mkdir()
     (d / "b").mkdir()
     (d / "b" / "c").mkdir()
-    (d / "f.bin").write_bytes(b"f")
+    data = os.urandom(3 * 65536 + 7)
+    (d / "f.bin").write_bytes(data)
     assert os.stat(d).st_nlink == 4  # ".", its entry, and the ".." of a and b (files do not count)
     assert os.stat(d / "b").st_nlink == 3
     assert os.stat(d / "f.bin").st_nlink == 1
@@ -194,6 +195,9 @@ def test_link_counts_directories_two_plus_subdirectories_unlinked_open_file_zero
         os.unlink(d / "w.bin")
         assert os.fstat(reader).st_nlink == 0
         assert os.fstat(writer).st_nlink == 0
+        # As on a local disk, the unlinked file stays whole for the descriptor still open.
+        assert os.fstat(reader).st_size == len(data)
+        assert os.pread(reader, len(data) + 10, 0) == data
     finally:
         os.close(reader)
         os.close(writer)

@@ -7,21 +7,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from ckptfs import cli, paths
 from ckptfs.config import ckptfs_mounts
 from ckptfs.errors import MountError
+from tests.harness import proc_state
 from tests.mounting import Mount
 
 
 def _dead(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
+    return proc_state(pid) in (None, "Z")
 
 
 def _kill(m: Mount) -> None:

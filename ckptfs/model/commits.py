@@ -153,6 +153,7 @@ class Commits:
                 self.retire_shadows(n)
             self.policy.keep(n)
             if n.version is not None:
+                n.unlinked_size = n.version.content.size  # (what an open descriptor still reads)
                 n.version.content.release()
                 n.version = None
             n.unlinked = True

@@ -81,6 +81,7 @@ class Node:
         self.last_seq = 0  # newest op that concerns this node (for sync PATH)
         self.shadows: list[Shadow] = []
         self.unlinked = False
+        self.unlinked_size = 0  # its size when unlinked: descriptors still open read that much
         self.listed_at: float | None = None  # directories: last merged store listing (monotonic); None: never
         self.gone = False  # taken out because the store no longer has it (another mount deleted it)
         self.changed_here: float | None = None  # directories: last create/unlink/rename in it here (monotonic)
@@ -97,7 +98,9 @@ class Node:
     def size(self) -> int:
         """The committed size. A writer's staged copy is private until it commits, so its
         growing size is not shown (readers of the committed version must not be cut short)."""
-        return self.version.content.size if self.version is not None else 0
+        if self.version is not None:
+            return self.version.content.size
+        return self.unlinked_size if self.unlinked else 0
 
     def walk(self) -> Iterable[Node]:
         yield self
