@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("store choice, the cache, checksums", {"store", "cache", "integrity"}),
     ("cache users, admin targets and client", {"journal", "clean_index", "target", "control",
                                                   "logical_store"}),
+    ("fetched ranges' checks", {"fetch_checks"}),
     ("transfer", {"uploader", "fetcher", "prefill", "openers", "verify"}),
     ("model: the tree, handles, key codec", {"model.tree"}),
     ("model: cache policy", {"model.policy"}),
