@@ -48,7 +48,7 @@ from .background import BackgroundThreads, Gate
 from .cache import BlockRef, Cache, Content
 from .health import StoreHealth
 from .stats import LATENCY_BUCKETS, Histogram, RateMeter
-from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
+from .journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
 from .store.base import MAX_PARTS, NotFound, ObjectStore, PartInfo, StoreError
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class Stream:
 
     def __init__(self, key: str):
         self.key = key  # the upload goes under the key the file had when streaming began
+        self.meta: dict[str, str] = {}  # the file's attributes for the upload's metadata (no mtime yet)
         self.upload: Upload | None = None
         self.sent: dict[int, tuple[int, PartInfo]] = {}  # block index -> (change stamp, part)
         self.sending: set[int] = set()
@@ -411,7 +412,7 @@ class Uploader:
             # A rename may retarget the op while we work: the upload stays under this key.
             task.compressed = self.codec is not None
             task.upload = await self._create_upload(task.op.key, {
-                "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size),
+                **task.op.meta, "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size),
                 integrity.MANIFEST_META: integrity.ALGORITHM, **self._format_meta(task.compressed)})
             task.parts = [None] * task.n_parts()
             task.bytes_sent = 0
@@ -475,7 +476,7 @@ class Uploader:
                     async with stream.creating:
                         if stream.upload is None:
                             stream.upload = await self._create_upload(stream.key, {
-                                "ckptfs-part-size": str(self.part_size),
+                                **stream.meta, "ckptfs-part-size": str(self.part_size),
                                 integrity.MANIFEST_META: integrity.ALGORITHM,
                                 **self._format_meta(self.codec is not None)})
                     upload, size = stream.upload, self.cache.block_size
@@ -554,7 +555,12 @@ class Uploader:
             if upload_id and info.metadata.get(integrity.MANIFEST_META):
                 await self._drop_manifest(op.key, upload_id)
         elif op.kind == MKDIR:
-            await self._call(op.key, self.store.put, op.key, b"", {})
+            await self._call(op.key, self.store.put, op.key, b"", dict(op.meta))
+        elif op.kind == ATTR:
+            try:
+                await self._call(op.key, self.store.set_metadata, op.key, op.meta)
+            except NotFound:
+                log.info("attributes of %s: no longer in the store", op.key)
         elif op.kind == MOVE:
             try:
                 await self._call(op.key, self.store.copy, op.src, op.key)
@@ -601,7 +607,7 @@ class Uploader:
     async def _publish_one(self, task: Task) -> None:
         op = task.op
         data = await trio.to_thread.run_sync(task.content.read, 0, op.size, limiter=self.hash_threads)
-        metadata = {integrity.XXH3_META: task.xxh3}
+        metadata = {**op.meta, integrity.XXH3_META: task.xxh3}
         checksums = integrity.Checksums.whole_file(op.size, task.xxh3)
         if self.codec is not None and op.size >= compression.ONE_PUT_MIN:
             frame, by = await trio.to_thread.run_sync(compression.encode_part, self.codec, None, data,
