@@ -28,6 +28,7 @@ from .cache import RAM
 log = logging.getLogger(__name__)
 
 PUT, DELETE, MOVE, MKDIR = "put", "delete", "move", "mkdir"
+ATTR = "attr"  # a file's or directory's attributes (mode, uid, gid, mtime) changed: a metadata-only update
 COMPACT_AFTER_LINES = 20_000
 
 
@@ -47,6 +48,8 @@ class Op:
     small: bool = False  # DELETE of an object known to have no manifest (no HEAD needed)
     # PUT over an object whose manifest then goes: its upload id, "?" (HEAD the key first) or ""
     replaces: str = ""
+    # PUT, MKDIR, ATTR: the attributes stored with the object (model/tree.py attr_metadata)
+    meta: dict[str, str] = field(default_factory=dict)
 
     def to_record(self) -> dict:
         rec = {"t": "op", "seq": self.seq, "kind": self.kind, "key": self.key}
@@ -63,6 +66,8 @@ class Op:
             rec["small"] = True
         if self.kind == PUT and self.replaces:
             rec["replaces"] = self.replaces
+        if self.meta:
+            rec["meta"] = dict(self.meta)
         return rec
 
     @classmethod
@@ -71,7 +76,8 @@ class Op:
         parts = {int(i): token for i, token in rec.get("parts", {}).items()}
         hashes = {int(i): h for i, h in rec.get("hashes", {}).items()}
         return cls(rec["kind"], rec["key"], rec.get("src", ""), rec.get("size", 0), blocks, rec["seq"],
-                   rec.get("upload"), parts, hashes, bool(rec.get("small", False)), rec.get("replaces", ""))
+                   rec.get("upload"), parts, hashes, bool(rec.get("small", False)), rec.get("replaces", ""),
+                   dict(rec.get("meta", {})))
 
 
 class Journal:

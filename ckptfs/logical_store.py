@@ -163,6 +163,9 @@ class LogicalStore(ObjectStore):
     def delete(self, key) -> None:
         self.inner.delete(key)
 
+    def set_metadata(self, key, metadata) -> None:
+        self.inner.set_metadata(key, metadata)
+
     def copy(self, src, dst) -> None:
         self.inner.copy(src, dst)
 

@@ -135,6 +135,10 @@ class Namespace:
         name still unknown is asked of the store itself, unless it was found absent less than
         ``list_ttl`` ago (``negative_ttl`` says for how much longer)."""
         await self.refresher.lookup(self.tree.dir(parent_ino), name)
+        parent = self.tree.dir(parent_ino)
+        node = parent.children.get(name)
+        if node is not None and not await self.refresher.learn_attrs([node]):
+            raise FsError(errno.EIO, "the store did not say who may read this file (its attributes)")
         return self.lookup(parent_ino, name)
 
     def negative_ttl(self, parent_ino: int, name: str) -> float:
@@ -148,6 +152,8 @@ class Namespace:
         node = self.tree.node(ino)
         if node.is_dir and self.refresher.due(node):
             await self.refresher.refresh_dir(node)
+        if node.is_dir:  # READDIRPLUS gives the kernel each entry's attributes: read them first
+            await self.refresher.learn_attrs(list(node.children.values()))
 
     async def refresh_paths(self, paths: list[str]) -> None:
         await self.refresher.refresh_paths(paths)
@@ -238,6 +244,8 @@ class Namespace:
 
     async def setattr(self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None,
                       atime_ns=None, mtime_ns=None) -> Attr:
+        if not await self.refresher.learn_attrs([self.tree.node(ino)]):  # (a change starts from them)
+            raise FsError(errno.EIO, "the store did not say this file's attributes")
         return await self.files.setattr(ino, fh, size, mode, uid, gid, atime_ns, mtime_ns)
 
     # -- control commands --------------------------------------------------------------------------
@@ -284,4 +292,5 @@ class Namespace:
 
     def status(self) -> dict:
         writing = sum(1 for h in self.handles.values() if h.staged is not None)
-        return {"open_handles": len(self.handles), "open_writers": writing, "inodes": len(self.inodes)}
+        return {"open_handles": len(self.handles), "open_writers": writing, "inodes": len(self.inodes),
+                "attr_heads": self.refresher.attr_heads}

@@ -87,7 +87,7 @@ class PartSender:
             # A rename may retarget the op while we work: the upload stays under this key.
             task.compressed = self.codec is not None
             task.upload = await self._create_upload(task.op.key, {
-                "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size),
+                **task.op.meta, "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size),
                 integrity.MANIFEST_META: integrity.ALGORITHM, **self._format_meta(task.compressed)})
             task.parts = [None] * task.n_parts()
             task.bytes_sent = 0
@@ -151,7 +151,7 @@ class PartSender:
                     async with stream.creating:
                         if stream.upload is None:
                             stream.upload = await self._create_upload(stream.key, {
-                                "ckptfs-part-size": str(self.part_size),
+                                **stream.meta, "ckptfs-part-size": str(self.part_size),
                                 integrity.MANIFEST_META: integrity.ALGORITHM,
                                 **self._format_meta(self.codec is not None)})
                     upload, size = stream.upload, self.cache.block_size

@@ -85,6 +85,7 @@ class Stream:
 
     def __init__(self, key: str):
         self.key = key  # the upload goes under the key the file had when streaming began
+        self.meta: dict[str, str] = {}  # the file's attributes for the upload's metadata (no mtime yet)
         self.upload: Upload | None = None
         self.sent: dict[int, tuple[int, PartInfo]] = {}  # block index -> (change stamp, part)
         self.sending: set[int] = set()

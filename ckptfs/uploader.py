@@ -44,7 +44,7 @@ from .blocks import content_xxh3
 from .cache import BlockRef, Cache, Content
 from .health import StoreHealth
 from .stats import LATENCY_BUCKETS, Histogram, RateMeter
-from .journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
+from .journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
 from .store.base import NotFound, ObjectStore
 # (the records and the two halves of the work: importable from here as before)
 from .upload_encoding import ObjectEncoding
@@ -286,7 +286,12 @@ class Uploader(PartSender, ObjectEncoding):
             if upload_id and info.metadata.get(integrity.MANIFEST_META):
                 await self._drop_manifest(op.key, upload_id)
         elif op.kind == MKDIR:
-            await self._call(op.key, self.store.put, op.key, b"", {})
+            await self._call(op.key, self.store.put, op.key, b"", dict(op.meta))
+        elif op.kind == ATTR:
+            try:
+                await self._call(op.key, self.store.set_metadata, op.key, op.meta)
+            except NotFound:
+                log.info("attributes of %s: no longer in the store", op.key)
         elif op.kind == MOVE:
             try:
                 await self._call(op.key, self.store.copy, op.src, op.key)

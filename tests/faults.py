@@ -133,6 +133,9 @@ class FaultyStore(ObjectStore):
     def delete(self, key: str) -> None:
         return self._call("delete", key, self.inner.delete, key)
 
+    def set_metadata(self, key: str, metadata: dict[str, str]) -> None:
+        return self._call("set_metadata", key, self.inner.set_metadata, key, metadata)
+
     def copy(self, src: str, dst: str) -> None:
         return self._call("copy", dst, self.inner.copy, src, dst)
 

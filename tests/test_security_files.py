@@ -208,9 +208,9 @@ def test_other_users_are_kept_out_unless_allow_other(reachable, other_user):
 
 
 def test_with_allow_other_the_modes_decide_across_remounts(reachable, other_user):
-    """With --allow-other the kernel checks each file's mode (default_permissions). The store does
-    not record modes yet: after a remount a file comes back as --umask says, by default 0600 owned
-    by the mounting user, so what was private stays private."""
+    """With --allow-other the kernel checks each file's mode (default_permissions). The store
+    records each file's and directory's mode and owner (issue 17): a remount shows them as they
+    were, whatever --umask says (it only sets the modes of objects that carry none)."""
     m = reachable[1]("--allow-other")
     m.start()
     os.close(os.open(m.path / "private.bin", os.O_WRONLY | os.O_CREAT, 0o600))
@@ -221,24 +221,25 @@ def test_with_allow_other_the_modes_decide_across_remounts(reachable, other_user
     (m.path / "dir").mkdir(mode=0o700)
     (m.path / "dir" / "inner.bin").write_bytes(b"x")
     (m.path / "dir" / "inner.bin").chmod(0o644)
-    assert can_open(other_user, m.path / "shared.bin") == "ok"
-    assert can_open(other_user, m.path / "private.bin") == "EACCES"
-    assert can_open(other_user, m.path / "dir" / "inner.bin") == "EACCES"  # its directory is 0700
-    m.stop()
 
-    m.start()  # modes not recorded: the default --umask 0077
-    for name in ("private.bin", "shared.bin", "dir/inner.bin"):
-        st = (m.path / name).stat()
-        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, 0), name
-        assert can_open(other_user, m.path / name) == "EACCES", name
-    assert stat.S_IMODE((m.path / "dir").stat().st_mode) == 0o700
+    def check() -> None:
+        assert can_open(other_user, m.path / "shared.bin") == "ok"
+        assert can_open(other_user, m.path / "private.bin") == "EACCES"
+        assert can_open(other_user, m.path / "dir" / "inner.bin") == "EACCES"  # its directory is 0700
+        for name, mode in (("private.bin", 0o600), ("shared.bin", 0o644), ("dir/inner.bin", 0o644), ("dir", 0o700)):
+            st = (m.path / name).stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (mode, 0), name
+
+    check()
+    m.stop()
+    m.start()  # the modes the store recorded
+    check()
     assert stat.S_IMODE(m.path.stat().st_mode) == 0o755  # the root: as the mountpoint directory was
     m.stop()
 
-    m.extra = ("--allow-other", "--umask", "0022")  # the admin says so: readable by all
+    m.extra = ("--allow-other", "--umask", "0022")  # recorded modes win over --umask
     m.start()
-    assert stat.S_IMODE((m.path / "private.bin").stat().st_mode) == 0o644
-    assert can_open(other_user, m.path / "private.bin") == "ok"
+    check()
     m.stop()
 
 

@@ -14,11 +14,11 @@ import time
 
 from ..cache import Cache, Content
 from ..errors import FsError
-from ..journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
+from ..journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
 from ..prefill import Prefill
 from ..uploader import Uploader
 from .policy import CachePolicy
-from .tree import MIN_MULTIPART, Handle, Node, Shadow, Tree, Version
+from .tree import MIN_MULTIPART, Handle, Node, Shadow, Tree, Version, attr_metadata
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,11 @@ class Commits:
 
     # -- commits -----------------------------------------------------------------------------------
     def commit(self, node: Node, content: Content, handle: Handle | None = None) -> None:
+        now = time.time_ns()
         try:
             op = put_op(node.key(), content)
+            node.mtime_ns = now  # (the object's metadata says so too)
+            op.meta = attr_metadata(node)
             op.replaces = self._replaced_manifest(node)
             op = self.log(op)
         except BaseException:
@@ -60,7 +63,25 @@ class Commits:
         if handle is not None and handle.stream is not None:
             stream, stamps, handle.stream = handle.stream, list(handle.staged.stamps), None
         self.uploader.submit(op, content, self.on_durable(node), stream, stamps)
-        node.mtime_ns = node.ctime_ns = time.time_ns()
+        node.ctime_ns = now
+        if stream is not None and stream.meta != attr_metadata(node, mtime=False):
+            self.set_attrs(node)  # changed since its upload began (the upload's metadata is fixed then)
+
+    def set_attrs(self, node: Node) -> None:
+        """chmod, chown, utimes: the store learns them by a metadata-only op after the file's
+        pending put, if any (a file never committed gets them with its first put)."""
+        if node.unlinked or node is self.tree.root or (not node.is_dir and node.version is None):
+            return
+        op = self.log(Op(ATTR, node.key(), meta=attr_metadata(node)))
+        node.last_seq = node.attr_seq = op.seq
+        version = node.version
+
+        def copied(_op: Op) -> None:
+            # The store's copy in place gave the object a new Last-Modified: it is still ours.
+            if version is not None and version.seq is None and version is node.version:
+                version.stamp, version.content.durable_at = None, time.time()
+
+        self.uploader.submit(op, None, copied)
 
     def _replaced_manifest(self, node: Node) -> str:
         """The manifest a new version of ``node`` makes obsolete once it is in the store: the
@@ -118,7 +139,7 @@ class Commits:
         """Store ops for one node after a rename moved it from ``old_key``."""
         new_key = node.key()
         if node.is_dir:
-            node.last_seq = self.log(Op(MKDIR, new_key)).seq
+            node.last_seq = self.log(Op(MKDIR, new_key, meta=attr_metadata(node))).seq
             return
         for shadow in node.shadows:
             shadow.op.key = new_key
@@ -129,6 +150,8 @@ class Commits:
         if version.seq is not None and self.uploader.retarget(version.seq, new_key):
             node.last_seq = version.seq
             self.log(Op(DELETE, old_key))  # an older durable version may sit there
+            if node.attr_seq > version.seq:  # that op went to the old key: the put carries older ones
+                self.set_attrs(node)
             return
         op = self.log(Op(MOVE, new_key, src=old_key))
         node.last_seq = op.seq

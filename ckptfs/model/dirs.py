@@ -8,7 +8,7 @@ import stat
 from ..errors import FsError
 from ..journal import DELETE, MKDIR, Op
 from .commits import Commits
-from .tree import MIN_MULTIPART, RENAME_EXCHANGE, RENAME_NOREPLACE, Attr
+from .tree import MIN_MULTIPART, RENAME_EXCHANGE, RENAME_NOREPLACE, Attr, attr_metadata
 
 
 class Dirs:
@@ -24,7 +24,7 @@ class Dirs:
             raise FsError(errno.EEXIST)
         node = self.tree.add(parent, name, is_dir=True, mode=stat.S_IFDIR | (mode & 0o7777), uid=uid, gid=gid)
         node.listed_at = node.changed_here = self.tree.now()  # new: the lookup before mkdir found nothing there
-        node.last_seq = self.commits.log(Op(MKDIR, node.key())).seq
+        node.last_seq = self.commits.log(Op(MKDIR, node.key(), meta=attr_metadata(node))).seq
         node.nlookup += 1
         self.tree.touch(parent)
         return self.tree.attr(node)

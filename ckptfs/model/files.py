@@ -16,7 +16,7 @@ from ..errors import FsError
 from ..fetcher import Fetcher
 from ..store.base import MAX_PARTS
 from .commits import Commits
-from .tree import Attr, Handle, Node
+from .tree import Attr, Handle, Node, attr_metadata
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class Files:
             return
         if handle.stream is None:
             handle.stream = self.uploader.open_stream(handle.node.key())
+            handle.stream.meta = attr_metadata(handle.node, mtime=False)  # (its mtime: the completion's)
         for index in sealed:
             staged.changed.discard(index)
             self.uploader.stream_part(handle.stream, index, staged.blocks[index], staged.stamps[index])
@@ -253,6 +254,8 @@ class Files:
         if mtime_ns is not None:
             node.mtime_ns = mtime_ns
         node.ctime_ns = time.time_ns()
+        if mode is not None or uid is not None or gid is not None or (mtime_ns is not None and size is None):
+            self.commits.set_attrs(node)
         return self.tree.attr(node)
 
     async def _truncate(self, node: Node, fh: int | None, size: int) -> None:

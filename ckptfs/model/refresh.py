@@ -27,7 +27,7 @@ from ..health import StoreHealth
 from ..single_flight import SingleFlight
 from ..store.base import DirListing, ObjectInfo, ObjectStore, StoreError
 from .commits import Commits
-from .tree import Node, Tree, show_store_version, split_key, store_content
+from .tree import Node, Tree, apply_attr_metadata, show_store_version, split_key, store_content
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class Refresher:
         self.missing = NegativeCache(tree)
         self._listing = SingleFlight(default=FAILED)  # dir ino -> the listing in flight
         self._asking = SingleFlight()  # (dir ino, name) -> the store probe in flight
+        self._heading = SingleFlight(default=False)  # ino -> the HEAD for its attributes in flight
+        self.attr_heads = 0  # HEADs sent for attributes (status, the docs' request cost)
         self._store_failing = False  # a refresh failed: logged once until the store answers again
 
     def due(self, node: Node) -> bool:
@@ -163,7 +165,7 @@ class Refresher:
                 if info is not None and split_key(info.key) is not None:
                     self._add_from_store(node, name, info)
                 elif info is None and split_key(prefix + name + "/") is not None:
-                    self.tree.add(node, name, is_dir=True)
+                    self.tree.add(node, name, is_dir=True).attrs_known = False
             elif child.is_dir:
                 if info is None and name not in dirs and _removable(child):
                     self._drop_gone(child)
@@ -204,9 +206,9 @@ class Refresher:
         version.content.release()  # its cached blocks go (nobody has it open)
         self.forget_name(node.parent.ino, node.name)  # its size and mtime changed
 
-    def _add_from_store(self, parent: Node, name: str, info: ObjectInfo) -> Node:
+    def _add_from_store(self, parent: Node, name: str, info: ObjectInfo, headed: bool = False) -> Node:
         node = self.tree.add(parent, name, is_dir=False)
-        show_store_version(node, store_content(self.cache, info), info)
+        show_store_version(node, store_content(self.cache, info), info, headed)
         return node
 
     # -- asking about one name ---------------------------------------------------------------------
@@ -237,9 +239,9 @@ class Refresher:
             self.missing.remember(parent, name, self.list_ttl)  # removed here, not yet from the store: gone
             return
         if info is not None:
-            self._add_from_store(parent, name, info)
+            self._add_from_store(parent, name, info, headed=True)
         elif is_dir:
-            self.tree.add(parent, name, is_dir=True)
+            self.tree.add(parent, name, is_dir=True).attrs_known = False  # its marker may carry them
         else:
             self.missing.remember(parent, name, self.list_ttl)
 
@@ -260,6 +262,39 @@ class Refresher:
             if isinstance(answer, Exception):
                 raise answer
         return answers["file"], bool(answers["dir"])
+
+    # -- attributes ---------------------------------------------------------------------------------
+    async def learn_attrs(self, nodes: list[Node]) -> bool:
+        """Read the stored attributes (mode, uid, gid, mtime) of nodes a listing showed: one HEAD
+        each (a directory's marker), at most LIST_THREADS at once, one per node in flight. False
+        if one could not be read (the store failed): that node stays shown as root's, mode 0."""
+        unknown = [n for n in nodes if not n.attrs_known and not n.unlinked]
+        if not unknown:
+            return True
+        if len(unknown) == 1:
+            return await self._heading.run(unknown[0].ino, lambda: self._head_attrs(unknown[0]))
+        results = []
+
+        async def one(node: Node) -> None:
+            results.append(await self._heading.run(node.ino, lambda: self._head_attrs(node)))
+
+        async with trio.open_nursery() as nursery:
+            for node in unknown:
+                nursery.start_soon(one, node)
+        return all(results)
+
+    async def _head_attrs(self, node: Node) -> bool:
+        key = node.key()
+        self.attr_heads += 1
+        try:
+            info = await self._store_call(self.store.head, key)
+        except Exception as exc:  # noqa: BLE001 - the caller refuses what it cannot show safely
+            self._store_trouble(f"cannot read the attributes of {key}", exc)
+            return False
+        self._store_answers()
+        if not node.attrs_known:  # (nobody showed a newer version meanwhile)
+            apply_attr_metadata(node, info.metadata if info is not None else {})
+        return True
 
     # -- the store's health, as listings see it ----------------------------------------------------
     async def _store_call(self, fn, *args):

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from .. import integrity
 from ..cache import Content
 from ..clean_index import CleanEntry
-from ..journal import DELETE, MKDIR, MOVE, PUT, Op
+from ..journal import ATTR, DELETE, MKDIR, MOVE, PUT, Op
 from ..store.base import ObjectInfo, PartInfo
 from ..uploader import Upload
 from .commits import Commits
-from .tree import release_blocks, show_store_version, split_key, store_content
+from .tree import apply_attr_metadata, release_blocks, show_store_version, split_key, store_content
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ def load(commits: Commits, listing: Iterable[ObjectInfo], pending: list[Op],
             log.warning("not shown: store key %r cannot be a path on the mount", info.key)
             continue
         if info.key.endswith("/"):
-            tree.ensure_dir(parts)
+            marked = tree.ensure_dir(parts)
+            if marked is not None:
+                marked.attrs_known = False  # its marker may carry attributes (read at lookup)
             continue
         parent = tree.ensure_dir(parts[:-1])
         if parent is None or parts[-1] in parent.children:
@@ -74,6 +76,8 @@ def replay(commits: Commits, op: Op) -> None:
         if parent is not None and (node is None or not node.is_dir):
             node = node or tree.add(parent, parts[-1], is_dir=False)
             commits.set_version(node, content, op)
+            if op.meta:
+                apply_attr_metadata(node, op.meta)
             uploader.submit(op, content, commits.on_durable(node))
             return
         log.error("journal: cannot show %r (a directory is in the way); uploading it anyway", op.key)
@@ -81,8 +85,10 @@ def replay(commits: Commits, op: Op) -> None:
         return
     if op.kind == DELETE and node is not None and (not node.is_dir or not node.children):
         commits.detach(node)
-    elif op.kind == MKDIR and parts is not None:
-        tree.ensure_dir(parts)
+    elif op.kind in (MKDIR, ATTR) and parts is not None:
+        target = tree.ensure_dir(parts) if op.kind == MKDIR else node
+        if target is not None and op.meta:
+            apply_attr_metadata(target, op.meta)
     elif op.kind == MOVE and parts is not None:
         src = tree.find(split_key(op.src) or [])
         parent = tree.ensure_dir(parts[:-1])

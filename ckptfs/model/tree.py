@@ -85,6 +85,10 @@ class Node:
         self.listed_at: float | None = None  # directories: last merged store listing (monotonic); None: never
         self.gone = False  # taken out because the store no longer has it (another mount deleted it)
         self.changed_here: float | None = None  # directories: last create/unlink/rename in it here (monotonic)
+        # Whether mode, uid, gid and mtime are the store's: False for what a listing showed until
+        # its metadata is read (a HEAD before the kernel sees it: see Refresher.learn_attrs).
+        self.attrs_known = True
+        self.attr_seq = 0  # the last attribute op journaled for it
 
     def key(self) -> str:
         parts = []
@@ -188,8 +192,11 @@ class Tree:
         # Links as on a local disk: a directory's "." and its entry, and each subdirectory's "..";
         # none once unlinked (a file still open).
         nlink = 2 + sum(c.is_dir for c in node.children.values()) if node.is_dir else 1
+        # Stored attributes not read yet (a HEAD failed): shown as root's, no permission, never
+        # more open than they will be.
+        mode, uid, gid = (node.mode, node.uid, node.gid) if node.attrs_known else (stat.S_IFMT(node.mode), 0, 0)
         return Attr(
-            node.ino, node.is_dir, node.mode, node.size(), node.uid, node.gid,
+            node.ino, node.is_dir, mode, node.size(), uid, gid,
             node.atime_ns, node.mtime_ns, node.ctime_ns, node.writers > 0, 0 if node.unlinked else nlink,
         )
 
@@ -299,11 +306,52 @@ def store_content(cache: Cache, info: ObjectInfo) -> Content:
     return content
 
 
-def show_store_version(node: Node, content: Content, info: ObjectInfo) -> None:
-    """``node`` shows the store's object ``info`` (held in ``content``)."""
+def show_store_version(node: Node, content: Content, info: ObjectInfo, headed: bool = False) -> None:
+    """``node`` shows the store's object ``info`` (held in ``content``). ``headed``: ``info``
+    came from a HEAD and carries the object's metadata (a listing's does not)."""
     node.version = Version(content, None)
     node.version.stamp = info
     node.mtime_ns = node.ctime_ns = int(info.mtime * 1e9)
+    if headed:
+        apply_attr_metadata(node, info.metadata)
+    else:
+        node.attrs_known = False
+
+
+# The attributes stored with each object, in the metadata s3fs-fuse and rclone read and write
+# (x-amz-meta-mode: st_mode in decimal with its type bits; -uid, -gid; -mtime: seconds).
+MODE_META, UID_META, GID_META, MTIME_META = "mode", "uid", "gid", "mtime"
+
+
+def attr_metadata(node: Node, mtime: bool = True) -> dict[str, str]:
+    """``node``'s attributes as object metadata (``mtime=False``: without the mtime)."""
+    meta = {MODE_META: str(node.mode), UID_META: str(node.uid), GID_META: str(node.gid)}
+    if mtime:
+        meta[MTIME_META] = str(node.mtime_ns // 1_000_000_000)
+    return meta
+
+
+def apply_attr_metadata(node: Node, metadata: dict[str, str]) -> None:
+    """Show the attributes an object's metadata stores; what it lacks or cannot be read keeps
+    the defaults (another tool's object)."""
+    node.attrs_known = True
+    try:
+        mode = int(metadata[MODE_META])
+        if stat.S_IFMT(mode) in (0, stat.S_IFMT(node.mode)):  # (a wrong type is not believed)
+            node.mode = stat.S_IFMT(node.mode) | (mode & 0o1777)  # (no set-id bit from the store)
+    except (KeyError, ValueError):
+        pass
+    for name, field in ((UID_META, "uid"), (GID_META, "gid")):
+        try:
+            value = int(metadata[name])
+        except (KeyError, ValueError):
+            continue
+        if 0 <= value < 2**32:
+            setattr(node, field, value)
+    try:
+        node.mtime_ns = int(float(metadata[MTIME_META]) * 1e9)
+    except (KeyError, ValueError, OverflowError):
+        pass
 
 
 def release_blocks(cache: Cache, blocks: list) -> None:

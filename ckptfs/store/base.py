@@ -163,6 +163,11 @@ class ObjectStore(ABC):
         """Remove an object; absent is not an error."""
 
     @abstractmethod
+    def set_metadata(self, key: str, metadata: dict[str, str]) -> None:
+        """Set these user metadata entries on ``key`` (others are kept), without copying its data
+        through the client. A directory key ("x/") gets a marker carrying them. NotFound if absent."""
+
+    @abstractmethod
     def copy(self, src: str, dst: str) -> None:
         """Server-side copy with metadata. NotFound if ``src`` is absent."""
 

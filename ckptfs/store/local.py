@@ -118,7 +118,8 @@ class LocalStore(LocalMultipart):
         try:
             if key.endswith("/"):
                 self._prepare()  # the root
-                os.close(self._open_dir(parts, create=True))
+                with self._dir(parts, create=True) as d:
+                    self._set_metadata(d, metadata)  # a directory's attributes (mode, uid, ...)
                 return
             self._publish_new(parts, metadata, lambda fd: fs.pwrite_all(fd, data, 0))
         except OSError as e:
@@ -160,7 +161,7 @@ class LocalStore(LocalMultipart):
         if key.endswith("/"):
             try:
                 with self._dir(self._parts(key)) as d:
-                    return ObjectInfo(key, 0, os.fstat(d).st_mtime)
+                    return ObjectInfo(key, 0, os.fstat(d).st_mtime, self._get_metadata(d))
             except (FileNotFoundError, NotADirectoryError):
                 return None
             except OSError as e:
@@ -274,6 +275,20 @@ class LocalStore(LocalMultipart):
             if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR,
                                errno.ELOOP):
                 raise self._err("delete", key, e) from None
+
+    def set_metadata(self, key: str, metadata: dict[str, str]) -> None:
+        """The xattrs rewritten in place: the data is not touched."""
+        if key.endswith("/"):
+            self.put(key, b"", metadata)
+            return
+        fd, _ = self._open_object(key, "set_metadata")
+        try:
+            self._set_metadata(fd, metadata)
+            os.fsync(fd)
+        except OSError as e:
+            raise self._err("set_metadata", key, e) from None
+        finally:
+            os.close(fd)
 
     def copy(self, src: str, dst: str) -> None:
         dst_parts = self._parts(dst)

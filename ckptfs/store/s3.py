@@ -428,7 +428,38 @@ class S3Store(ObjectStore):
         except (bex.BotoCoreError, OSError) as e:
             self._fail("delete", key, e)
 
-    def copy(self, src: str, dst: str) -> None:
+    def set_metadata(self, key: str, metadata: dict[str, str]) -> None:
+        """A server-side copy of the object onto itself (CopyObject, MetadataDirective=REPLACE)
+        with its metadata merged; a directory marker is written again."""
+        if key.endswith("/"):
+            self.put(key, b"", metadata)
+            return
+        info = self.head(key)
+        if info is None:
+            raise NotFound(f"set_metadata s3://{self.bucket}/{self._base}{key}: no such key")
+        if info.size > self.max_single_copy:
+            self.copy(key, key, metadata)
+            return
+        source = {"Bucket": self.bucket, "Key": self._key(key)}
+        merged = {**info.metadata, **metadata}
+        try:
+            # If-Match: a version another mount wrote since the HEAD keeps its own metadata (ckptfs's
+            # checksums and hash belong to the bytes).
+            self._call("set_metadata", key, "copy_object", Key=self._key(key), CopySource=source,
+                       CopySourceIfMatch=info.etag, MetadataDirective="REPLACE", Metadata=merged)
+        except StoreError as exc:
+            if "PreconditionFailed" not in str(exc):
+                raise
+            # Swift compares a multipart object's ETag in If-Match unlike S3 and always refuses it:
+            # still the same object, copy it unconditionally; else a later retry starts over.
+            now = self.head(key)
+            if now is None or now.etag != info.etag or now.metadata != info.metadata:
+                raise StoreError(f"set_metadata {key}: the object changed meanwhile", transient=True) from None
+            self._call("set_metadata", key, "copy_object", Key=self._key(key), CopySource=source,
+                       MetadataDirective="REPLACE", Metadata=merged)
+
+    def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> None:
+        """Server-side copy; ``metadata``: entries that replace the source's (others are kept)."""
         info = self.head(src)
         if info is None:
             raise NotFound(f"copy s3://{self.bucket}/{self._base}{src}: no such key")
@@ -437,7 +468,7 @@ class S3Store(ObjectStore):
             self._call("copy", f"{src} -> {dst}", "copy_object", Key=self._key(dst), CopySource=source,
                        MetadataDirective="COPY")
             return
-        upload_id = self.create_multipart(dst, info.metadata)
+        upload_id = self.create_multipart(dst, {**info.metadata, **(metadata or {})})
         try:
             parts = []
             for n, off in enumerate(range(0, info.size, self.copy_part_size), start=1):
