@@ -597,3 +597,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(layer)
         if "slow" in kinds and item.get_closest_marker("slow") is None:
             item.add_marker("slow")
+
+
+@pytest.fixture
+def reachable(store):
+    """(root, make): a directory the other user may traverse, and a factory of mounts under it.
+    Not under pytest's /tmp/pytest-of-root, which each pytest session starting on the node
+    (other suites run in parallel) chmods back to 0700, locking the other user out mid-test."""
+    root = Path(tempfile.mkdtemp(prefix="ckptfs-sec-", dir="/tmp"))
+    root.chmod(0o711)
+    made: list[Mount] = []
+
+    def make(*extra: str) -> Mount:
+        m = Mount(store.url, root / f"m{len(made)}", endpoint_url=store.endpoint, extra=extra)
+        made.append(m)
+        return m
+
+    yield root, make
+    for m in made:
+        m.cleanup()
+    shutil.rmtree(root, ignore_errors=True)

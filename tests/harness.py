@@ -133,3 +133,13 @@ def assert_one_line_error(done: subprocess.CompletedProcess, code: int | None, *
     assert len(lines) == 1 and lines[0].startswith("ckptfs: "), done.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def can_open(other_user, path: Path) -> str:
+    """"ok" if the other user can open ``path`` for reading, else the errno's name."""
+    done = other_user.python(
+        "import errno, os, sys\n"
+        "try:\n    os.close(os.open(sys.argv[1], os.O_RDONLY)); print('ok')\n"
+        "except OSError as e:\n    print(errno.errorcode[e.errno])", str(path))
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()

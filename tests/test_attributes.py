@@ -7,47 +7,19 @@ Real mounts on both stores, as root; the neighbour is the unprivileged ``other_u
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from ckptfs.store import open_store
-from tests.mounting import Mount, kill_daemon
+from tests.harness import can_open
+from tests.mounting import kill_daemon
 
 pytestmark = pytest.mark.timeout(240)
 
 MiB = 1 << 20
 MTIME = 1_600_000_000  # (whole seconds: the metadata keeps seconds, as s3fs writes it)
-
-
-@pytest.fixture
-def reachable(store):
-    """A factory of mounts in a directory the other user may traverse (as in test_security_files)."""
-    root = Path(tempfile.mkdtemp(prefix="ckptfs-attr-", dir="/tmp"))
-    root.chmod(0o711)
-    made: list[Mount] = []
-
-    def make(*extra: str) -> Mount:
-        m = Mount(store.url, root / f"m{len(made)}", endpoint_url=store.endpoint, extra=extra)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.cleanup()
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def can_open(other_user, path: Path) -> str:
-    done = other_user.python(
-        "import errno, os, sys\n"
-        "try:\n    os.close(os.open(sys.argv[1], os.O_RDONLY)); print('ok')\n"
-        "except OSError as e:\n    print(errno.errorcode[e.errno])", str(path))
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
 
 
 def attrs(path: Path) -> tuple[int, int, int, int]:
@@ -65,7 +37,7 @@ def stored(store, key: str):
 
 
 def test_mode_owner_and_mtime_survive_a_remount_and_show_on_a_second_mount(store, reachable, other_user):
-    m = reachable("--allow-other").start()
+    m = reachable[1]("--allow-other").start()
     mine, theirs, secret = m.path / "mine.pt", m.path / "theirs.pt", m.path / "private" / "inner.pt"
     mine.write_bytes(b"proprietary weights")
     mine.chmod(0o600)
@@ -89,7 +61,7 @@ def test_mode_owner_and_mtime_survive_a_remount_and_show_on_a_second_mount(store
     m.stop()
 
     # Default --umask 0077 would show everything 0600 root: what is shown now is what was stored.
-    second = reachable("--allow-other")
+    second = reachable[1]("--allow-other")
     for mount in (m.start(), second.start()):
         base = mount.path
         for path, want in expected.items():

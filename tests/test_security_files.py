@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,32 +20,12 @@ import pytest
 from ckptfs import cli
 from ckptfs.config import control_socket_path
 from tests.faultproxy import FaultProxy, Rule, status
-from tests.harness import wait_until
+from tests.harness import can_open, wait_until
 from tests.mounting import Mount, ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def reachable(store):
-    """(root, make): a directory the other user may traverse, and a factory of mounts under it.
-    Not under pytest's /tmp/pytest-of-root, which each pytest session starting on the node
-    (other suites run in parallel) chmods back to 0700, locking the other user out mid-test."""
-    root = Path(tempfile.mkdtemp(prefix="ckptfs-sec-", dir="/tmp"))
-    root.chmod(0o711)
-    made: list[Mount] = []
-
-    def make(*extra: str) -> Mount:
-        m = Mount(store.url, root / f"m{len(made)}", endpoint_url=store.endpoint, extra=extra)
-        made.append(m)
-        return m
-
-    yield root, make
-    for m in made:
-        m.cleanup()
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def shm_dir(tmp_path: Path) -> Path:
@@ -65,16 +43,6 @@ def modes(root: Path) -> dict[str, tuple[int, int, int]]:
         st = path.lstat()
         out[str(path.relative_to(root))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid)
     return out
-
-
-def can_open(other_user, path: Path) -> str:
-    """"ok" if the other user can open ``path`` for reading, else the errno's name."""
-    done = other_user.python(
-        "import errno, os, sys\n"
-        "try:\n    os.close(os.open(sys.argv[1], os.O_RDONLY)); print('ok')\n"
-        "except OSError as e:\n    print(errno.errorcode[e.errno])", str(path))
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
 
 
 def test_planted_shm_dir_and_symlinks_are_never_followed(reachable, tmp_path, other_user):
