@@ -2,10 +2,10 @@
 as one object for the FUSE glue (fuse_ops.py), the control commands and the catalog.
 
 The store is the source of truth: on start the tree is the store's listing with the journal's
-pending ops laid over it. Each file node has one committed ``Version`` (what readers see); each
-handle opened for writing stages a private copy (``StagedFile``), committed on flush/close by
-the last write: the snapshot becomes the new version, a ``put`` op goes to the journal and the
-uploader. Renames, unlinks and mkdirs become ops too, so the store ends with exactly what the
+pending ops laid over it. Each file node has one committed ``Version``; while it is open for
+writing, one working copy (``Writing``, a ``StagedFile``) shared by all its writers, which every
+descriptor reads (POSIX on the node). When its last writer closes, the snapshot becomes the new
+version, a ``put`` op goes to the journal and the uploader (atomic in the store). Renames, unlinks and mkdirs become ops too, so the store ends with exactly what the
 namespace says.
 
 ``Namespace`` is a facade: the work is done by the parts in ``ckptfs/model/`` (the tree, the

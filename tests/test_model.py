@@ -9,24 +9,26 @@ with their errno), unlink, mkdir, rmdir, and restarting the daemon: a clean umou
 a kill -9 + mount (same cache dir). One mount per example on a local store, with a small
 ``--part-size`` so small files span several cache blocks.
 
-What the model says (docs/semantics.md, design brief section 2):
-- a handle opened for writing works on a private copy (the committed content, or empty with
-  O_TRUNC); reads through it see that copy;
-- close() of a handle that wrote commits its copy: the last close wins; a handle that did not
-  write commits nothing; a handle whose file was unlinked or replaced commits nothing visible;
-- a fresh reader sees the committed content (a created file that was never closed: empty);
+What the model says (docs/semantics.md, "POSIX on the node, atomic in the store"):
+- a file open for writing has one working copy (the committed content, or empty with O_TRUNC),
+  shared by all its writers: every write, ftruncate and truncate(path) changes it, and every
+  descriptor (the writers, a fresh reader, fstat, lseek(SEEK_END)) sees its bytes and size at once;
+- the close of its last writer commits the working copy if anything changed it (a file whose
+  writers only read commits nothing); a file unlinked or replaced meanwhile commits nothing visible;
+- the store holds committed versions only (checked at every clean umount);
 - truncate(path) of a file nobody is writing is open + truncate + close: a commit;
 - after a restart (clean or kill -9) the committed state is there and every open handle is lost;
   a file created but never committed is gone;
 - fsync: the design brief's fsync-before-close guarantee (local durability) is already in ckptfs
   (commit efc4987) and tests/test_e2e.py pins its visible effect, so the model cannot treat
-  fsync as a no-op: fsync of a handle with uncommitted writes snapshots them, and after a
-  restart the file shows the newest of its commits and such snapshots (a snapshot is superseded
-  by its own handle's later close). Before the restart an fsync changes nothing visible.
+  fsync as a no-op: fsync of a file with uncommitted writes snapshots its working copy, and after
+  a restart the file shows the newest of its commits and such snapshots (a snapshot is superseded
+  by the commit of its working copy). Before the restart an fsync changes nothing visible.
 Directory renames, unlinks and mkdirs follow POSIX, errno included.
 
-Invariants after every step: the directory tree and the bytes of every file read with a fresh
-open equal the model; at each clean umount the store holds exactly the committed files.
+Invariants after every step: the directory tree, and the size and bytes of every file read with
+a fresh open, and its size through every open descriptor (fstat, lseek SEEK_END), equal the
+model; at each clean umount the store holds exactly the committed files.
 
 Bugs this machine found are reproduced by the regular tests at the bottom, all fixed. While a
 bug was open the machine tolerated exactly its symptom and counted it (TOLERATE); every switch
@@ -181,18 +183,33 @@ class MFile:
         self.committed: bytes | None = None  # None: created, never committed
         self.commit_event = -1
         self.history: list[bytes] = []  # every content it committed (what its object may hold)
-        self.snapshots: dict[int, tuple[int, bytes]] = {}  # handle id -> (event, fsynced bytes)
+        self.snapshots: dict[int, tuple[int, bytes]] = {}  # working copy id -> (event, fsynced bytes)
         self.unlinked = False
+        self.working: bytearray | None = None  # while open for writing: what every descriptor sees
+        self.working_id = -1
+        self.dirty = False  # the working copy changed since it was made
+        self.writers: set[int] = set()  # ids of its open handles
+
+    def committed_view(self) -> bytes:
+        return self.committed if self.committed is not None else b""
 
     def visible(self) -> bytes:
-        return self.committed if self.committed is not None else b""
+        return bytes(self.working) if self.working is not None else self.committed_view()
+
+    def open_writer(self, hid: int, truncate: bool, ids) -> None:
+        if self.working is None:
+            self.working = bytearray(b"" if truncate else self.committed_view())
+            self.working_id, self.dirty = next(ids), False
+        elif truncate:
+            del self.working[:]
+        self.dirty |= truncate
+        self.writers.add(hid)
 
 
 class MHandle:
-    def __init__(self, hid: int, fd: int, node: MFile, staged: bytes, dirty: bool, append: bool, readable: bool):
+    def __init__(self, hid: int, fd: int, node: MFile, append: bool, readable: bool):
         self.id, self.fd, self.node = hid, fd, node
-        self.staged = bytearray(staged)
-        self.dirty, self.append, self.readable = dirty, append, readable
+        self.append, self.readable = append, readable
 
 
 Path_ = tuple[str, ...]
@@ -231,6 +248,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.ghosts: dict[str, set[bytes]] = {}
         self.events = itertools.count()
         self.hids = itertools.count()
+        self.working_ids = itertools.count()
         self.steps_since_restart = 0
         self.m: SpawnedMount | None = None
 
@@ -331,10 +349,11 @@ class ModelMachine(RuleBasedStateMachine):
         fd = os.open(self.real(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         node = existing if existing is not None else MFile()
         self.parent(path)[path[-1]] = node
-        h = MHandle(next(self.hids), fd, node, b"", dirty=True, append=False, readable=False)
+        h = MHandle(next(self.hids), fd, node, append=False, readable=False)
         self.handles[h.id] = h
+        node.open_writer(h.id, True, self.working_ids)
         assert os.pwrite(fd, content, 0) == len(content)
-        h.staged[:] = content
+        node.working[:] = content
         if not keep_open:
             self._close(h)
 
@@ -350,10 +369,9 @@ class ModelMachine(RuleBasedStateMachine):
         flags = {"w": os.O_WRONLY, "rw": os.O_RDWR, "append": os.O_WRONLY | os.O_APPEND,
                  "trunc": os.O_WRONLY | os.O_TRUNC}[mode]
         fd = os.open(self.real(path), flags)
-        staged = b"" if mode == "trunc" else node.visible()
-        h = MHandle(next(self.hids), fd, node, staged, dirty=mode == "trunc", append=mode == "append",
-                    readable=mode == "rw")
+        h = MHandle(next(self.hids), fd, node, append=mode == "append", readable=mode == "rw")
         self.handles[h.id] = h
+        node.open_writer(h.id, mode == "trunc", self.working_ids)
 
     @precondition(lambda self: self.handles)
     @rule(data=st.data(), op=st.sampled_from(["write", "close", "fsync", "write", "ftruncate", "read_handle", "write"]))
@@ -367,41 +385,45 @@ class ModelMachine(RuleBasedStateMachine):
     def write(self, data):
         self.step()
         h = self.pick_handle(data)
+        working = h.node.working
         content = data.draw(blobs, label="content")
-        offset = data.draw(st.integers(0, len(h.staged) + 100 * KiB), label="offset")
+        offset = data.draw(st.integers(0, len(working) + 100 * KiB), label="offset")
         assert os.pwrite(h.fd, content, offset) == len(content)
         if not content:
             return  # writes nothing, extends nothing (the kernel does not even ask the daemon)
         if h.append:  # Linux appends whatever the offset of a pwrite on an O_APPEND file
-            offset = len(h.staged)
-        if offset > len(h.staged):
-            h.staged.extend(bytes(offset - len(h.staged)))
-        h.staged[offset:offset + len(content)] = content
-        h.dirty = True
+            offset = len(working)
+        if offset > len(working):
+            working.extend(bytes(offset - len(working)))
+        working[offset:offset + len(content)] = content
+        h.node.dirty = True
 
     def read_handle(self, data):
-        """A handle reads its own private copy."""
+        """A writer reads the file's one working copy (what every writer wrote)."""
         self.step()
         h = self.pick_handle(data, readable=True)
-        offset = data.draw(st.integers(0, len(h.staged) + 10), label="offset")
+        working = h.node.working
+        offset = data.draw(st.integers(0, len(working) + 10), label="offset")
         size = data.draw(st.integers(0, 300 * KiB), label="size")
         got = os.pread(h.fd, size, offset)
-        assert got == bytes(h.staged[offset:offset + size]), \
-            f"pread({size} at {offset}) through a writer reads {len(got)} bytes that differ from its own copy"
+        assert got == bytes(working[offset:offset + size]), \
+            f"pread({size} at {offset}) through a writer reads {len(got)} bytes that differ from the working copy"
 
     def ftruncate(self, data):
         self.step()
         h = self.pick_handle(data)
-        size = data.draw(st.integers(0, len(h.staged) + 100 * KiB), label="size")
+        working = h.node.working
+        size = data.draw(st.integers(0, len(working) + 100 * KiB), label="size")
         os.ftruncate(h.fd, size)
-        del h.staged[size:]
-        h.staged.extend(bytes(size - len(h.staged)))
-        h.dirty = True
+        del working[size:]
+        working.extend(bytes(size - len(working)))
+        h.node.dirty = True
 
     @rule(data=st.data())
     @guarded
     def truncate_path(self, data):
-        """truncate(path) = open + truncate + close: a commit; open writers keep their copies."""
+        """truncate(path): of a file open for writing, a change of its working copy (its last
+        close commits it); of any other, open + truncate + close: a commit."""
         files = self.files()
         if not files:
             return
@@ -410,6 +432,11 @@ class ModelMachine(RuleBasedStateMachine):
         old = node.visible()
         size = data.draw(st.integers(0, len(old) + 100 * KiB), label="size")
         os.truncate(self.real(path), size)
+        if node.working is not None:
+            del node.working[size:]
+            node.working.extend(bytes(size - len(node.working)))
+            node.dirty = True
+            return
         # A committed file truncated to its own size does not change (nothing is committed); a
         # created file never closed is committed by it.
         if node.committed is None or size != len(old):
@@ -419,8 +446,9 @@ class ModelMachine(RuleBasedStateMachine):
         self.step()
         h = self.pick_handle(data)
         os.fsync(h.fd)
-        if h.dirty and not h.node.unlinked:  # local durability of what it wrote so far
-            h.node.snapshots[h.id] = (next(self.events), bytes(h.staged))
+        node = h.node
+        if node.dirty and not node.unlinked:  # local durability of what was written so far
+            node.snapshots[node.working_id] = (next(self.events), bytes(node.working))
 
     def close(self, data):
         self.step()
@@ -429,9 +457,14 @@ class ModelMachine(RuleBasedStateMachine):
     def _close(self, h: MHandle) -> None:
         del self.handles[h.id]
         os.close(h.fd)
-        if h.dirty and not h.node.unlinked:
-            self.commit(h.node, h.staged)
-            h.node.snapshots.pop(h.id, None)
+        node = h.node
+        node.writers.discard(h.id)
+        if node.writers:
+            return  # the last writer's close commits
+        if node.dirty and not node.unlinked:
+            self.commit(node, node.working)
+            node.snapshots.pop(node.working_id, None)
+        node.working, node.dirty = None, False
 
     # -- rules: names -------------------------------------------------------------------------------
     @rule(data=st.data(), op=st.sampled_from(["mkdir", "rmdir", "rename", "rename", "unlink"]))
@@ -532,6 +565,7 @@ class ModelMachine(RuleBasedStateMachine):
             self.check_store()
         allowed = {}
         for path, node in self.files():
+            node.working, node.dirty, node.writers = None, False, set()
             versions = ([(node.commit_event, node.committed)] if node.committed is not None else []) + \
                 sorted(node.snapshots.values())
             if not versions:
@@ -631,12 +665,15 @@ class ModelMachine(RuleBasedStateMachine):
         assert seen_files == want_files, f"files: extra {sorted(seen_files - want_files)}, missing {sorted(want_files - seen_files)}"
         for path, node in self.files():
             want = node.visible()
-            writers = [len(h.staged) for h in self.handles.values() if h.node is node and h.dirty]
+            what = "working copy" if node.working is not None else "committed version"
             size, got = self.read_file(path)
-            assert got == want, (f"{'/'.join(path)}: a fresh reader gets {len(got)} bytes, the committed "
-                                 f"version has {len(want)}" + (" (they differ)" if len(got) == len(want) else "")
-                                 + f"; open writers' sizes {writers}")
-            assert size == len(want), f"{'/'.join(path)}: st_size {size}, committed {len(want)}, open writers' sizes {writers}"
+            assert got == want, (f"{'/'.join(path)}: a fresh reader gets {len(got)} bytes, the {what} "
+                                 f"has {len(want)}" + (" (they differ)" if len(got) == len(want) else ""))
+            assert size == len(want), f"{'/'.join(path)}: st_size {size}, the {what} has {len(want)}"
+        for h in self.handles.values():  # the size through every open descriptor
+            want = len(h.node.visible())
+            assert os.fstat(h.fd).st_size == want, f"fstat through an open writer: {os.fstat(h.fd).st_size}, want {want}"
+            assert os.lseek(h.fd, 0, os.SEEK_END) == want, "lseek(SEEK_END) through an open writer"
 
 
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
@@ -673,6 +710,13 @@ def local_mount(tmp_path):
     m.cleanup()
 
 
+def stored(m: Mount, name: str) -> bytes | None:
+    """What the store holds under ``name`` once every commit so far is uploaded."""
+    m.sync()
+    path = Path(m.store_url.removeprefix("file://")) / name
+    return path.read_bytes() if path.exists() else None
+
+
 def test_fork_does_not_commit_an_open_writer(local_mount, tmp_path):
     """Was a bug: ckptfs committed on every FLUSH, and a fork copies the open files: when the
     child closed its copies (exec, exit: subprocess.run, a DataLoader worker exiting) the kernel
@@ -686,7 +730,8 @@ def test_fork_does_not_commit_an_open_writer(local_mount, tmp_path):
         subprocess.run(["true"], check=True)  # any fork + exec while the file is open
         os.write(fd, b"second half")
         assert os.getxattr(path, "user.ckptfs.state") == b"writing"
-        assert path.read_bytes() == b""  # not committed yet
+        assert path.read_bytes() == b"first half, second half"  # every descriptor sees it
+        assert stored(m, "ckpt.pt") is None  # not committed yet
     finally:
         os.close(fd)
     assert path.read_bytes() == b"first half, second half"
@@ -711,20 +756,26 @@ def _wait(pid: int) -> None:
 
 
 def test_fork_child_exit_with_two_open_writers_of_one_file_commits_neither(local_mount):
-    path = local_mount.path / "f"
+    """Two writers of one file share its working copy (no write is lost); neither a forked
+    child's exit nor the first writer's close commits it: the last writer's close does."""
+    m = local_mount
+    path = m.path / "f"
     path.write_bytes(b"old")
     a = os.open(path, os.O_WRONLY)
     b = os.open(path, os.O_RDWR)
     try:
         os.pwrite(a, b"A", 0)
         os.pwrite(b, b"B", 1)
+        assert os.pread(b, 10, 0) == b"ABd"
         _wait(_fork(lambda: None))  # the child's exit closes its copies of a and b
-        assert path.read_bytes() == b"old"
-        os.close(a)  # the opener's close of a commits a, though b is still open
-        assert path.read_bytes() == b"Ald"
+        assert stored(m, "f") == b"old"
+        os.close(a)  # b is still open: no commit yet
+        assert path.read_bytes() == b"ABd"
+        assert stored(m, "f") == b"old"
     finally:
         os.close(b)
-    assert path.read_bytes() == b"oBd"  # last close wins
+    assert path.read_bytes() == b"ABd"
+    assert stored(m, "f") == b"ABd"
 
 
 def test_fork_parent_close_commits_while_the_child_still_holds_the_file(local_mount):
@@ -754,54 +805,64 @@ def test_fork_parent_close_commits_while_the_child_still_holds_the_file(local_mo
     assert path.read_bytes() == b"parent's bytes, child's bytes"
 
 
-def test_dup_commits_at_the_last_close_and_a_second_handle_does_not_delay_a_commit(local_mount):
-    path = local_mount.path / "f"
+def test_dup_and_a_second_writer_commit_at_the_last_close(local_mount):
+    m = local_mount
+    path = m.path / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     os.write(fd, b"one")
     fd2 = os.dup(fd)
     os.close(fd)
-    assert path.read_bytes() == b""  # a copy is still open
+    assert os.getxattr(path, "user.ckptfs.state") == b"writing"  # a copy is still open
     os.close(fd2)
-    assert path.read_bytes() == b"one"
+    assert stored(m, "f") == b"one"
     a = os.open(path, os.O_WRONLY | os.O_TRUNC)
-    b = os.open(path, os.O_WRONLY)
+    b = os.open(path, os.O_WRONLY | os.O_APPEND)
     r = os.open(path, os.O_RDONLY)
     try:
         os.write(a, b"two")
-        os.close(a)  # committed at once: b and r are other handles
-        assert path.read_bytes() == b"two"
+        os.write(b, b"+b")  # appends after what a wrote: one file, no write lost
+        os.close(a)  # b is still open: not committed yet
+        assert os.pread(r, 10, 0) == b"two+b"
+        assert stored(m, "f") == b"one"
     finally:
         os.close(b)
         os.close(r)
-    assert path.read_bytes() == b"two"  # b wrote nothing: its close commits nothing
+    assert path.read_bytes() == b"two+b"
+    assert stored(m, "f") == b"two+b"
 
 
-def test_reader_sees_whole_committed_version_while_a_writer_truncates(local_mount):
-    """Found by the model test (fixed since): getattr showed an open writer's uncommitted size
-    and the kernel cut fresh readers of the committed version at that size."""
-    path = local_mount.path / "f"
+def test_a_reader_sees_a_writers_ftruncate_at_once(local_mount):
+    """Size and bytes as on a local disk while a writer truncates; the store keeps the
+    committed version until the writer's close."""
+    m = local_mount
+    path = m.path / "f"
     path.write_bytes(b"A" * 100)
     fd = os.open(path, os.O_WRONLY)
     try:
-        os.ftruncate(fd, 10)  # the writer's private copy, not committed
-        assert path.read_bytes() == b"A" * 100
+        os.ftruncate(fd, 10)
+        assert os.fstat(fd).st_size == 10 and path.stat().st_size == 10
+        assert path.read_bytes() == b"A" * 10
+        assert stored(m, "f") == b"A" * 100
     finally:
         os.close(fd)
+    assert stored(m, "f") == b"A" * 10
 
 
 def test_truncate_by_path_while_a_writer_is_open(local_mount):
-    """Found by the model test (fixed since): truncate(path) with a writer open truncated that
-    writer's private copy instead of committing; readers never saw it."""
-    path = local_mount.path / "f"
+    """truncate(path) of a file open for writing changes the one working copy; the writer's
+    close commits both."""
+    m = local_mount
+    path = m.path / "f"
     path.write_bytes(b"A" * 100)
     fd = os.open(path, os.O_WRONLY)
     try:
-        os.pwrite(fd, b"B", 0)  # an open writer with uncommitted changes
-        os.truncate(path, 200)  # open + truncate + close by someone else: a commit
-        assert path.read_bytes() == b"A" * 100 + bytes(100)
+        os.pwrite(fd, b"B", 0)
+        os.truncate(path, 200)
+        assert path.read_bytes() == b"B" + b"A" * 99 + bytes(100)
+        assert os.fstat(fd).st_size == 200
     finally:
         os.close(fd)
-    assert path.read_bytes() == b"B" + b"A" * 99  # the writer's close wins
+    assert stored(m, "f") == b"B" + b"A" * 99 + bytes(100)
 
 
 def test_restart_keeps_the_last_commit_over_an_older_fsync(local_mount):
@@ -810,17 +871,14 @@ def test_restart_keeps_the_last_commit_over_an_older_fsync(local_mount):
     path.write_bytes(b"old")
     h = os.open(path, os.O_WRONLY)
     os.pwrite(h, b"fsynced by H", 0)
-    os.fsync(h)  # H's uncommitted bytes are local-durable
-    path.write_bytes(b"closed later by K")  # the last close: this version is committed
+    os.fsync(h)  # the working copy as it is now is local-durable
+    path.write_bytes(b"closed later by K")  # K shares the working copy; H still holds it
+    os.close(h)  # the last close: this version is committed
     deadline = time.monotonic() + 30
-    while os.getxattr(path, "user.ckptfs.state") != b"durable":  # (no fork while H is open)
+    while os.getxattr(path, "user.ckptfs.state") != b"durable":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     kill_daemon(m)
-    try:
-        os.close(h)
-    except OSError:
-        pass  # the daemon is gone
     m.start()
     assert path.read_bytes() == b"closed later by K"
 

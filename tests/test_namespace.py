@@ -30,7 +30,7 @@ from tests.inprocess import (BS, GID, RDWR, UID, WRITE, aerr, assert_xxh3, creat
 
 
 @trio_test
-async def test_commit_on_flush_old_reader_keeps_its_version(tmp_path, local):
+async def test_every_descriptor_sees_the_working_copy_and_the_close_commits_it(tmp_path, local):
     v1, v2 = blob(3 * BS + 5, 1), blob(2 * BS + 9, 2)
 
     async with mounted(tmp_path, local) as m:
@@ -40,14 +40,18 @@ async def test_commit_on_flush_old_reader_keeps_its_version(tmp_path, local):
         old_reader, *_ = await ns.open(f, os.O_RDONLY)
 
         writer, *_ = await ns.open(f, os.O_WRONLY | os.O_TRUNC)
+        assert ns.getattr(f).size == 0
         await ns.write(writer.fh, 0, v2[:BS])
-        assert await read_all(ns, f) == v1  # not committed: new readers see v1
+        # POSIX on the node: new and old readers see the bytes and size as written
+        assert ns.getattr(f).size == BS
+        assert await read_all(ns, f) == v2[:BS]
+        assert await ns.read(old_reader.fh, 0, len(v1) + 1) == v2[:BS]
         await ns.write(writer.fh, BS, v2[BS:])
         ns.flush(writer.fh)  # commit
         assert await read_all(ns, f) == v2
         ns.release(writer.fh)
 
-        assert await ns.read(old_reader.fh, 0, len(v1) + 1) == v1
+        assert await ns.read(old_reader.fh, 0, len(v1) + 1) == v2
         ns.release(old_reader.fh)
         await sync(m)
         assert ns.state(f) == "durable"
@@ -70,8 +74,9 @@ async def test_random_writes_into_an_existing_file(tmp_path, local):
         expected = bytearray(v1)
         expected[BS + 10 : BS + 15] = b"patch"
         expected += bytes(BS) + b"past the end"
-        assert await ns.read(h.fh, 0, len(expected) + 1) == expected  # the writer reads its copy
-        assert await read_all(ns, f) == v1
+        assert await ns.read(h.fh, 0, len(expected) + 1) == expected  # the writer reads the working copy
+        assert await read_all(ns, f) == expected  # and so does every other descriptor
+        assert store_files(local) == {"f.bin": v1}  # the store: committed versions only
         ns.flush(h.fh)
         ns.release(h.fh)
         assert await read_all(ns, f) == expected
@@ -100,10 +105,15 @@ async def test_truncate_by_path_and_by_handle(tmp_path, local):
         assert await read_all(ns, f) == v1[: BS + 3]
         await ns.setattr(f, None, size=2 * BS)  # extend with zeros
         assert await read_all(ns, f) == v1[: BS + 3] + bytes(BS - 3)
+        await sync(m)
 
         h, *_ = await ns.open(f, RDWR)
-        await ns.setattr(f, h.fh, size=10)  # ftruncate: the writer's staged copy
-        assert await read_all(ns, f) == v1[: BS + 3] + bytes(BS - 3)  # not committed yet
+        await ns.setattr(f, h.fh, size=10)  # ftruncate: the working copy, seen at once
+        assert await read_all(ns, f) == v1[:10]
+        await ns.setattr(f, None, size=20)  # truncate(path) while open for writing: the same copy
+        assert await read_all(ns, f) == v1[:10] + bytes(10)
+        await ns.setattr(f, None, size=10)
+        assert store_files(local) == {"f.bin": v1[: BS + 3] + bytes(BS - 3)}  # not committed yet
         ns.flush(h.fh)
         ns.release(h.fh)
         assert await read_all(ns, f) == v1[:10]
@@ -124,10 +134,11 @@ async def test_writer_truncate_and_regrow_keeps_old_version_intact(tmp_path, loc
         h, *_ = await ns.open(f, RDWR)
         await ns.setattr(f, h.fh, size=10)  # ftruncate(fd, 10)
         await ns.write(h.fh, BS, b"next block")  # the file grows again
+        assert store_files(local) == {"f.bin": v1}  # the committed version's block was copied, not changed
         ns.flush(h.fh)
         ns.release(h.fh)
         assert await read_all(ns, f) == b"A" * 10 + bytes(BS - 10) + b"next block"
-        assert await ns.read(reader.fh, 0, 2000) == v1
+        assert await ns.read(reader.fh, 0, 2000) == b"A" * 10 + bytes(1990)
         ns.release(reader.fh)
 
 
@@ -600,7 +611,7 @@ async def test_writers_larger_than_the_cache_flow_at_the_upload_rate(tmp_path, l
         # the writing handle can neither read nor change them, nor can the file move.
         assert await aerr(m.ns.read, evicted.fh, index * BS, 10) == errno.EIO
         assert await aerr(m.ns.write, evicted.fh, index * BS, b"x") == errno.EIO
-        evicted.error = 0  # (a failed write poisons the handle; this one was only a probe)
+        evicted.writing.error = 0  # (a failed write poisons the file's commit; this one was only a probe)
         assert err(m.ns.rename, ROOT_INODE, evicted.node.name, ROOT_INODE, "moved.bin", 0) == errno.EBUSY
         for handle in handles.values():
             m.ns.flush(handle.fh)

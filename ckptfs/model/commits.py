@@ -18,7 +18,7 @@ from ..journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
 from ..prefill import Prefill
 from ..uploader import Uploader
 from .policy import CachePolicy
-from .tree import MIN_MULTIPART, Handle, Node, Shadow, Tree, Version, attr_metadata
+from .tree import MIN_MULTIPART, Node, Shadow, Tree, Version, Writing, attr_metadata
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,12 @@ class Commits:
         return [shadow.op for shadow in self.shadows.values()]
 
     # -- commits -----------------------------------------------------------------------------------
-    def commit(self, node: Node, content: Content, handle: Handle | None = None) -> None:
+    def commit(self, node: Node, content: Content, writing: Writing | None = None) -> None:
+        """``node``'s new version; its mtime is its last write's, as the caller set it (the
+        object's metadata says so too)."""
         now = time.time_ns()
         try:
             op = put_op(node.key(), content)
-            node.mtime_ns = now  # (the object's metadata says so too)
             op.meta = attr_metadata(node)
             op.replaces = self._replaced_manifest(node)
             op = self.log(op)
@@ -57,11 +58,11 @@ class Commits:
             # This commit supersedes what any writer fsynced before it (the last close wins):
             # those shadows retire once it is durable (until then they guard a node reboot).
             if shadow.covers is None:
-                shadow.covers, shadow.handle = op.seq, None
+                shadow.covers, shadow.writing = op.seq, None
         self.policy.note_commit(node, content.size)
         stream, stamps = None, None
-        if handle is not None and handle.stream is not None:
-            stream, stamps, handle.stream = handle.stream, list(handle.staged.stamps), None
+        if writing is not None and writing.stream is not None:
+            stream, stamps, writing.stream = writing.stream, list(writing.staged.stamps), None
         self.uploader.submit(op, content, self.on_durable(node), stream, stamps)
         node.ctime_ns = now
         if stream is not None and stream.meta != attr_metadata(node, mtime=False):
@@ -184,11 +185,11 @@ class Commits:
         self.tree.maybe_drop(node)
 
     # -- fsync shadows -----------------------------------------------------------------------------
-    def add_shadow(self, node: Node, content: Content, handle: Handle | None, covers: int | None) -> None:
+    def add_shadow(self, node: Node, content: Content, writing: Writing | None, covers: int | None) -> None:
         op = self.journal.append(put_op(node.key(), content))
-        for old in [s for s in node.shadows if handle is not None and s.handle is handle]:
-            self._retire_shadow(node, old)  # superseded by this later fsync of the same writer
-        shadow = Shadow(op, content, handle, covers)
+        for old in [s for s in node.shadows if writing is not None and s.writing is writing]:
+            self._retire_shadow(node, old)  # superseded by this later fsync of the same working copy
+        shadow = Shadow(op, content, writing, covers)
         node.shadows.append(shadow)
         self.shadows[op.seq] = shadow
 

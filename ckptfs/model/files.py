@@ -1,5 +1,6 @@
-"""File operations: open handles, reads, writes into a private staged copy, the commit on
-close, fsync (local durability through shadows), truncate and attributes."""
+"""File operations: open handles, reads, writes into the file's one working copy (shared by all
+its writers: POSIX on the node), the commit when its last writer closes, fsync (local
+durability through shadows), truncate and attributes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ..errors import FsError
 from ..fetcher import Fetcher
 from ..store.base import MAX_PARTS
 from .commits import Commits
-from .tree import Attr, Handle, Node, attr_metadata
+from .tree import Attr, Handle, Node, Writing, attr_metadata
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ class Files:
         self.tree.check_new_name(parent, name)
         node = self.tree.add(parent, name, is_dir=False, mode=stat.S_IFREG | (mode & 0o7777), uid=uid, gid=gid)
         node.nlookup += 1
-        handle = self._open_handle(node, StagedFile(self.cache), None, bool(flags & os.O_APPEND))
-        handle.dirty = True  # a created file exists once closed, even empty
+        node.writing = Writing(StagedFile(self.cache))
+        node.writing.dirty = True  # a created file exists once closed, even empty
+        handle = self._open_handle(node, node.writing, None, bool(flags & os.O_APPEND))
         self.tree.touch(parent)
         return handle, self.tree.attr(node)
 
@@ -57,37 +59,50 @@ class Files:
         if not writing:
             await self.prefill.settle(node)  # no page of an older version may land after our answer
             content = node.version.content if node.version is not None else Content(self.cache, 0, [])
-            # While another handle writes this file, the kernel's idea of its size follows that
-            # writer's private copy; a page-cache read would stop at it. Direct reads ask us.
-            direct = node.writers > 0
+            # While the file is open for writing, its bytes change under the page cache (the
+            # writers' I/O is direct): reads come from the working copy through us.
+            direct = node.writing is not None
             keep_cache = not direct and node.version is not None and node.kernel_version is node.version
             node.kernel_version = None if direct else node.version
             return self._open_handle(node, None, content.hold(), False), keep_cache, direct
-        if flags & os.O_TRUNC or node.version is None:
-            staged = StagedFile(self.cache)
-        else:
-            base = node.version.content
-            base.hold()  # keep it while we fetch what is not cached
-            try:
-                await self._fetch_range(node, base, 0, base.size)
-                staged = StagedFile(self.cache, base)
-            finally:
-                base.release()
-        handle = self._open_handle(node, staged, None, bool(flags & os.O_APPEND))
-        handle.dirty = bool(flags & os.O_TRUNC)
-        return handle, False, True
+        writing = node.writing
+        if writing is None or writing.frozen:  # (a frozen copy's parts belong to its upload: start anew)
+            staged = await self._working_copy(node, flags)
+            if node.writing is not None and not node.writing.frozen:  # another open made one meanwhile
+                staged.discard()
+            else:
+                node.writing = Writing(staged)
+            writing = node.writing
+        if flags & os.O_TRUNC:
+            if writing.staged.size:
+                await self._truncate_working_copy(writing, 0)
+            writing.dirty = True
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+        return self._open_handle(node, writing, None, bool(flags & os.O_APPEND)), False, True
 
-    def _open_handle(self, node: Node, staged: StagedFile | None, content: Content | None, append: bool) -> Handle:
-        handle = self.tree.new_handle(node, staged, content, append)
+    async def _working_copy(self, node: Node, flags: int) -> StagedFile:
+        if flags & os.O_TRUNC or node.version is None:
+            return StagedFile(self.cache)
+        base = node.version.content
+        base.hold()  # keep it while we fetch what is not cached
+        try:
+            await self._fetch_range(node, base, 0, base.size)
+            return StagedFile(self.cache, base)
+        finally:
+            base.release()
+
+    def _open_handle(self, node: Node, writing: Writing | None, content: Content | None, append: bool) -> Handle:
+        handle = self.tree.new_handle(node, writing, content, append)
         self.policy.keep(node)
         self.policy.maybe_clean(node)  # a reader: evictable block by block
         return handle
 
     async def read(self, fh: int, offset: int, size: int, view: bool = False) -> bytes | memoryview:
         handle = self.tree.handle(fh)
-        if handle.staged is not None:
+        writing = handle.writing or handle.node.writing  # every descriptor reads the working copy
+        if writing is not None:
             try:
-                return handle.staged.read(offset, size)
+                return writing.staged.read(offset, size)
             except OSError as exc:
                 raise FsError(exc.errno, str(exc)) from None
         content = handle.content
@@ -118,66 +133,83 @@ class Files:
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.tree.handle(fh)
-        if handle.staged is None:
+        writing = handle.writing
+        if writing is None:
             raise FsError(errno.EBADF)
-        if handle.error:
-            raise FsError(handle.error)
-        if handle.frozen:
+        if writing.error:
+            raise FsError(writing.error)
+        if writing.frozen:
             raise FsError(errno.EIO, "this file was committed with parts evicted to the store: reopen it to write")
         if handle.append:
-            offset = handle.staged.size
-        if handle.staged.remote and offset + len(data) > MAX_PARTS * self.cache.block_size:
+            offset = writing.staged.size
+        if writing.staged.remote and offset + len(data) > MAX_PARTS * self.cache.block_size:
             raise FsError(errno.EFBIG, "a file streamed through a full cache cannot outgrow 10,000 parts")
-        self._send_full_blocks(handle, offset)
+        self._send_full_blocks(handle.node, writing, offset)
         try:
-            written = await handle.staged.write(offset, data)
+            written = await writing.staged.write(offset, data)
         except OSError as exc:  # the cache disk is full or failing: never commit a torn file
-            handle.error = exc.errno or errno.EIO
+            writing.error = exc.errno or errno.EIO
             log.error("write to %s failed: %s; the file will not be committed", handle.node.key(), exc)
-            raise FsError(handle.error) from None
-        handle.dirty = True
+            raise FsError(writing.error) from None
+        writing.dirty = True
         handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
         return written
 
-    def _send_full_blocks(self, handle: Handle, offset: int) -> None:
-        """Streaming upload: blocks the writer filled and has moved past (it now writes at
+    def _send_full_blocks(self, node: Node, writing: Writing, offset: int) -> None:
+        """Streaming upload: blocks a writer filled and has moved past (it now writes at
         ``offset``) are sent at once; the commit re-sends any that change again."""
-        staged = handle.staged
+        staged = writing.staged
         bs = self.cache.block_size
         sealed = [i for i in staged.changed
                   if i < offset // bs and staged.valid[i] == bs and staged.blocks[i] is not None]
-        if not sealed or handle.node.unlinked:
+        if not sealed or node.unlinked:
             return
-        if handle.stream is None:
-            handle.stream = self.uploader.open_stream(handle.node.key())
-            handle.stream.meta = attr_metadata(handle.node, mtime=False)  # (its mtime: the completion's)
+        if writing.stream is None:
+            writing.stream = self.uploader.open_stream(node.key())
+            writing.stream.meta = attr_metadata(node, mtime=False)  # (its mtime: the completion's)
         for index in sealed:
             staged.changed.discard(index)
-            self.uploader.stream_part(handle.stream, index, staged.blocks[index], staged.stamps[index])
+            self.uploader.stream_part(writing.stream, index, staged.blocks[index], staged.stamps[index])
 
     def flush(self, fh: int, commit: bool = True) -> None:
-        """Commit what this handle wrote (every close calls it; a clean handle is a no-op).
-        ``commit=False``: a close that is not the last (a forked child's copy): only report a
-        failed write; the handle stays dirty for the next flush or release."""
+        """A close. The file is committed when every writer's opener has closed it (a clean
+        file: a no-op); until then the other writers keep changing the one working copy.
+        ``commit=False``: a close that is not the opener's last (a forked child's copy): only
+        report a failed write."""
         handle = self.tree.handle(fh)
-        if handle.error:
-            raise FsError(handle.error, "an earlier write failed: the file was not committed")
-        if not commit or handle.staged is None or not handle.dirty:
+        writing = handle.writing
+        if writing is None:
             return
-        node = handle.node
-        handle.dirty = False
+        if writing.error:
+            raise FsError(writing.error, "an earlier write failed: the file was not committed")
+        if not commit:
+            return
+        writing.closed.add(handle)
+        if writing.handles <= writing.closed:
+            self._commit(handle.node, writing)
+
+    def _commit(self, node: Node, writing: Writing) -> None:
+        if not writing.dirty or writing.error:
+            return  # (never commit a torn file)
+        writing.dirty = False
         if node.unlinked:
             return  # written after unlink: nobody can see it
-        self.commits.commit(node, self._snapshot(handle), handle)
-        if handle.staged.remote:
-            handle.frozen = True
-
-    @staticmethod
-    def _snapshot(handle: Handle) -> Content:
-        content = handle.staged.snapshot()
+        content = writing.staged.snapshot()
         if content.remote:
-            content.upload = handle.stream.upload
-        return content
+            content.upload = writing.stream.upload
+        self.commits.commit(node, content, writing)
+        if writing.staged.remote:
+            writing.frozen = True
+        self._readers_follow(node)
+
+    def _readers_follow(self, node: Node) -> None:
+        """Descriptors open for reading read the version just committed here, as on a local
+        disk (a version another mount put keeps its open readers on the one they opened).
+        The one they had is let go at their release: a read may still be using it."""
+        for handle in self.tree.handles.values():
+            if handle.node is node and handle.writing is None and handle.content is not node.version.content:
+                handle.superseded.append(handle.content)
+                handle.content = node.version.content.hold()
 
     def release(self, fh: int) -> None:
         handles = self.tree.handles
@@ -185,21 +217,27 @@ class Files:
         if handle is None:
             return
         node = handle.node
-        if handle.dirty and not handle.error:  # release without flush (should not happen): still commit
-            handles[fh] = handle
-            try:
-                self.flush(fh)
-            finally:
-                del handles[fh]
-        if handle.stream is not None:  # closed without a commit that took its parts
-            self.uploader.abandon(handle.stream)
-        if handle.staged is not None:
-            handle.staged.discard()
-        if handle.content is not None:
-            handle.content.release()
-        node.handles -= 1
-        if handle.staged is not None:
-            node.writers -= 1
+        writing = handle.writing
+        try:
+            if writing is not None:
+                node.writers -= 1
+                writing.handles.discard(handle)
+                writing.closed.discard(handle)
+                # Every writer left has been closed by its opener (or none is left): commit
+                # what no close did (an opener's close not seen, a writer closed before another).
+                if writing.handles <= writing.closed:
+                    self._commit(node, writing)
+        finally:
+            if writing is not None and not writing.handles:
+                if writing.stream is not None:  # no commit took its parts
+                    self.uploader.abandon(writing.stream)
+                writing.staged.discard()
+                if node.writing is writing:
+                    node.writing = None
+            for content in [handle.content, *handle.superseded]:
+                if content is not None:
+                    content.release()
+            node.handles -= 1
         if not node.handles:
             self.prefill.closed(node)
         self.policy.maybe_clean(node)
@@ -213,8 +251,11 @@ class Files:
         restart that lost the RAM tier."""
         handle = self.tree.handle(fh)
         node = handle.node
-        if handle.staged is not None and handle.dirty:
-            content, covers = self._snapshot(handle), None
+        writing = handle.writing or node.writing  # (a reader's fsync flushes the file's data too)
+        if writing is not None and writing.dirty:
+            content, covers = writing.staged.snapshot(), None
+            if content.remote:
+                content.upload = writing.stream.upload
         elif node.version is not None and node.version.seq is not None:
             content, covers = node.version.content, node.version.seq
             if not any(ref is not None and ref[0] == RAM for ref in content.blocks):
@@ -231,7 +272,7 @@ class Files:
             try:
                 await trio.to_thread.run_sync(self.cache.tiers[DISK].sync)
                 if not node.unlinked and fh in self.tree.handles:
-                    self.commits.add_shadow(node, disk, handle if covers is None else None, covers)
+                    self.commits.add_shadow(node, disk, writing if covers is None else None, covers)
             finally:
                 disk.release()
         await trio.to_thread.run_sync(self.commits.journal.sync)
@@ -243,6 +284,8 @@ class Files:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
             await self._truncate(node, fh, size)
+            if mtime_ns is None:
+                node.mtime_ns = time.time_ns()  # (a truncate is a change of the data, as a write)
         if mode is not None:
             node.mode = (node.mode & ~0o7777) | (mode & 0o7777)
         if uid is not None:
@@ -260,16 +303,10 @@ class Files:
 
     async def _truncate(self, node: Node, fh: int | None, size: int) -> None:
         handle = self.tree.handles.get(fh) if fh is not None else None
-        if handle is not None and handle.staged is not None:  # ftruncate: the writer's staged copy
-            staged, bs = handle.staged, self.cache.block_size
-            if self.uploader.codec is not None and size < staged.size and size % bs == 0 \
-                    and size // bs - 1 in staged.remote:
-                # A compressed upload's last part is sent again at commit, followed by the seek
-                # table: an evicted block cannot be read back to be that part.
-                raise FsError(errno.EIO, "the file's new last block was uploaded and evicted from the cache "
-                                         "(cache full): a compressed file cannot end there before it is closed")
-            await staged.truncate(size)
-            handle.dirty = True
+        writing = (handle.writing if handle is not None else None) or node.writing
+        if writing is not None:  # open for writing: the working copy (its last close commits)
+            await self._truncate_working_copy(writing, size)
+            writing.dirty = True
             return
         # No writer: truncate(path) is open + truncate + close.
         base = node.version.content.hold() if node.version is not None else None
@@ -284,5 +321,17 @@ class Files:
                 base.release()
         await staged.truncate(size)
         if not node.unlinked:
+            node.mtime_ns = time.time_ns()
             self.commits.commit(node, staged.snapshot())
+            self._readers_follow(node)
         staged.discard()
+
+    async def _truncate_working_copy(self, writing: Writing, size: int) -> None:
+        staged, bs = writing.staged, self.cache.block_size
+        if self.uploader.codec is not None and size < staged.size and size % bs == 0 \
+                and size // bs - 1 in staged.remote:
+            # A compressed upload's last part is sent again at commit, followed by the seek
+            # table: an evicted block cannot be read back to be that part.
+            raise FsError(errno.EIO, "the file's new last block was uploaded and evicted from the cache "
+                                     "(cache full): a compressed file cannot end there before it is closed")
+        await staged.truncate(size)

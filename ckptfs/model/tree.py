@@ -35,7 +35,7 @@ class Attr:
     atime_ns: int
     mtime_ns: int
     ctime_ns: int
-    writing: bool = False  # a handle holds a staged copy: the kernel's size may be the writer's
+    writing: bool = False  # open for writing: its size moves with every write (no attribute caching)
     nlink: int = 1
 
 
@@ -52,14 +52,14 @@ class Shadow:
     """A disk-backed copy of a file's content, journaled by fsync as a put op that is not uploaded.
 
     It is what a restart after a node reboot (RAM tier lost) restores. ``covers`` is the seq of
-    the version it stands for (None while it belongs to an open writer that has not committed);
+    the version it stands for (None while it belongs to a working copy that has not committed);
     it retires once that version, or a later one, is durable.
     """
 
-    def __init__(self, op: Op, content: Content, handle: Handle | None, covers: int | None):
+    def __init__(self, op: Op, content: Content, writing: Writing | None, covers: int | None):
         self.op = op
         self.content = content.hold()
-        self.handle = handle
+        self.writing = writing
         self.covers = covers
 
 
@@ -76,7 +76,8 @@ class Node:
         self.version: Version | None = None
         self.nlookup = 0
         self.handles = 0
-        self.writers = 0  # open handles with a staged copy
+        self.writers = 0  # open handles that may write
+        self.writing: Writing | None = None  # the working copy every descriptor sees while open for writing
         self.kernel_version: Version | None = None  # what the kernel page cache may hold
         self.last_seq = 0  # newest op that concerns this node (for sync PATH)
         self.shadows: list[Shadow] = []
@@ -100,8 +101,10 @@ class Node:
         return key + "/" if self.is_dir and key else key
 
     def size(self) -> int:
-        """The committed size. A writer's staged copy is private until it commits, so its
-        growing size is not shown (readers of the committed version must not be cut short)."""
+        """The size every descriptor sees: the working copy's while the file is open for
+        writing (POSIX on the node), else the committed version's."""
+        if self.writing is not None:
+            return self.writing.staged.size
         if self.version is not None:
             return self.version.content.size
         return self.unlinked_size if self.unlinked else 0
@@ -112,19 +115,39 @@ class Node:
             yield from child.walk()
 
 
-class Handle:
-    def __init__(self, fh: int, node: Node, staged: StagedFile | None, content: Content | None, append: bool):
-        self.fh = fh
-        self.node = node
-        self.staged = staged  # writers: the private copy
-        self.content = content  # readers: the version they opened (held)
-        self.append = append
-        self.dirty = False
-        self.error = 0  # sticky: a write that failed (ENOSPC, EIO) poisons the handle's commit
-        self.read_end = 0  # where the last read stopped (sequential reads trigger read-ahead)
-        self.stream: Stream | None = None  # writers: parts sent before the commit
+class Writing:
+    """The one working copy of a file open for writing, shared by all its writers: every
+    descriptor on the mount sees its bytes and size as they are written (POSIX on the node).
+    It is committed when its last writer closes (atomic in the store)."""
+
+    def __init__(self, staged: StagedFile):
+        self.staged = staged
+        self.dirty = False  # changed since the last commit
+        self.error = 0  # sticky: a write that failed (ENOSPC, EIO) poisons the commit
+        self.stream: Stream | None = None  # parts sent before the commit
         # Committed with parts evicted to the store: no more writes (they belong to that upload).
         self.frozen = False
+        self.handles: set[Handle] = set()  # its open writer handles
+        self.closed: set[Handle] = set()  # ... whose opener has closed them (flush with commit)
+
+
+class Handle:
+    def __init__(self, fh: int, node: Node, writing: Writing | None, content: Content | None, append: bool):
+        self.fh = fh
+        self.node = node
+        self.writing = writing  # writers: the file's shared working copy
+        self.content = content  # readers: the version they read (held)
+        self.superseded: list[Content] = []  # versions it read before a commit here (held until release)
+        self.append = append
+        self.read_end = 0  # where the last read stopped (sequential reads trigger read-ahead)
+
+    @property
+    def staged(self) -> StagedFile | None:
+        return self.writing.staged if self.writing is not None else None
+
+    @property
+    def stream(self) -> Stream | None:
+        return self.writing.stream if self.writing is not None else None
 
 
 class Tree:
@@ -197,7 +220,7 @@ class Tree:
         mode, uid, gid = (node.mode, node.uid, node.gid) if node.attrs_known else (stat.S_IFMT(node.mode), 0, 0)
         return Attr(
             node.ino, node.is_dir, mode, node.size(), uid, gid,
-            node.atime_ns, node.mtime_ns, node.ctime_ns, node.writers > 0, 0 if node.unlinked else nlink,
+            node.atime_ns, node.mtime_ns, node.ctime_ns, node.writing is not None, 0 if node.unlinked else nlink,
         )
 
     def files(self) -> Iterable[Node]:
@@ -243,13 +266,14 @@ class Tree:
         if node.unlinked and node.nlookup == 0 and node.handles == 0:
             self.inodes.pop(node.ino, None)
 
-    def new_handle(self, node: Node, staged: StagedFile | None, content: Content | None, append: bool) -> Handle:
-        handle = Handle(self._next_fh, node, staged, content, append)
+    def new_handle(self, node: Node, writing: Writing | None, content: Content | None, append: bool) -> Handle:
+        handle = Handle(self._next_fh, node, writing, content, append)
         self._next_fh += 1
         self.handles[handle.fh] = handle
         node.handles += 1
-        if staged is not None:
+        if writing is not None:
             node.writers += 1
+            writing.handles.add(handle)
         return handle
 
     def check_new_name(self, parent: Node, name: str) -> None:
