@@ -7,7 +7,7 @@ process CPU time per GiB for: xxh3-64 and xxh3-128 (the xxhash package ckptfs us
 (what SigV4 payload signing costs botocore), MD5 (what S3/Swift compute for a part's ETag),
 CRC32 through botocore's own (zlib) checksum class, CRC32C / CRC64NVME where botocore can
 compute them (only with awscrt installed), and what ckptfs itself sends where the server verifies
-S3 checksums: the CRC32C header value (store/s3.py crc32c_b64, awscrt directly), on top of xxh3.
+S3 checksums: the CRC32C header value (store/s3_client.py crc32c_b64, awscrt directly), on top of xxh3.
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ def load_checksums(store, size: int, metadata: dict[str, str]) -> Checksums:
 # completed. Each mount sweeps them once, in the background, at start (daemon.py).
 ORPHAN_MIN_AGE_S = 24 * 3600.0  # younger manifests are never collected
 ORPHAN_SWEEP_MAX = 1000  # manifests judged per sweep (a random sample; the rest wait for a later sweep)
-PROBE_NAME = "checksum-probe-"  # store/s3.py's support probe, left behind by a crash
+PROBE_NAME = "checksum-probe-"  # store/s3_client.py's support probe, left behind by a crash
 SWEEP_STAMP = ".ckptfs-manifest-sweep"  # its mtime: when a mount last swept (hidden like all .ckptfs-)
 SWEEP_EVERY_S = 24 * 3600.0  # a mount sweeps only if no mount did for this long
 

@@ -214,7 +214,7 @@ def test_request_cost_per_file(s3_server, s3_bucket, proxy, s3_mounts, tmp_path)
     """What the checksums cost in requests (docs/architecture.md, Integrity), counted at the proxy:
     a multipart file: one PUT (its manifest) when written, one GET (the manifest) per mount that
     reads it cold, a HEAD and a DELETE more when deleted; a one-PUT file: nothing; a rename: nothing.
-    A mount: one PUT and one DELETE (the probe for S3 checksums, store/s3.py)."""
+    A mount: one PUT and one DELETE (the probe for S3 checksums, store/s3_client.py)."""
     data = files()
     w = s3_mounts(tmp_path / "w", proxy.url)
     probes = [req for req in proxy.requests if "checksum-probe-" in req.path]

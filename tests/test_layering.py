@@ -1,9 +1,10 @@
 """The import rules of ckptfs/, checked by reading every module with ``ast`` (imports inside
 functions count too), so the layering cannot rot silently:
 
-- only fuse_ops.py and daemon.py import pyfuse3; only store/s3.py imports boto3, botocore,
-  s3transfer or awscrt; importing the package, the CLI or any model/data module loads neither
-  (checked in a fresh interpreter, which also catches a dependency that pulls them in);
+- only fuse_ops.py and daemon.py import pyfuse3; only the S3 store's modules (store/s3.py,
+  s3_client.py, s3_multipart.py: S3_ALLOWED) import boto3, botocore, s3transfer or awscrt;
+  importing the package, the CLI or any model/data module loads neither (checked in a fresh
+  interpreter, which also catches a dependency that pulls them in);
 - each module imports only modules of lower layers (LAYERS below, bottom first): the order of
   docs/architecture.md's diagram (daemon > fuse_ops > namespace > uploader/fetcher/prefill >
   journal > cache > store), with the modules the diagram leaves out placed where their imports
@@ -31,9 +32,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("leaves: no ckptfs imports", {"errors", "config", "background", "stats", "dcpmeta", "blocks",
                                    "store.localfs", "single_flight", "model"}),
     ("the store interface", {"store.base"}),
-    ("files, figures, local-store files", {"private", "logs", "limits", "health", "series", "metrics",
-                                           "store.local_tree"}),
-    ("local-store uploads, cache arenas", {"store.local_multipart", "arena"}),
+    ("files, figures, local-store files, the S3 connection", {"private", "logs", "limits", "health", "series",
+                                                            "metrics", "store.local_tree", "store.s3_client"}),
+    ("local-store and S3 uploads, cache arenas", {"store.local_multipart", "store.s3_multipart", "arena"}),
     ("stores, part encoding, retry policies, cached contents", {"store.local", "store.s3", "compression", "retry",
                                                                 "contents"}),
     ("store choice, the cache, checksums", {"store", "cache", "integrity"}),
@@ -61,7 +62,7 @@ RANK = {module: rank for rank, (_, modules) in enumerate(LAYERS) for module in m
 
 PYFUSE3_ALLOWED = {"fuse_ops", "daemon"}
 S3_LIBRARIES = {"boto3", "botocore", "s3transfer", "awscrt"}
-S3_ALLOWED = {"store.s3"}
+S3_ALLOWED = {"store.s3", "store.s3_client", "store.s3_multipart"}  # the S3 store's modules
 
 
 def modules() -> dict[str, Path]:
@@ -113,7 +114,8 @@ def imports(name: str) -> tuple[set[str], set[str]]:
 def test_the_parser_sees_known_imports():
     # (a guard against this test going blind: these imports exist today)
     assert {"namespace", "openers", "errors"} <= imports("fuse_ops")[0]
-    assert "pyfuse3" in imports("fuse_ops")[1] and "boto3" in imports("store.s3")[1]
+    assert "pyfuse3" in imports("fuse_ops")[1] and "boto3" in imports("store.s3_client")[1]
+    assert {"store.s3_client", "store.s3_multipart"} <= imports("store.s3")[0]
     assert {"control", "limits", "logs", "private", "store", "daemon"} <= imports("mount_cli")[0] | imports("control_cli")[0]
     assert {"mount_cli", "control_cli", "catalog_cli", "verify_cli"} <= imports("cli")[0]
     assert {"store.local", "store.s3", "store.base"} <= imports("store")[0]

@@ -1,0 +1,328 @@
+"""The S3 store's connection: the boto3 session and its clients, how a request goes out and how
+its errors come back (the only module that imports boto3 itself; the S3 store's other modules
+take botocore's exceptions from here).
+
+One low-level client, shared by all threads (botocore clients are thread-safe). botocore
+retries a little ("standard" mode, few attempts); the real retry policy with backoff lives
+above this layer and decides from ``StoreError.transient``. Two more clients on the same
+session: one that never retries (CreateMultipartUpload) and one that sends bodies without the
+SHA-256 payload signature when they carry a CRC32C the server verifies (UNSIGNED-PAYLOAD).
+``S3Client`` also holds the server-checksum probe (``detect_server_checksums``), ``check``
+(can this bucket be used) and the health hooks on every HTTP attempt; the object verbs are in
+s3.py, the multipart uploads in s3_multipart.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import logging
+import os
+import re
+import threading
+import uuid
+from typing import Any, NoReturn
+from urllib.parse import unquote, urlsplit
+
+# botocore signs with the AWS CRT whenever awscrt is importable (ckptfs installs it for CRC32C
+# alone): measured here, the daemon's RSS while uploading 8 MiB parts went from 210 to 326 MiB
+# (tests/test_e2e.py backpressure test). botocore's own signer is kept unless the user chose.
+os.environ.setdefault("BOTO_DISABLE_CRT", "true")
+
+import boto3  # noqa: E402  (after the switch above, which botocore reads at import)
+import botocore.exceptions as bex  # noqa: E402
+from botocore.config import Config  # noqa: E402
+
+from ..errors import one_line
+from .base import MAX_KEY_BYTES, NotFound, ObjectStore, StoreError, redact_url
+
+_TRANSIENT_CODES = {
+    "SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError", "Throttling",
+    "ThrottlingException", "TooManyRequests", "RequestTimeTooSkewed", "OperationAborted",
+    # The body did not match its checksum (CRC32C, Content-MD5): damaged on the way, send it again.
+    "BadDigest", "XAmzContentChecksumMismatch",
+}
+_DENIED_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
+_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
+_PERMANENT_ERRNO = {"KeyTooLongError": errno.ENAMETOOLONG, "EntityTooLarge": errno.EFBIG,
+                    "InvalidArgument": errno.EINVAL, "InvalidPart": errno.EINVAL,
+                    "InvalidPartOrder": errno.EINVAL, "EntityTooSmall": errno.EINVAL,
+                    "MalformedXML": errno.EINVAL}
+
+log = logging.getLogger("ckptfs.store.s3")  # (one logger for the S3 store's modules)
+
+# S3's own per-part checksum, sent where the server verifies it (detect_server_checksums): the
+# server then refuses a part damaged on the way (BadDigest) and the uploader sends it again.
+# CRC32C: the cheapest the server checks (docs/benchmarks.md, checksum cost), computed with awscrt.
+CHECKSUM_ALGORITHM = "CRC32C"
+# Where the support probe goes: under the reserved prefix the mount hides (integrity.MANIFEST_PREFIX).
+PROBE_PREFIX = ".ckptfs-manifest/checksum-probe-"
+_PROBE_BODY = b"ckptfs: does this server verify x-amz-checksum-crc32c?\n"
+# What a server that checks the checksum answers to a wrong one (AWS: BadDigest).
+_CHECKSUM_REFUSED = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest",
+                     "InvalidChecksum"}
+
+
+def crc32c_b64(data) -> str | None:
+    """The CRC32C of ``data`` as S3 headers carry it (base64 of the big-endian 4 bytes); None
+    without awscrt (the server checksums are then not used)."""
+    try:
+        from awscrt import checksums
+    except ImportError:
+        return None
+    return base64.b64encode(checksums.crc32c(data).to_bytes(4, "big")).decode()
+
+
+def _brief(text: object) -> str:
+    return one_line(text, limit=300)  # (a proxy's answer can be a whole HTML page)
+
+
+def _reason(e: BaseException) -> str:
+    """The useful part of a connection error ("Connection refused"), without object reprs."""
+    inner = getattr(e, "kwargs", {}).get("error", e)
+    m = re.findall(r"\[Errno -?\d+\] ([^'\"\]\)]+)", str(inner))
+    if m:
+        return m[-1].strip()
+    if isinstance(e, bex.ConnectTimeoutError):
+        return "connect timeout"
+    if isinstance(e, bex.ReadTimeoutError):
+        return "read timeout"
+    return _brief(inner) or type(e).__name__
+
+
+def _as_bytes(data: bytes | memoryview) -> bytes | bytearray:
+    """botocore refuses memoryview bodies (ParamValidationError): pass the underlying
+    bytes when the view covers all of it, else copy once (an 8 MiB copy is ~1 ms)."""
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    obj = data.obj
+    if isinstance(obj, (bytes, bytearray)) and data.contiguous and data.nbytes == len(obj):
+        return obj
+    return data.tobytes()
+
+
+def _token(etag: str, crc32c: str | None) -> str:
+    """A part's token (journaled, handed back to complete_multipart): its ETag, and the CRC32C
+    the server verified if one was sent (the completion must list it; base64 has no spaces)."""
+    return f"{etag} {crc32c}" if crc32c else etag
+
+
+def _etag(answer: dict[str, Any]) -> str:
+    return str(answer.get("ETag", "")).strip('"')
+
+
+class S3Client(ObjectStore):
+    """The session, the clients and the request plumbing the S3 store's verbs share."""
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
+                 max_connections: int = 16):
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._base = self.prefix + "/" if self.prefix else ""
+        self._session = boto3.session.Session()
+        self._config = Config(
+            region_name=self._session.region_name or "us-east-1",
+            connect_timeout=10,
+            read_timeout=60,
+            retries={"mode": "standard", "max_attempts": 3},
+            max_pool_connections=max_connections,
+            s3={"addressing_style": "path"} if endpoint_url else None,
+            # boto3 >= 1.36 adds CRC checksums to every PutObject/UploadPart by default:
+            # extra CPU, and some S3-compatible servers reject them. We checksum (xxh3) ourselves.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self._endpoint_url = endpoint_url
+        try:
+            self._client = self._session.client("s3", endpoint_url=endpoint_url, config=self._config)
+        except ValueError as e:  # botocore: "Invalid endpoint: ..."
+            raise StoreError(f"bad S3 endpoint URL {redact_url(endpoint_url or '')!r}: {_brief(redact_url(str(e)))}",
+                             errno_=errno.EINVAL) from None
+        # CreateMultipartUpload is not idempotent: a retry after a lost answer makes a second
+        # upload. It goes through a client that never retries, so the caller sees every attempt.
+        self._client_once = self._session.client("s3", endpoint_url=endpoint_url, config=self._config.merge(
+            Config(retries={"mode": "standard", "total_max_attempts": 1})))
+        # Bodies that carry a CRC32C the server verifies go without the SHA-256 payload signature
+        # (UNSIGNED-PAYLOAD, as botocore itself does over https): the server refuses a damaged body
+        # by its CRC32C, the xxh3 manifest checks every read, and the signature would cost 0.7 CPU
+        # s/GiB (docs/architecture.md, Integrity). Everything else stays signed.
+        self._client_unsigned = self._session.client("s3", endpoint_url=endpoint_url, config=self._config.merge(
+            Config(s3={**(self._config.s3 or {}), "payload_signing_enabled": False})))
+        self.endpoint = redact_url(self._client.meta.endpoint_url)  # as printed: without a password
+        self._health = None
+        self._attempt = threading.local()  # (token, op, key) of this thread's HTTP attempt
+        # Whether the server verifies CRC32C (detect_server_checksums; off until detected), whether
+        # it takes it on multipart uploads too, and which uploads were created with it (by id).
+        self.server_checksums = False
+        self._multipart_checksums = True
+        self._checksummed: dict[str, bool] = {}
+        self._checksummed_lock = threading.Lock()
+
+    def report_to(self, health) -> None:
+        """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage
+        shows from the first failed attempt, not once the last retry gave up."""
+        self._health = health
+        for client in (self._client, self._client_once, self._client_unsigned):
+            client.meta.events.register("before-send.s3", self._attempt_starts)
+            client.meta.events.register("needs-retry.s3", self._attempt_ends)
+
+    def _attempt_starts(self, request, event_name: str, **_) -> None:
+        path = unquote(urlsplit(request.url).path).lstrip("/")  # (no query: no upload ids, no signatures)
+        if path.startswith(self.bucket + "/") or path == self.bucket:  # path-style addressing
+            path = path[len(self.bucket) + 1:]
+        key = path[len(self._base):] if path.startswith(self._base) else path
+        op = event_name.rsplit(".", 1)[-1]
+        self._attempt.current = (self._health.attempt_started(op, key), op, key)
+
+    def _attempt_ends(self, response=None, caught_exception=None, **_) -> None:
+        token, op, key = getattr(self._attempt, "current", (None, "", ""))
+        self._attempt.current = (None, "", "")
+        self._health.attempt_ended(token)
+        if caught_exception is not None:
+            if isinstance(caught_exception, (bex.BotoCoreError, OSError)):
+                self._health.failed(op, key, f"cannot reach {self.endpoint}: {_reason(caught_exception)}",
+                                    reachable=False)
+            return
+        status = response[0].status_code if response else 0
+        if status >= 500 or status == 429:
+            code = str(((response[1] or {}).get("Error") or {}).get("Code") or "")
+            self._health.failed(op, key, f"HTTP {status} {code}".rstrip(), reachable=True)
+        elif status < 400 or status in (404, 416):  # (404: a HEAD that misses; 416: a read past the end)
+            self._health.answered()
+
+    # -- helpers ---------------------------------------------------------------
+
+    def key_room(self) -> int:
+        return self.limits.max_key_bytes - len(self._base.encode())
+
+    def _key(self, key: str) -> str:
+        if not key or key.startswith("/"):
+            raise ValueError(f"invalid store key {key!r}")
+        full = self._base + key
+        if len(full.encode()) > MAX_KEY_BYTES:
+            raise StoreError(f"s3://{self.bucket}/{full[:64]}...: key longer than {MAX_KEY_BYTES} bytes",
+                             errno_=errno.ENAMETOOLONG)
+        return full
+
+    def _fail(self, op: str, key: str, e: Exception) -> NoReturn:
+        """Raise ``e`` as a one-line StoreError naming the bucket and key (never credentials)."""
+        where = f"s3://{self.bucket}/{self._base}{key}"
+        if isinstance(e, bex.ClientError):
+            err = e.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            # HEAD answers have no body: the code is then just the status ("404").
+            detail = _brief(err.get("Message") or code or f"HTTP {status}")
+            if code in ("NoSuchUpload",):
+                raise NotFound(f"{op} {where}: no such upload") from None
+            if code == "NoSuchBucket":
+                raise StoreError(f"{op} {where}: bucket '{self.bucket}' does not exist at {self.endpoint}") from None
+            if code in _NOT_FOUND_CODES or status == 404:
+                raise NotFound(f"{op} {where}: no such key") from None
+            if code in _DENIED_CODES or status == 403:
+                raise StoreError(f"{op} {where}: access denied ({code}): check the AWS credentials",
+                                 errno_=errno.EACCES) from None
+            transient = status >= 500 or status == 429 or code in _TRANSIENT_CODES
+            raise StoreError(f"{op} {where}: {code or status}: {detail}", transient=transient,
+                             errno_=_PERMANENT_ERRNO.get(code, errno.EIO)) from None
+        if isinstance(e, (bex.NoCredentialsError, bex.PartialCredentialsError)):
+            raise StoreError(f"{op} {where}: no AWS credentials found: set AWS_ACCESS_KEY_ID and "
+                             "AWS_SECRET_ACCESS_KEY or configure an AWS profile", errno_=errno.EACCES) from None
+        if isinstance(e, bex.ParamValidationError):
+            raise StoreError(f"{op} {where}: invalid request: {_brief(e)}", errno_=errno.EINVAL) from None
+        if isinstance(e, bex.SSLError):
+            raise StoreError(f"{op} {where}: TLS error talking to {self.endpoint}: {_reason(e)}") from None
+        if isinstance(e, (bex.ConnectionError, bex.HTTPClientError, OSError)):
+            # Refused, timed out, dropped mid-body: trying again may work.
+            raise StoreError(f"{op} {where}: cannot reach {self.endpoint}: {_reason(e)}", transient=True) from None
+        # Anything else from botocore (truncated body, checksum mismatch in flight, ...):
+        # assume a retry may help; the retry layer above gives up eventually.
+        raise StoreError(f"{op} {where}: {type(e).__name__}: {_brief(e)}", transient=True) from None
+
+    def _call(self, op: str, key: str, method: str, client=None, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return getattr(client or self._client, method)(Bucket=self.bucket, **kwargs)
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            self._fail(op, key, e)
+
+    # -- the bucket, the server's checksums, closing ------------------------------
+
+    def check(self) -> None:
+        if self._session.get_credentials() is None:
+            raise StoreError("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                             "or configure an AWS profile", errno_=errno.EACCES)
+        # A client of its own with a short connect timeout and no retries, so a dead
+        # endpoint fails `ckptfs mount` in seconds rather than after a retry storm.
+        quick = self._session.client("s3", endpoint_url=self._endpoint_url, config=self._config.merge(
+            Config(connect_timeout=3, read_timeout=5, retries={"mode": "standard", "total_max_attempts": 1})))
+        where = f"bucket '{self.bucket}' at {self.endpoint}"
+        try:
+            quick.head_bucket(Bucket=self.bucket)
+        except bex.ClientError as e:
+            err = e.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if status == 404 or code in ("NoSuchBucket", "404", "NotFound"):
+                raise StoreError(f"bucket '{self.bucket}' does not exist at {self.endpoint}",
+                                 errno_=errno.ENOENT) from None
+            if status == 403 or code in _DENIED_CODES:
+                raise StoreError(f"access denied to {where}: check the AWS credentials",
+                                 errno_=errno.EACCES) from None
+            raise StoreError(f"cannot use {where}: {code or status} {_brief(err.get('Message', ''))}".rstrip(),
+                             transient=status >= 500) from None
+        except (bex.NoCredentialsError, bex.PartialCredentialsError):
+            raise StoreError("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                             "or configure an AWS profile", errno_=errno.EACCES) from None
+        except (bex.BotoCoreError, OSError) as e:
+            raise StoreError(f"cannot reach {self.endpoint}: {_reason(e)}", transient=True) from None
+        finally:
+            quick.close()
+
+    def _body_client(self, crc32c: str | None):
+        """The client for a request with a body: unsigned when the server verifies its CRC32C."""
+        return self._client_unsigned if crc32c else self._client
+
+    def detect_server_checksums(self) -> bool:
+        """Find out once (at mount) whether the server verifies ``x-amz-checksum-crc32c``: PUT a
+        tiny probe with a wrong CRC32C (a server that verifies refuses it, one that ignores the
+        header stores it), then with the right one (a server that refuses the header itself must
+        not get it); delete the probe. Sets and returns ``server_checksums``. Any other answer
+        (no write access, an error) leaves them off: uploads work as without."""
+        self.server_checksums = False
+        right = crc32c_b64(_PROBE_BODY)
+        if right is None:
+            log.info("awscrt is not installed: S3 checksums (CRC32C) not sent; xxh3 manifests only")
+            return False
+        wrong = crc32c_b64(_PROBE_BODY + b"x")
+        probe = PROBE_PREFIX + uuid.uuid4().hex[:16]
+        verifies = False
+        try:
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._key(probe), Body=_PROBE_BODY,
+                                        ChecksumAlgorithm=CHECKSUM_ALGORITHM, ChecksumCRC32C=wrong)
+            except bex.ClientError as e:
+                code = str(e.response.get("Error", {}).get("Code", ""))
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if status == 400 and code in _CHECKSUM_REFUSED:
+                    self._client.put_object(Bucket=self.bucket, Key=self._key(probe), Body=_PROBE_BODY,
+                                            ChecksumAlgorithm=CHECKSUM_ALGORITHM, ChecksumCRC32C=right)
+                    verifies = True
+                else:
+                    log.info("S3 checksum probe answered %s %s: checksums not sent", status, code)
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            log.info("S3 checksum probe failed (%s): checksums not sent", _brief(e))
+        finally:
+            try:
+                self._client.delete_object(Bucket=self.bucket, Key=self._key(probe))
+            except (bex.BotoCoreError, bex.ClientError, OSError) as e:  # (a leftover is collected as an orphan)
+                log.info("could not delete the S3 checksum probe %s: %s", probe, _brief(e))
+        self.server_checksums = verifies
+        log.info("%s %s CRC32C checksums: %s", self.endpoint, "verifies" if verifies else "does not verify",
+                 "sent with every part" if verifies else "not sent (xxh3 manifests only)")
+        return verifies
+
+    def close(self) -> None:
+        self._client.close()
+        self._client_once.close()
+        self._client_unsigned.close()

@@ -1,0 +1,107 @@
+"""The S3 store's multipart uploads: create (through the client that never retries, with CRC32C
+where the server verifies it), parts, completion, abort, and the listing of unfinished uploads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import NotFound, PartInfo
+from .s3_client import CHECKSUM_ALGORITHM, S3Client, _as_bytes, _token, bex, crc32c_b64, log
+
+
+class S3Multipart(S3Client):
+    """``S3Store``'s multipart verbs (``S3Store`` inherits them)."""
+
+    def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
+        args = {"Key": self._key(key), "Metadata": metadata or {}}
+        checksummed = self.server_checksums and self._multipart_checksums
+        r = None
+        if checksummed:
+            try:
+                r = self._client_once.create_multipart_upload(Bucket=self.bucket, ChecksumAlgorithm=CHECKSUM_ALGORITHM,
+                                                              **args)
+            except bex.ClientError as e:
+                # A server that checks a PUT's CRC32C but refuses it on multipart uploads (400,
+                # 501: nothing was created): its multipart uploads go without, from now on.
+                if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (400, 501):
+                    self._fail("create_multipart", key, e)
+                checksummed = False
+            except (bex.BotoCoreError, OSError) as e:
+                self._fail("create_multipart", key, e)
+        if r is None:
+            r = self._call("create_multipart", key, "create_multipart_upload", client=self._client_once, **args)
+            if self.server_checksums and self._multipart_checksums:
+                log.warning("%s refuses CRC32C on multipart uploads: their parts go without S3 checksums",
+                            self.endpoint)
+                self._multipart_checksums = False
+        with self._checksummed_lock:
+            self._checksummed[r["UploadId"]] = checksummed
+        return r["UploadId"]
+
+    def _uses_checksums(self, key: str, upload_id: str) -> bool:
+        """Whether the upload was created with CRC32C (then each part and the completion carry
+        theirs). Known for the uploads this process created; for one resumed from the journal,
+        the server's list of unfinished uploads says (once)."""
+        if not self.server_checksums:
+            return False
+        with self._checksummed_lock:
+            known = self._checksummed.get(upload_id)
+        if known is None:
+            try:
+                pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                    Bucket=self.bucket, Prefix=self._key(key))
+                known = any(str(u.get("ChecksumAlgorithm") or "").upper() == CHECKSUM_ALGORITHM
+                            for page in pages for u in page.get("Uploads", [])
+                            if u["UploadId"] == upload_id and u["Key"] == self._key(key))
+            except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+                self._fail("upload_part", key, e)
+            with self._checksummed_lock:
+                self._checksummed[upload_id] = known
+        return known
+
+    def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
+        body = _as_bytes(data)
+        crc = crc32c_b64(body) if self._uses_checksums(key, upload_id) else None
+        extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
+        r = self._call("upload_part", key, "upload_part", client=self._body_client(crc), Key=self._key(key),
+                       UploadId=upload_id, PartNumber=number, Body=body, **extra)
+        return PartInfo(number, _token(r["ETag"], crc))
+
+    def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
+        def entry(p: PartInfo) -> dict[str, Any]:
+            etag, _, crc = p.token.partition(" ")
+            return {"PartNumber": p.number, "ETag": etag, **({"ChecksumCRC32C": crc} if crc else {})}
+
+        self._call("complete_multipart", key, "complete_multipart_upload", Key=self._key(key),
+                   UploadId=upload_id, MultipartUpload={"Parts": [entry(p) for p in parts]})
+        with self._checksummed_lock:
+            self._checksummed.pop(upload_id, None)
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            self._call("abort_multipart", key, "abort_multipart_upload", Key=self._key(key), UploadId=upload_id)
+        except NotFound:
+            pass  # unknown or already finished upload
+        with self._checksummed_lock:
+            self._checksummed.pop(upload_id, None)
+
+    def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+        out = []
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self._base + prefix)
+            for page in pages:
+                for u in page.get("Uploads", []):
+                    out.append((u["Key"][len(self._base):], u["UploadId"]))
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            self._fail("list_multipart", prefix, e)
+        return out
+
+    def list_multipart_started(self, prefix: str = "") -> list[float]:
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self._base + prefix)
+            return [u["Initiated"].timestamp() for page in pages for u in page.get("Uploads", [])]
+        except (bex.BotoCoreError, bex.ClientError, OSError) as e:
+            self._fail("list_multipart", prefix, e)
