@@ -18,7 +18,7 @@ import time
 import pyfuse3
 
 from .errors import FsError, StoreError, to_errno
-from .namespace import Attr, Namespace
+from .namespace import Attr, Namespace, direct_writes
 from .openers import Openers
 from .stats import STALL_BUCKETS, Histogram
 
@@ -111,8 +111,9 @@ class Operations(pyfuse3.Operations):
         entry.st_ino = attr.ino
         entry.generation = 0
         entry.entry_timeout = self.entry_timeout
-        # A file being written: no attribute caching. The writer's direct writes move the
-        # kernel's size, but readers see the committed version. Otherwise cached like names:
+        # A file open for writing: no attribute caching, so every descriptor sees its size as
+        # it is written, and a cached reader's next read() finds the changed size or mtime and
+        # drops its stale pages (auto_inval_data). Otherwise cached like names:
         # every read() asks for attributes when they have expired (auto_inval_data), one
         # daemon round trip per read of a torch.load. A later write through this mount
         # invalidates them in the kernel.
@@ -253,9 +254,9 @@ class Operations(pyfuse3.Operations):
         handle, attr = self.ns.create(parent_inode, name, mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
         self.openers.opened(handle.fh, attr.ino, ctx.pid, flags)
         self._opened_at[handle.fh] = time.monotonic()
-        # direct_io: the kernel hands large writes straight to us (1 MiB requests)
-        # instead of splitting them through its page cache (docs/machine-facts.md).
-        return pyfuse3.FileInfo(fh=handle.fh, direct_io=True), self._entry(attr)
+        # direct_io for write-only handles: the kernel hands large writes straight to us
+        # (1 MiB requests) instead of splitting them through its page cache (files.direct_writes).
+        return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_writes(flags)), self._entry(attr)
 
     @_errno_boundary
     async def open(self, inode, flags, ctx):

@@ -29,7 +29,7 @@ from .journal import Journal, Op
 from .model import startup
 from .model.commits import Commits
 from .model.dirs import Dirs
-from .model.files import Files
+from .model.files import Files, direct_writes  # noqa: F401 - fuse_ops asks it how a writer opens
 from .model.policy import CachePolicy
 from .model.refresh import Refresher
 from .model.tree import (  # noqa: F401 - the model's names, as fuse_ops and the tests know them
