@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs.model.tree import Node, apply_attr_metadata
 from ckptfs.store import open_store
 from tests.conftest import S3StoreView
 from tests.harness import blob
@@ -56,6 +57,24 @@ def fresh_cache(m: Mount) -> Mount:
     m.drop_ram_tier()
     shutil.rmtree(m.cache_dir)
     return m.start()
+
+
+@pytest.mark.unit
+def test_only_a_stored_link_mode_makes_a_link():
+    def shown(is_dir: bool, mode: int, metadata: dict[str, str]) -> int:
+        node = Node(2, "x", None, is_dir, mode, 0, 0)
+        apply_attr_metadata(node, metadata)
+        return node.mode
+
+    reg, dir_ = stat.S_IFREG | 0o600, stat.S_IFDIR | 0o700
+    assert shown(False, reg, {"mode": str(LINK_MODE)}) == LINK_MODE  # s3fs's link (or ours)
+    assert shown(False, reg, {"mode": str(stat.S_IFLNK | 0o644)}) == LINK_MODE  # (a link's bits are 0777)
+    assert shown(False, reg, {"mode": str(stat.S_IFREG | 0o640)}) == stat.S_IFREG | 0o640
+    assert shown(False, reg, {}) == reg and shown(False, reg, {"mode": "-1"}) == reg  # another tool's object
+    assert shown(True, dir_, {"mode": str(LINK_MODE)}) == dir_  # a directory never becomes a link
+    # A link whose object was replaced by a file: a file again, with its stored mode or 0600.
+    assert shown(False, LINK_MODE, {"mode": str(stat.S_IFREG | 0o644)}) == stat.S_IFREG | 0o644
+    assert shown(False, LINK_MODE, {}) == stat.S_IFREG | 0o600
 
 
 def test_links_relative_absolute_dangling_and_to_a_directory(store, mount_factory):
