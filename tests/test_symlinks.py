@@ -9,6 +9,7 @@ trip runs on the S3 server only, with Debian's s3fs (scripts/setup installs it).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
@@ -22,7 +23,7 @@ from ckptfs.model.tree import Node, apply_attr_metadata
 from ckptfs.store import open_store
 from tests.conftest import S3StoreView
 from tests.harness import blob
-from tests.mounting import Mount
+from tests.mounting import Mount, ckptfs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -178,6 +179,25 @@ def test_rename_unlink_and_lchown_of_links_persist(store, mount_factory):
     assert stat.S_ISREG(int(stored(store, "was_link").metadata["mode"]))
     assert int(stored(store, "plain.pt").metadata["mode"]) == LINK_MODE
     check(fresh_cache(m).path)
+    m.stop()
+
+
+def test_ls_and_checkpoints_show_a_link_as_the_small_file_it_is_stored_as(store, mount_factory):
+    """`ckptfs ls` lists a link as a file of its target's length (what a store listing shows);
+    a pointer that is a link (DeepSpeed's ``latest``) names its target step on the mount and the URL."""
+    m = mount_factory().start()
+    for step in (100, 200):
+        (m.path / "ds" / f"global_step{step}").mkdir(parents=True)
+        (m.path / "ds" / f"global_step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"w" * step)
+    os.symlink("global_step100", m.path / "ds" / "latest")  # not the newest: the pointer decides
+    m.sync()
+    url = [store.url, *(["--endpoint-url", store.endpoint] if store.endpoint else [])]
+    for where in ([str(m.path)], url):
+        listed = {f["path"]: f["bytes"] for f in json.loads(ckptfs("ls", *where, "--json").stdout)["files"]}
+        assert listed["ds/latest"] == len("global_step100")
+        found = json.loads(ckptfs("checkpoints", *where, "--json").stdout)
+        (series,) = found["series"]
+        assert series["pointers"][0]["names"] == "ds/global_step100", where
     m.stop()
 
 
