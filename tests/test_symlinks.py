@@ -23,7 +23,7 @@ from ckptfs.model.tree import Node, apply_attr_metadata
 from ckptfs.store import open_store
 from tests.conftest import S3StoreView
 from tests.harness import blob
-from tests.mounting import Mount, ckptfs
+from tests.mounting import Mount, ckptfs, kill_daemon
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -179,6 +179,18 @@ def test_rename_unlink_and_lchown_of_links_persist(store, mount_factory):
     assert stat.S_ISREG(int(stored(store, "was_link").metadata["mode"]))
     assert int(stored(store, "plain.pt").metadata["mode"]) == LINK_MODE
     check(fresh_cache(m).path)
+    m.stop()
+
+
+def test_a_link_survives_a_crash_right_after_it_is_made(store, mount_factory):
+    m = mount_factory().start()
+    os.symlink("global_step100", m.path / "latest")
+    kill_daemon(m)  # at once: the link is in the journal, maybe not in the store yet
+    m.start()
+    assert_link(m.path / "latest", "global_step100")
+    m.sync()
+    assert store.read("latest") == b"global_step100"
+    assert int(stored(store, "latest").metadata["mode"]) == LINK_MODE
     m.stop()
 
 
