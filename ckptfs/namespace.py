@@ -232,20 +232,23 @@ class Namespace:
         makes a file), so it is journaled and uploaded like any small file."""
         if len(target) > MAX_LINK_TARGET:
             raise FsError(errno.ENAMETOOLONG, f"a link target is at most {MAX_LINK_TARGET} bytes")
-        handle, attr = self.files.create(parent_ino, name, 0o777, os.O_WRONLY | os.O_CREAT | os.O_EXCL, uid, gid)
-        handle.node.mode = LINK_MODE  # before the commit, whose metadata says what it is
+        handle, _ = self.files.create(parent_ino, name, 0o777, os.O_WRONLY | os.O_CREAT | os.O_EXCL, uid, gid)
+        node = handle.node
+        node.mode = LINK_MODE  # before the commit, whose metadata says what it is
         try:
             await self.files.write(handle.fh, 0, target)
             self.files.flush(handle.fh)
         except BaseException:
-            # No link without its target is left behind (unlinked first: the release commits nothing),
-            # and the kernel, which gets the error, holds no reference to it.
-            handle.node.nlookup -= 1
-            self.dirs.unlink(parent_ino, name)
+            # No link without its target is left behind (taken out first: the release then commits
+            # nothing; wherever a rename meanwhile put it), and the kernel, which gets the error,
+            # holds no reference to it.
+            node.nlookup -= 1
+            if not node.unlinked:
+                self.commits.detach(node)
             self.files.release(handle.fh)
             raise
         self.files.release(handle.fh)
-        return self.tree.attr(handle.node)
+        return self.tree.attr(node)
 
     async def readlink(self, ino: int) -> bytes:
         """A link's target: its content, read as any file's (from the cache or the store)."""
