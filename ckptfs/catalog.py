@@ -176,6 +176,12 @@ class _Source:
                 dir_fd = _open_dir_on(mount_fd, os.fstat(mount_fd).st_dev, parent)
                 try:
                     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+                except OSError as e:
+                    if e.errno != errno.ELOOP:
+                        raise
+                    # A symbolic link (``latest`` -> global_step200): its target, never followed,
+                    # which is what the store holds for it (s3fs's convention) and reads on the URL.
+                    return os.fsencode(os.readlink(name, dir_fd=dir_fd))[:limit]
                 finally:
                     os.close(dir_fd)
             finally:

@@ -216,6 +216,15 @@ class Operations(pyfuse3.Operations):
         return self._entry(self.ns.getattr(attr.ino))
 
     @_errno_boundary
+    async def symlink(self, parent_inode, name, target, ctx):
+        name = self._checked_name(parent_inode, name)
+        return self._entry(await self.ns.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @_errno_boundary
+    async def readlink(self, inode, ctx):
+        return await self.ns.readlink(inode)  # (bytes: pyfuse3 hands them to the kernel as they are)
+
+    @_errno_boundary
     async def link(self, inode, new_parent_inode, new_name, ctx):
         self._checked_name(new_parent_inode, new_name)
         raise FsError(errno.EPERM, "hard links cannot be stored (one object per name)")

@@ -18,6 +18,8 @@ Errors a user can hit are ``FsError`` with an errno.
 from __future__ import annotations
 
 import errno
+import os
+import stat
 from collections.abc import Callable, Iterable
 
 from .cache import Cache, Content
@@ -33,6 +35,8 @@ from .model.files import Files, direct_writes  # noqa: F401 - fuse_ops asks it h
 from .model.policy import CachePolicy
 from .model.refresh import Refresher
 from .model.tree import (  # noqa: F401 - the model's names, as fuse_ops and the tests know them
+    LINK_MODE,
+    MAX_LINK_TARGET,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT_INODE,
@@ -221,6 +225,43 @@ class Namespace:
 
     def create(self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[Handle, Attr]:
         return self.files.create(parent_ino, name, mode, flags, uid, gid)
+
+    async def symlink(self, parent_ino: int, name: str, target: bytes, uid: int, gid: int) -> Attr:
+        """A symbolic link, stored as s3fs stores one: a small file whose content is the target
+        and whose mode is S_IFLNK | 0777. Created, written and committed at once (as mknod
+        makes a file), so it is journaled and uploaded like any small file."""
+        if len(target) > MAX_LINK_TARGET:
+            raise FsError(errno.ENAMETOOLONG, f"a link target is at most {MAX_LINK_TARGET} bytes")
+        handle, _ = self.files.create(parent_ino, name, 0o777, os.O_WRONLY | os.O_CREAT | os.O_EXCL, uid, gid)
+        node = handle.node
+        node.mode = LINK_MODE  # before the commit, whose metadata says what it is
+        try:
+            await self.files.write(handle.fh, 0, target)
+            self.files.flush(handle.fh)
+        except BaseException:
+            # No link without its target is left behind (taken out first: the release then commits
+            # nothing; wherever a rename meanwhile put it), and the kernel, which gets the error,
+            # holds no reference to it.
+            node.nlookup -= 1
+            if not node.unlinked:
+                self.commits.detach(node)
+            self.files.release(handle.fh)
+            raise
+        self.files.release(handle.fh)
+        return self.tree.attr(node)
+
+    async def readlink(self, ino: int) -> bytes:
+        """A link's target: its content, read as any file's (from the cache or the store)."""
+        if not stat.S_ISLNK(self.tree.node(ino).mode):
+            raise FsError(errno.EINVAL, "not a symbolic link")
+        handle, _, _ = await self.files.open(ino, os.O_RDONLY)
+        try:
+            size = handle.content.size
+            if size > MAX_LINK_TARGET:
+                raise FsError(errno.EIO, f"the stored link target is {size} bytes, over {MAX_LINK_TARGET}")
+            return bytes(await self.files.read(handle.fh, 0, size))
+        finally:
+            self.files.release(handle.fh)
 
     async def open(self, ino: int, flags: int) -> tuple[Handle, bool, bool]:
         return await self.files.open(ino, flags)

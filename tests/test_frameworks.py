@@ -471,23 +471,24 @@ def test_lightning_model_checkpoint_top_k_last_and_resume(store, mount_factory, 
 
 
 def test_lightning_save_last_link(store, mount_factory, restart):
-    """save_last="link" makes last.ckpt a symlink to the newest top-k file. Without symlinks on
-    ckptfs (symlink() fails with ENOSYS, issue 17) Lightning catches the OSError and copies the
-    file instead: it works, at the cost of a second upload of the same bytes. Either way
-    last.ckpt reads as the newest checkpoint, through this mount and a fresh one."""
+    """save_last="link" makes last.ckpt a symlink to the newest top-k file: a real link on
+    ckptfs (stored as a small object holding the target, so the bytes are uploaded once), which
+    reads as the newest checkpoint through this mount and a fresh one. (Where symlink() fails,
+    Lightning would copy the file instead.)"""
     with quiet(*PL_LOGGERS):
         m = mount_factory().start()
         first, *_ = _lightning_run(3, m.path / "ckpts", "link")
         kept = ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
         assert sorted(os.listdir(m.path / "ckpts")) == kept
         last = m.path / "ckpts" / "last.ckpt"
-        if last.is_symlink():
-            assert os.readlink(last) == kept[1]
+        assert last.is_symlink() and os.readlink(last) == kept[1]
         assert last.read_bytes() == (m.path / "ckpts" / kept[1]).read_bytes()
         m.sync()
         assert store.keys() == {f"ckpts/{name}" for name in kept}
+        assert store.read("ckpts/last.ckpt") == kept[1].encode()  # the link, not a second copy
         m.stop()
         fresh = restart(m)
+        assert os.readlink(fresh.path / "ckpts" / "last.ckpt") == kept[1]
         saved = torch.load(fresh.path / "ckpts" / "last.ckpt", weights_only=False)
         assert saved["global_step"] == 12
         assert_same_tensors(saved["state_dict"], first.state_dict())

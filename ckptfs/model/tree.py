@@ -345,6 +345,10 @@ def show_store_version(node: Node, content: Content, info: ObjectInfo, headed: b
 # The attributes stored with each object, in the metadata s3fs-fuse and rclone read and write
 # (x-amz-meta-mode: st_mode in decimal with its type bits; -uid, -gid; -mtime: seconds).
 MODE_META, UID_META, GID_META, MTIME_META = "mode", "uid", "gid", "mtime"
+# A symbolic link: a small object whose body is the target, its mode S_IFLNK | 0777 (as s3fs
+# writes it); a target is at most PATH_MAX less its NUL, as on a local disk.
+LINK_MODE = stat.S_IFLNK | 0o777
+MAX_LINK_TARGET = 4095
 
 
 def attr_metadata(node: Node, mtime: bool = True) -> dict[str, str]:
@@ -361,10 +365,19 @@ def apply_attr_metadata(node: Node, metadata: dict[str, str]) -> None:
     node.attrs_known = True
     try:
         mode = int(metadata[MODE_META])
-        if stat.S_IFMT(mode) in (0, stat.S_IFMT(node.mode)):  # (a wrong type is not believed)
-            node.mode = stat.S_IFMT(node.mode) | (mode & 0o1777)  # (no set-id bit from the store)
+        if not 0 <= mode < 2**32:
+            raise ValueError(mode)
     except (KeyError, ValueError):
-        pass
+        mode = None
+    if not node.is_dir:
+        # An object is a link exactly when its stored mode says S_IFLNK (s3fs's convention);
+        # any other object is a regular file, so a file never becomes a link by accident.
+        if mode is not None and stat.S_ISLNK(mode):
+            node.mode, mode = LINK_MODE, None  # (a link's permissions are always 0777)
+        elif stat.S_ISLNK(node.mode):  # a link replaced by a file: its stored mode, else the most closed
+            node.mode = stat.S_IFREG | 0o600
+    if mode is not None and stat.S_IFMT(mode) in (0, stat.S_IFMT(node.mode)):  # (a wrong type is not believed)
+        node.mode = stat.S_IFMT(node.mode) | (mode & 0o1777)  # (no set-id bit from the store)
     for name, field in ((UID_META, "uid"), (GID_META, "gid")):
         try:
             value = int(metadata[name])
