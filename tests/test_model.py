@@ -3,8 +3,8 @@ compares everything it shows with a plain in-memory model of the ckptfs contract
 
 The operations: create a file with random bytes (closed at once or kept open), open an existing
 file for writing (plain, O_RDWR, O_APPEND, O_TRUNC) and keep the handle in a small pool, write
-at a random offset (holes included), read through a handle, truncate through a handle or by
-path, fsync, close, rename (files and directories, over existing names, and the invalid cases
+at a random offset (holes included), read through a handle, write through a MAP_SHARED map of a
+read-write handle (msync), truncate through a handle or by path, fsync, close, rename (files and directories, over existing names, and the invalid cases
 with their errno), unlink, mkdir, rmdir, and restarting the daemon: a clean umount + mount, or
 a kill -9 + mount (same cache dir). One mount per example on a local store, with a small
 ``--part-size`` so small files span several cache blocks.
@@ -47,6 +47,7 @@ import errno
 import functools
 import itertools
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -374,11 +375,12 @@ class ModelMachine(RuleBasedStateMachine):
         node.open_writer(h.id, mode == "trunc", self.working_ids)
 
     @precondition(lambda self: self.handles)
-    @rule(data=st.data(), op=st.sampled_from(["write", "close", "fsync", "write", "ftruncate", "read_handle", "write"]))
+    @rule(data=st.data(), op=st.sampled_from(["write", "close", "fsync", "write", "ftruncate", "read_handle", "write",
+                                              "mmap_write"]))
     @guarded
     def handle_op(self, data, op):
         """One operation on an open handle (one rule, so handles get as much use as names)."""
-        if op == "read_handle" and not any(h.readable for h in self.handles.values()):
+        if op in ("read_handle", "mmap_write") and not any(h.readable for h in self.handles.values()):
             op = "write"
         getattr(self, op)(data)
 
@@ -408,6 +410,29 @@ class ModelMachine(RuleBasedStateMachine):
         got = os.pread(h.fd, size, offset)
         assert got == bytes(working[offset:offset + size]), \
             f"pread({size} at {offset}) through a writer reads {len(got)} bytes that differ from the working copy"
+
+    def mmap_write(self, data):
+        """Through a MAP_SHARED map of a read-write descriptor: bytes written into the map and
+        msync'ed are the file's, seen by every descriptor (and committed by the last close)."""
+        self.step()
+        h = self.pick_handle(data, readable=True)
+        working = h.node.working
+        if not working:
+            return  # (nothing to map)
+        offset = data.draw(st.integers(0, len(working) - 1), label="offset")
+        content = data.draw(st.binary(min_size=1, max_size=min(4096, len(working) - offset)), label="content")
+        # A read first: it revalidates the page cache, dropping pages a write-only (direct)
+        # descriptor made stale; a page fault does not (docs/semantics.md, known limits).
+        os.pread(h.fd, len(working), 0)
+        mapped = mmap.mmap(h.fd, len(working), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            assert mapped[:] == bytes(working), "a shared map of a writer shows other bytes than the working copy"
+            mapped[offset:offset + len(content)] = content
+            mapped.flush()  # msync
+        finally:
+            mapped.close()
+        working[offset:offset + len(content)] = content
+        h.node.dirty = True
 
     def ftruncate(self, data):
         self.step()
