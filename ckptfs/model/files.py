@@ -76,9 +76,11 @@ class Files:
             node.kernel_version = None if writing else node.version
             return self._open_handle(node, None, content.hold(), False), keep_cache, False
         writing = node.writing
-        if writing is None or writing.frozen:  # (a frozen copy's parts belong to its upload: start anew)
+        # A frozen copy's parts belong to its upload, a poisoned one (a failed write) will never
+        # commit: a new writer starts anew from the committed version.
+        if writing is None or writing.frozen or writing.error:
             staged = await self._working_copy(node, flags)
-            if node.writing is not None and not node.writing.frozen:  # another open made one meanwhile
+            if node.writing is not None and not (node.writing.frozen or node.writing.error):  # made meanwhile
                 staged.discard()
             else:
                 node.writing = Writing(staged)
