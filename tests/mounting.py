@@ -1,4 +1,5 @@
-"""Real ckptfs mounts for end-to-end tests, driven through the real CLI in subprocesses."""
+"""Real ckptfs mounts for end-to-end tests, driven through the real CLI in subprocesses, and
+s3fs-fuse mounted on the same bucket (``S3fsMount``: the peer tool whose object metadata ckptfs shares)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,45 @@ def kill_daemon(m: Mount) -> None:
                 raise
         time.sleep(0.02)
     raise AssertionError(f"{m.path} still answers stat 10 s after its daemon died")
+
+
+def fresh_cache(m: Mount) -> Mount:
+    """``m`` stopped and started again with an empty cache dir: everything comes from the store."""
+    m.stop()
+    m.drop_ram_tier()
+    shutil.rmtree(m.cache_dir)
+    return m.start()
+
+
+class S3fsMount:
+    """s3fs-fuse in the foreground on ``bucket:/prefix`` of the test S3 server, as the bench runs it
+    (Debian's s3fs; tests skip without the binary). ``options``: more ``-o`` options. ``stop``
+    unmounts it and waits for the process: s3fs has uploaded everything by then."""
+
+    def __init__(self, server, bucket: str, prefix: str, root: Path, options: tuple[str, ...] = ()):
+        self.path = root / "s3fs-mnt"
+        self.path.mkdir(parents=True)
+        passwd = root / "s3fs.passwd"
+        passwd.write_text(f"{bucket}:{server.access_key}:{server.secret_key}\n")
+        passwd.chmod(0o600)
+        options = [f"url={server.endpoint}", "use_path_request_style", f"endpoint={server.region}",
+                   f"passwd_file={passwd}", "stat_cache_expire=1", *options]
+        self.log = root / "s3fs.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(["s3fs", f"{bucket}:/{prefix}", str(self.path), "-f", "-o", ",".join(options)],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not os.path.ismount(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"s3fs did not mount: {self.log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if os.path.ismount(self.path):
+            subprocess.run(["fusermount3", "-u", str(self.path)], check=False)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -13,8 +13,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from ckptfs.model.tree import Node, apply_attr_metadata
 from ckptfs.store import open_store
 from tests.conftest import S3StoreView
 from tests.harness import blob
-from tests.mounting import Mount, ckptfs, kill_daemon
+from tests.mounting import Mount, S3fsMount, ckptfs, fresh_cache, kill_daemon
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,14 +48,6 @@ def assert_link(path: Path, target: str) -> None:
     assert stat.S_ISLNK(st.st_mode) and st.st_mode == LINK_MODE, (path, oct(st.st_mode))
     assert st.st_size == len(target.encode())
     assert os.readlink(path) == target
-
-
-def fresh_cache(m: Mount) -> Mount:
-    """``m`` stopped and started again with an empty cache dir: everything comes from the store."""
-    m.stop()
-    m.drop_ram_tier()
-    shutil.rmtree(m.cache_dir)
-    return m.start()
 
 
 @pytest.mark.unit
@@ -219,38 +209,6 @@ def test_ls_and_checkpoints_show_a_link_as_the_small_file_it_is_stored_as(store,
 @pytest.fixture
 def s3_store(s3_server, s3_bucket):
     return S3StoreView(s3_server, s3_bucket)
-
-
-class S3fsMount:
-    """s3fs-fuse in the foreground on ``bucket:/prefix`` of the test S3 server, as the bench runs it."""
-
-    def __init__(self, server, bucket: str, prefix: str, root: Path):
-        self.path = root / "s3fs-mnt"
-        self.path.mkdir(parents=True)
-        passwd = root / "s3fs.passwd"
-        passwd.write_text(f"{bucket}:{server.access_key}:{server.secret_key}\n")
-        passwd.chmod(0o600)
-        options = [f"url={server.endpoint}", "use_path_request_style", f"endpoint={server.region}",
-                   f"passwd_file={passwd}", "stat_cache_expire=1"]
-        self.log = root / "s3fs.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(["s3fs", f"{bucket}:/{prefix}", str(self.path), "-f", "-o", ",".join(options)],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not os.path.ismount(self.path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"s3fs did not mount: {self.log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if os.path.ismount(self.path):
-            subprocess.run(["fusermount3", "-u", str(self.path)], check=False)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.mark.skipif(shutil.which("s3fs") is None, reason="s3fs-fuse is not installed (scripts/setup installs it)")
