@@ -11,6 +11,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from decimal import Decimal
 
 from ..cache import Cache, Content, StagedFile
 from ..errors import FsError
@@ -343,7 +344,9 @@ def show_store_version(node: Node, content: Content, info: ObjectInfo, headed: b
 
 
 # The attributes stored with each object, in the metadata s3fs-fuse and rclone read and write
-# (x-amz-meta-mode: st_mode in decimal with its type bits; -uid, -gid; -mtime: seconds).
+# (x-amz-meta-mode: st_mode in decimal with its type bits; -uid, -gid; -mtime: seconds, which
+# s3fs 1.90 writes as "1600000000.123456789" when utime gave it nanoseconds; ckptfs writes whole
+# seconds).
 MODE_META, UID_META, GID_META, MTIME_META = "mode", "uid", "gid", "mtime"
 # A symbolic link: a small object whose body is the target, its mode S_IFLNK | 0777 (as s3fs
 # writes it); a target is at most PATH_MAX less its NUL, as on a local disk.
@@ -386,9 +389,11 @@ def apply_attr_metadata(node: Node, metadata: dict[str, str]) -> None:
         if 0 <= value < 2**32:
             setattr(node, field, value)
     try:
-        node.mtime_ns = int(float(metadata[MTIME_META]) * 1e9)
-    except (KeyError, ValueError, OverflowError):
-        pass
+        seconds = Decimal(metadata[MTIME_META].strip())  # (exact: a float loses s3fs's last nanoseconds)
+    except (KeyError, ArithmeticError):  # (decimal.InvalidOperation is an ArithmeticError)
+        return
+    if seconds.is_finite() and seconds.copy_abs() < 9_000_000_000:  # (nanoseconds within an int64)
+        node.mtime_ns = int(seconds * 1_000_000_000)
 
 
 def release_blocks(cache: Cache, blocks: list) -> None:
