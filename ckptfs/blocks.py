@@ -34,14 +34,38 @@ def blocks_touched(offset: int, end: int, block_size: int) -> range:
     return range(offset // block_size, n_blocks(end, block_size)) if end > offset else range(0)
 
 
-def encode_block_list(blocks: Sequence[BlockRef | None]) -> list[list[int] | None]:
-    """A block list as JSON holds it: [tier, slot] or null for each block."""
-    return [list(b) if b is not None else None for b in blocks]
+def encode_block_list(blocks: Sequence[BlockRef | None]) -> list[list[int] | int | None]:
+    """A block list as JSON holds it: [tier, slot] for a cached block, null for one that is not,
+    and a run of two or more such as their count, so a sparse file's holes cost a few bytes
+    (a 1 TiB hole: one number, not 131,072 nulls)."""
+    out: list[list[int] | int | None] = []
+    run = 0
+    for ref in blocks:
+        if ref is None:
+            run += 1
+            continue
+        if run:
+            out.append(run if run > 1 else None)
+            run = 0
+        out.append(list(ref))
+    if run:
+        out.append(run if run > 1 else None)
+    return out
 
 
 def decode_block_list(raw: Sequence) -> list[BlockRef | None]:
-    """``encode_block_list``'s inverse."""
-    return [tuple(b) if b is not None else None for b in raw]  # type: ignore[misc]
+    """``encode_block_list``'s inverse (journals written before runs were counted hold nulls only)."""
+    blocks: list[BlockRef | None] = []
+    for item in raw:
+        if item is None:
+            blocks.append(None)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if item < 2:
+                raise ValueError(f"a run of {item} holes in a block list")
+            blocks.extend([None] * item)
+        else:
+            blocks.append(tuple(item))  # type: ignore[arg-type]
+    return blocks
 
 
 def content_xxh3(view: BlockView, size: int, blocks: Sequence[BlockRef | None], block_size: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import xxhash
 
 from ckptfs.blocks import (block_length, blocks_touched, cached_xxh3, content_xxh3, decode_block_list,
@@ -27,6 +28,21 @@ def test_block_list_survives_json():
     blocks = [(0, 3), None, (1, 0)]
     assert decode_block_list(json.loads(json.dumps(encode_block_list(blocks)))) == blocks
     assert encode_block_list(blocks) == [[0, 3], None, [1, 0]]
+
+
+def test_a_run_of_holes_is_one_number_and_old_lists_still_read():
+    """A sparse file's journal record costs a few bytes whatever its size (issue 17: a truncate
+    to a petabyte wrote one JSON line of 119 million nulls)."""
+    tib_of_holes = [None] * ((1 << 40) // (8 << 20))
+    blocks = [(0, 1), *tib_of_holes, (1, 2), None, None, (0, 5), None]
+    encoded = encode_block_list(blocks)
+    assert encoded == [[0, 1], len(tib_of_holes), [1, 2], 2, [0, 5], None]
+    assert len(json.dumps(encode_block_list(tib_of_holes))) < 10
+    assert decode_block_list(json.loads(json.dumps(encoded))) == blocks
+    assert decode_block_list([[0, 1], None, None, None]) == [(0, 1), None, None, None]  # written before runs
+    for damaged in ([1], [0], [-3], [True]):
+        with pytest.raises((ValueError, TypeError)):  # (what the journal and clean index catch)
+            decode_block_list(damaged)
 
 
 def _arena(data: bytes, holes: set[int]):

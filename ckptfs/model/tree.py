@@ -358,8 +358,15 @@ def attr_metadata(node: Node, mtime: bool = True) -> dict[str, str]:
     """``node``'s attributes as object metadata (``mtime=False``: without the mtime)."""
     meta = {MODE_META: str(node.mode), UID_META: str(node.uid), GID_META: str(node.gid)}
     if mtime:
-        meta[MTIME_META] = str(node.mtime_ns // 1_000_000_000)
+        meta[MTIME_META] = mtime_text(node.mtime_ns)
     return meta
+
+
+def mtime_text(mtime_ns: int) -> str:
+    """An mtime as s3fs writes it: whole seconds, with the nanoseconds after a point when there
+    are any (rclone reads the same)."""
+    seconds, ns = divmod(mtime_ns, 1_000_000_000)
+    return f"{seconds}.{ns:09d}" if ns else str(seconds)
 
 
 def apply_attr_metadata(node: Node, metadata: dict[str, str]) -> None:
