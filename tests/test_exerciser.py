@@ -33,9 +33,13 @@ Known limits are modelled, not reported: a shared map is only made after a read(
 descriptor (a page fault does not revalidate pages a direct write-only descriptor made stale,
 docs/semantics.md "Not (yet) supported").
 
-Default: about OPS operations per test (a minute or so); CKPTFS_LONG=1: 100,000 per test
-(``CKPTFS_EXERCISER_OPS`` overrides both). A summary line (operations by kind, examples,
-seconds) is printed for each test.
+Default: 4,000 operations per test (about 30 s each on the 2-core test VM, 130 operations a
+second); CKPTFS_LONG=1: 100,000 per test (``CKPTFS_EXERCISER_OPS`` overrides both). Examples run
+in rounds until the total is reached. A summary line (operations by kind, examples, seconds) is
+printed for each test.
+
+A bug the exerciser found and ckptfs has not fixed yet is listed in KNOWN_BUGS: the exerciser
+stays away from its trigger, and its minimal reproduction at the bottom is xfail(strict=True).
 """
 
 from __future__ import annotations
