@@ -72,7 +72,7 @@ PART = 16 * KiB
 # Bugs the exerciser found, still open in ckptfs: while True, the exerciser keeps away from their
 # trigger (and the regular test of each, at the bottom, is an xfail(strict=True)).
 KNOWN_BUGS = {
-    "mapped pages written back through an O_APPEND handle are appended": True,
+    "mapped pages written back through an O_APPEND handle are appended": False,  # fixed
 }
 
 DONE: Counter = Counter()  # operations performed, by kind
@@ -609,13 +609,10 @@ def local_mount(tmp_path):
     m.cleanup()
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: ckptfs/model/files.py write() ignores the offset of every WRITE "
-                   "on an O_APPEND handle (the kernel already sends the end for write() and pwrite()), so pages "
-                   "of a MAP_SHARED map written back through an O_RDWR|O_APPEND handle land at the end of the file")
 def test_a_shared_map_of_an_append_descriptor_writes_at_its_offset(local_mount):
-    """Found by the exerciser: a byte written through a MAP_SHARED map of an O_RDWR|O_APPEND
-    descriptor is appended to the file instead of written at its place (on a local disk O_APPEND
-    does not apply to mapped pages)."""
+    """Found by the exerciser (fixed: files.appends_here): a byte written through a MAP_SHARED
+    map of an O_RDWR|O_APPEND descriptor was appended to the file instead of written at its place
+    (on a local disk O_APPEND does not apply to mapped pages)."""
     path = local_mount.path / "f"
     path.write_bytes(b"0123456789")
     fd = os.open(path, os.O_RDWR | os.O_APPEND)

@@ -31,6 +31,14 @@ def direct_writes(flags: int) -> bool:
     return flags & os.O_ACCMODE == os.O_WRONLY
 
 
+def appends_here(flags: int) -> bool:
+    """Whether the daemon puts a handle's writes at the end of the file itself. Only for direct
+    O_APPEND handles, where every WRITE is a write() or pwrite(). Through the page cache the
+    kernel places write() at the end (its size is the working copy's: all writers on the node
+    go through it), and a WRITE may be a mapped page written back at its own offset."""
+    return bool(flags & os.O_APPEND) and direct_writes(flags)
+
+
 class Files:
     def __init__(self, commits: Commits, fetcher: Fetcher):
         self.commits = commits
@@ -50,7 +58,7 @@ class Files:
         node.nlookup += 1
         node.writing = Writing(StagedFile(self.cache))
         node.writing.dirty = True  # a created file exists once closed, even empty
-        handle = self._open_handle(node, node.writing, None, bool(flags & os.O_APPEND))
+        handle = self._open_handle(node, node.writing, None, appends_here(flags))
         self.tree.touch(parent)
         return handle, self.tree.attr(node)
 
@@ -91,7 +99,7 @@ class Files:
             writing.dirty = True
             node.mtime_ns = node.ctime_ns = time.time_ns()
         node.kernel_version = None  # (its pages will hold the working copy)
-        return self._open_handle(node, writing, None, bool(flags & os.O_APPEND)), False, direct_writes(flags)
+        return self._open_handle(node, writing, None, appends_here(flags)), False, direct_writes(flags)
 
     async def _working_copy(self, node: Node, flags: int) -> StagedFile:
         if flags & os.O_TRUNC or node.version is None:
