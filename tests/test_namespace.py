@@ -61,6 +61,26 @@ async def test_every_descriptor_sees_the_working_copy_and_the_close_commits_it(t
 
 
 @trio_test
+async def test_a_reader_kept_open_across_saves_pins_no_old_version(tmp_path, local):
+    """A reader on this mount follows each local commit and lets the version it had go at once:
+    a process that keeps `latest` open while it is saved again and again holds no old blocks."""
+    async with mounted(tmp_path, local) as m:
+        ns = m.ns
+        f = await create(ns, "/latest", blob(2 * BS + 1, 0))
+        reader, *_ = await ns.open(f, os.O_RDONLY)
+        for i in range(1, 4):
+            await sync(m)
+            old = ns.node(f).version.content
+            writer, *_ = await ns.open(f, os.O_WRONLY | os.O_TRUNC)
+            await ns.write(writer.fh, 0, blob(2 * BS + 1, i))
+            ns.flush(writer.fh)
+            ns.release(writer.fh)
+            assert old.holders == 0 and old.refs() == []  # nothing holds the version replaced
+            assert await ns.read(reader.fh, 0, 3 * BS) == blob(2 * BS + 1, i)
+        ns.release(reader.fh)
+
+
+@trio_test
 async def test_random_writes_into_an_existing_file(tmp_path, local):
     v1 = blob(3 * BS, 3)
 

@@ -126,21 +126,26 @@ class Files:
                 return writing.staged.read(offset, size)
             except OSError as exc:
                 raise FsError(exc.errno, str(exc)) from None
-        content = handle.content
-        while content.remote and not content.in_store:
-            # Parts evicted under cache pressure come back once the file is in the store.
-            if content.orphaned:
-                raise FsError(errno.EIO, "this version was replaced before it reached the store")
-            await self.uploader.progress.wait()
-        if content.in_store:
-            if offset == handle.read_end:  # sequential: keep the next blocks coming
-                self.fetcher.prefetch(content, (offset + size) // self.cache.block_size)
-            handle.read_end = offset + size
-            self.cache.touch(handle.node)  # the file being read goes last among clean data
-            # Loop: a block fetched for this read may be evicted while the next one arrives.
-            while missing := content.missing(offset, size):
-                await self.fetcher.fill(content, missing)
-        return content.read(offset, size, view)  # (no await since the check: every block is there)
+        content = handle.content.hold()  # (a commit here may move the handle to a newer version meanwhile)
+        try:
+            while content.remote and not content.in_store:
+                # Parts evicted under cache pressure come back once the file is in the store.
+                if content.orphaned:
+                    raise FsError(errno.EIO, "this version was replaced before it reached the store")
+                await self.uploader.progress.wait()
+            if content.in_store:
+                if offset == handle.read_end:  # sequential: keep the next blocks coming
+                    self.fetcher.prefetch(content, (offset + size) // self.cache.block_size)
+                handle.read_end = offset + size
+                self.cache.touch(handle.node)  # the file being read goes last among clean data
+                # Loop: a block fetched for this read may be evicted while the next one arrives.
+                while missing := content.missing(offset, size):
+                    await self.fetcher.fill(content, missing)
+            # (No await since the check: every block is there. A view only of what the handle
+            # still holds: the blocks of a version let go meanwhile may be freed with our hold.)
+            return content.read(offset, size, view and content is handle.content)
+        finally:
+            content.release()
 
     async def _fetch_range(self, node: Node, content: Content, offset: int, size: int) -> None:
         """Cache a range of ``content`` to build a writer's copy from: none of it may be evicted
@@ -225,12 +230,13 @@ class Files:
 
     def _readers_follow(self, node: Node) -> None:
         """Descriptors open for reading read the version just committed here, as on a local
-        disk (a version another mount put keeps its open readers on the one they opened).
-        The one they had is let go at their release: a read may still be using it."""
+        disk (a version another mount put keeps its open readers on the one they opened). The
+        one they had is let go at once (a read in progress holds it itself): a reader kept
+        open across many saves pins no old versions in the cache."""
         for handle in self.tree.handles.values():
             if handle.node is node and handle.writing is None and handle.content is not node.version.content:
-                handle.superseded.append(handle.content)
-                handle.content = node.version.content.hold()
+                old, handle.content = handle.content, node.version.content.hold()
+                old.release()
 
     def release(self, fh: int) -> None:
         handles = self.tree.handles
@@ -255,9 +261,8 @@ class Files:
                 writing.staged.discard()
                 if node.writing is writing:
                     node.writing = None
-            for content in [handle.content, *handle.superseded]:
-                if content is not None:
-                    content.release()
+            if handle.content is not None:
+                handle.content.release()
             node.handles -= 1
         if not node.handles:
             self.prefill.closed(node)

@@ -138,7 +138,6 @@ class Handle:
         self.node = node
         self.writing = writing  # writers: the file's shared working copy
         self.content = content  # readers: the version they read (held)
-        self.superseded: list[Content] = []  # versions it read before a commit here (held until release)
         self.append = append
         self.read_end = 0  # where the last read stopped (sequential reads trigger read-ahead)
 
