@@ -63,25 +63,24 @@ class Files:
         return handle, self.tree.attr(node)
 
     async def open(self, ino: int, flags: int) -> tuple[Handle, bool, bool]:
-        """A handle; whether the kernel may keep its cached pages of this file; whether reads
-        must bypass the kernel cache (direct I/O)."""
+        """A handle; whether the kernel may keep its cached pages of this file; whether the
+        handle's I/O bypasses the kernel page cache (direct I/O: write-only handles)."""
         node = self.tree.node(ino)
         if node.gone:  # deleted by another mount; the kernel's entry for it has not expired yet
             raise FsError(errno.ENOENT)
         if node.is_dir:
             raise FsError(errno.EISDIR)
-        writing = (flags & os.O_ACCMODE) != os.O_RDONLY
         if node.version is not None and node.version.content.verify:
             await self.policy.verify_kept(node.version.content)
-        if not writing:
+        if flags & os.O_ACCMODE == os.O_RDONLY:
             await self.prefill.settle(node)  # no page of an older version may land after our answer
             content = node.version.content if node.version is not None else Content(self.cache, 0, [])
             # Through the page cache (mmap works). While the file is open for writing its pages
             # hold the working copy, and its attributes are not cached: the kernel drops the
             # pages when a read finds the size or mtime changed (auto_inval_data).
-            writing = node.writing is not None
-            keep_cache = not writing and node.version is not None and node.kernel_version is node.version
-            node.kernel_version = None if writing else node.version
+            being_written = node.writing is not None
+            keep_cache = not being_written and node.version is not None and node.kernel_version is node.version
+            node.kernel_version = None if being_written else node.version
             return self._open_handle(node, None, content.hold(), False), keep_cache, False
         writing = node.writing
         # A frozen copy's parts belong to its upload, a poisoned one (a failed write) will never
