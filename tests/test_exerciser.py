@@ -33,7 +33,7 @@ Known limits are modelled, not reported: a shared map is only made after a read(
 descriptor (a page fault does not revalidate pages a direct write-only descriptor made stale,
 docs/semantics.md "Not (yet) supported").
 
-Default: 4,000 operations per test (about 30 s each on the 2-core test VM, 130 operations a
+Default: 2,000 operations per test (about 15 s each on the 2-core test VM, 130 operations a
 second); CKPTFS_LONG=1: 100,000 per test (``CKPTFS_EXERCISER_OPS`` overrides both). Examples run
 in rounds until the total is reached. A summary line (operations by kind, examples, seconds) is
 printed for each test.
@@ -62,7 +62,7 @@ from tests.harness import blob
 from tests.mounting import Mount
 
 LONG = os.environ.get("CKPTFS_LONG") == "1"
-OPS = int(os.environ.get("CKPTFS_EXERCISER_OPS") or (100_000 if LONG else 4_000))
+OPS = int(os.environ.get("CKPTFS_EXERCISER_OPS") or (100_000 if LONG else 2_000))
 STEPS = 40  # stateful_step_count: operations per example at most
 NAMES = ("a", "b", "c")
 MAX_FDS = 6
