@@ -143,3 +143,15 @@ def can_open(other_user, path: Path) -> str:
         "except OSError as e:\n    print(errno.errorcode[e.errno])", str(path))
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+def stored(store, key: str):
+    """The object as the store shows it (HEAD: its size, ETag and metadata), read behind
+    ckptfs's back; ``store`` is a store view (the ``store`` fixture's)."""
+    from ckptfs.store import open_store
+
+    backend = open_store(store.url, store.endpoint)
+    try:
+        return backend.head(key)
+    finally:
+        backend.close()

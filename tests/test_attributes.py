@@ -18,7 +18,7 @@ import pytest
 from ckptfs.model.tree import Node, apply_attr_metadata
 from ckptfs.store import open_store
 from tests.conftest import S3StoreView
-from tests.harness import can_open
+from tests.harness import can_open, stored
 from tests.mounting import Mount, S3fsMount, fresh_cache, kill_daemon
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,14 +31,6 @@ def attrs(path: Path) -> tuple[int, int, int, int]:
     st = path.stat()
     return st.st_mode, st.st_uid, st.st_gid, int(st.st_mtime)
 
-
-def stored(store, key: str):
-    """The object as the store shows it (its metadata and ETag), read behind ckptfs's back."""
-    backend = open_store(store.url, store.endpoint)
-    try:
-        return backend.head(key)
-    finally:
-        backend.close()
 
 
 def test_mode_owner_and_mtime_survive_a_remount_and_show_on_a_second_mount(store, reachable, other_user):

@@ -18,23 +18,14 @@ from pathlib import Path
 import pytest
 
 from ckptfs.model.tree import Node, apply_attr_metadata
-from ckptfs.store import open_store
 from tests.conftest import S3StoreView
-from tests.harness import blob
+from tests.harness import blob, stored
 from tests.mounting import Mount, S3fsMount, ckptfs, fresh_cache, kill_daemon
 
 pytestmark = pytest.mark.timeout(300)
 
 LINK_MODE = stat.S_IFLNK | 0o777
 
-
-def stored(store, key: str):
-    """The object as the store shows it (HEAD: its size and metadata), behind ckptfs's back."""
-    backend = open_store(store.url, store.endpoint)
-    try:
-        return backend.head(key)
-    finally:
-        backend.close()
 
 
 def errno_of(call, *args) -> int:
