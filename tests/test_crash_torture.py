@@ -21,7 +21,7 @@ xxh3 of bytes read straight from the store (boto3 on the real endpoint):
 
 The mount and its cache dir are reused across trials, so the journal, the arenas and the
 store accumulate state as a real job's restarts do; earlier trials' objects must stay intact
-(same ETag). 10 trials by default, 100 with CKPTFS_LONG=1 (CKPTFS_TORTURE_TRIALS overrides);
+(same ETag). 6 trials per cache by default, 100 with CKPTFS_LONG=1 (CKPTFS_TORTURE_TRIALS overrides);
 CKPTFS_TORTURE_SEED replays a run (the seed is printed in the summary line and in failures);
 CKPTFS_TORTURE_VERBOSE=1 prints a line per trial (when the kill landed).
 
@@ -54,7 +54,7 @@ from tests.mounting import Mount, kill_daemon
 
 LONG = os.environ.get("CKPTFS_LONG") == "1"
 VERBOSE = os.environ.get("CKPTFS_TORTURE_VERBOSE") == "1"  # a line per trial: when the kill landed
-TRIALS = int(os.environ.get("CKPTFS_TORTURE_TRIALS") or (100 if LONG else 10))
+TRIALS = int(os.environ.get("CKPTFS_TORTURE_TRIALS") or (100 if LONG else 6))
 WRITER = Path(__file__).with_name("crash_writer.py")
 PREFIX = "torture"
 # A bug, fixed (test_read_racing_the_move_of_a_renamed_file): a read of an uncached file racing

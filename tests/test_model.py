@@ -37,7 +37,7 @@ ckptfs CLI from a helper process started before any file is opened on the mount,
 copies the model's open writers (a forked child's close no longer commits them,
 test_fork_does_not_commit_an_open_writer, but the model does not depend on it).
 
-Default: 40 examples of up to 30 steps (about a minute); CKPTFS_LONG=1: 300 of up to 60 (about
+Default: 20 examples of up to 30 steps (about half a minute); CKPTFS_LONG=1: 300 of up to 60 (about
 15 minutes). CKPTFS_MODEL_EXAMPLES / CKPTFS_MODEL_STEPS override.
 """
 
@@ -64,7 +64,7 @@ from tests.harness import blob, proc_state
 from tests.mounting import CKPTFS, Mount, is_mounted, kill_daemon
 
 LONG = os.environ.get("CKPTFS_LONG") == "1"
-EXAMPLES = int(os.environ.get("CKPTFS_MODEL_EXAMPLES") or (300 if LONG else 40))
+EXAMPLES = int(os.environ.get("CKPTFS_MODEL_EXAMPLES") or (300 if LONG else 20))
 STEPS = int(os.environ.get("CKPTFS_MODEL_STEPS") or (60 if LONG else 30))
 NAMES = ["a", "b", "c"]  # few names: renames and creates collide often
 MAX_DEPTH = 2  # directories at most this deep
