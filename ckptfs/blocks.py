@@ -10,6 +10,7 @@ whole-file xxh3, and the clean-cache index hashes the blocks it kept across moun
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import xxhash
@@ -75,6 +76,16 @@ def content_xxh3(view: BlockView, size: int, blocks: Sequence[BlockRef | None], 
     for index, ref in enumerate(blocks):
         length = block_length(size, index, block_size)
         hasher.update(view(ref, length) if ref is not None else bytes(length))
+    return hasher.hexdigest()
+
+
+@functools.lru_cache(maxsize=16)
+def zeros_xxh3(length: int) -> str:
+    """xxh3-64 of ``length`` zero bytes (a hole as a part), worked out once per length: a
+    sparse file's hole parts are named without hashing a byte per byte of hole."""
+    hasher, zeros = xxhash.xxh3_64(), memoryview(bytes(min(length, 1 << 20)))
+    for start in range(0, length, len(zeros) or 1):
+        hasher.update(zeros[:min(len(zeros), length - start)])
     return hasher.hexdigest()
 
 

@@ -63,6 +63,18 @@ class Content:
         end = min(offset + length, self.size)
         return [i for i in blocks_touched(offset, end, bs) if self.blocks[i] is None]
 
+    def holes(self, offset: int, length: int) -> bool:
+        """Whether bytes [offset, offset + length) of a file not yet in the store are all hole
+        (zeros no one wrote): the uploader sends such a part without reading or hashing it."""
+        if self.in_store or length <= 0:
+            return False
+        touched = blocks_touched(offset, min(offset + length, self.size), self.cache.block_size)
+        return all(self.blocks[i] is None and i not in self.remote for i in touched)
+
+    def sparse(self) -> bool:
+        """Whether a file not yet in the store has a hole of a block or more."""
+        return not self.in_store and any(ref is None and i not in self.remote for i, ref in enumerate(self.blocks))
+
     def read(self, offset: int, length: int, view: bool = False) -> bytes | memoryview:
         """Bytes from cached blocks (holes read as zeros); callers fetch missing blocks first.
         ``view``: a range within one RAM block comes back as a view of the arena, no copy. Only

@@ -175,6 +175,9 @@ class LogicalStore(ObjectStore):
     def upload_part(self, key, upload_id, number, data) -> PartInfo:
         return self.inner.upload_part(key, upload_id, number, data)
 
+    def upload_zero_part(self, key, upload_id, number, length) -> PartInfo:
+        return self.inner.upload_zero_part(key, upload_id, number, length)
+
     def complete_multipart(self, key, upload_id, parts) -> None:
         self.inner.complete_multipart(key, upload_id, parts)
 

@@ -55,11 +55,15 @@ class ObjectEncoding:
     def _format_meta(compressed: bool) -> dict[str, str]:
         return {compression.FORMAT_META: compression.FORMAT} if compressed else {}
 
-    def _send_frame(self, upload: Upload, number: int, body, digest: str, table: Callable[[int], bytes] | None):
+    def _send_frame(self, upload: Upload, number: int, body, digest: str, table: Callable[[int], bytes] | None,
+                    zeros: int = 0):
         """Upload part ``number`` as a zstd frame (in a store thread). ``table``: this is the last
         part, followed by the seek table that ``table(its frame's size)`` gives; the others are
-        padded to S3's smallest part. PartInfo.xxh3 carries the frame (compression.tag)."""
-        if self.codec is None:  # an upload resumed from the journal of a mount that compressed
+        padded to S3's smallest part. PartInfo.xxh3 carries the frame (compression.tag).
+        ``zeros``: the part is that many zero bytes (a hole; no ``body``), encoded once per length."""
+        if zeros:
+            frame, by = self._zeros_frame(zeros)
+        elif self.codec is None:  # an upload resumed from the journal of a mount that compressed
             frame, by = compression.raw_frame(body), compression.RAW
         else:
             frame, by = compression.encode_part(self.codec, self.governor, body)
@@ -74,6 +78,16 @@ class ObjectEncoding:
         self.governor.uploaded(len(frame), time.perf_counter() - started)
         self._count_stored(len(frame))
         return replace(part, xxh3=compression.tag(digest, stored, by))
+
+    def _zeros_frame(self, length: int) -> tuple[bytes, int]:
+        """The frame of ``length`` zero bytes, encoded at the first hole of that length."""
+        frame = self._zero_frames.get(length)
+        if frame is None:
+            zeros = bytes(length)
+            frame = compression.encode_part(self.codec, None, zeros) if self.codec is not None else \
+                (compression.raw_frame(zeros), compression.RAW)
+            self._zero_frames = {**self._zero_frames, length: frame}  # (threads: replaced whole, never changed)
+        return frame
 
     def _seek_table_after(self, task: Task, number: int) -> Callable[[int], bytes] | None:
         """For the last part of a compressed upload: the seek table, given the last frame's size."""

@@ -17,7 +17,7 @@ from dataclasses import replace
 import trio
 
 from . import compression, integrity
-from .blocks import BlockRef
+from .blocks import BlockRef, zeros_xxh3
 from .store.base import NotFound, PartInfo, StoreError
 from .upload_tasks import Stream, Task, Upload
 
@@ -51,10 +51,18 @@ class PartSender:
             task.compressed = any(compression.untag(h)[1] is not None for h in task.op.hashes.values())
         if task.stream is not None:
             await self._adopt_stream(task)
-        if not task.xxh3 and not task.content.remote:  # the whole file's hash (not streamed: in the metadata)
-            task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
+        await self._hash_whole_file(task)
         if task.multipart:
             await self._upload_parts(task)
+
+    async def _hash_whole_file(self, task: Task) -> None:
+        """The whole file's xxh3, for its metadata. Not where it would cost more than it tells:
+        parts evicted to the store (not here to hash), or a multipart file with holes (hashing
+        them reads a byte per byte of hole; the part checksums cover every byte anyway)."""
+        content = task.content
+        if task.xxh3 or content.remote or (task.multipart and content.sparse()):
+            return
+        task.xxh3 = await trio.to_thread.run_sync(self._hash, content, limiter=self.hash_threads)
 
     async def _adopt_stream(self, task: Task) -> None:
         """Take over the parts a stream sent that still match the committed content."""
@@ -87,7 +95,7 @@ class PartSender:
             # A rename may retarget the op while we work: the upload stays under this key.
             task.compressed = self.codec is not None
             task.upload = await self._create_upload(task.op.key, {
-                **task.op.meta, "xxh3": task.xxh3, "ckptfs-part-size": str(task.part_size),
+                **task.op.meta, **({"xxh3": task.xxh3} if task.xxh3 else {}), "ckptfs-part-size": str(task.part_size),
                 integrity.MANIFEST_META: integrity.ALGORITHM, **self._format_meta(task.compressed)})
             task.parts = [None] * task.n_parts()
             task.bytes_sent = 0
@@ -121,8 +129,15 @@ class PartSender:
             start = (number - 1) * task.part_size
             length = min(task.part_size, task.op.size - start)
             content = task.content
+            hole = content.holes(start, length)
 
             def send() -> PartInfo:
+                if hole:  # a sparse file's hole: neither read, hashed nor sent byte by byte
+                    if task.compressed:
+                        return self._send_frame(upload, number, None, zeros_xxh3(length),
+                                                self._seek_table_after(task, number), zeros=length)
+                    return replace(self.store.upload_zero_part(upload.key, upload.upload_id, number, length),
+                                   xxh3=zeros_xxh3(length))
                 with self.part_buffers.body(length, lambda out: self._from_cache(content.read_into, start, out)) as body:
                     digest = integrity.part_hash(body)  # sealed: what the manifest records
                     if task.compressed:
@@ -136,7 +151,7 @@ class PartSender:
                 return
             task.bytes_sent += length
             self.uploaded_bytes += length
-            if not task.compressed:
+            if not task.compressed and not hole:  # (a hole's bytes were never sent)
                 self._count_stored(length)
         finally:
             self.part_slots.release()
@@ -194,8 +209,7 @@ class PartSender:
             if task.upload is not None:
                 await self._abort(task.upload)
                 task.upload = None
-            if not task.xxh3:
-                task.xxh3 = await trio.to_thread.run_sync(self._hash, task.content, limiter=self.hash_threads)
+            await self._hash_whole_file(task)
             await self._upload_parts(task)
         upload = task.upload
         checksums = None if task.completed else self._checksums(task)

@@ -72,6 +72,7 @@ class Uploader(PartSender, ObjectEncoding):
         self.stored_bytes = 0
         self._stored_lock = threading.Lock()
         self._marked = False  # compression.MARKER_KEY is in the store
+        self._zero_frames: dict[int, tuple[bytes, int]] = {}  # a hole part's frame, by length (--compress)
         self.cache = cache
         self.journal = journal
         self.part_size = part_size

@@ -145,6 +145,9 @@ class FaultyStore(ObjectStore):
     def upload_part(self, key: str, upload_id: str, number: int, data) -> PartInfo:
         return self._call("upload_part", key, self.inner.upload_part, key, upload_id, number, data)
 
+    def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
+        return self._call("upload_zero_part", key, self.inner.upload_zero_part, key, upload_id, number, length)
+
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
         return self._call("complete_multipart", key, self.inner.complete_multipart, key, upload_id, parts)
 

@@ -327,6 +327,34 @@ def test_multipart_odd_part_sizes(object_store):
     assert object_store.get_range(key, 0, len(whole)) == whole
 
 
+def test_zero_parts_make_holes_and_may_replace_a_part(object_store):
+    """A sparse file's holes: parts of zeros the store makes itself (a copy of its zeros object
+    on S3, a punched hole locally), mixed with sent parts, re-sent over a part that held data,
+    and made again after someone deleted the zeros object."""
+    key = "sparse/model.pt"
+    data, tail = blob(5 * MiB, 1), blob(1000, 2)
+    uid = object_store.create_multipart(key)
+    infos = {1: object_store.upload_zero_part(key, uid, 1, 5 * MiB),
+             2: object_store.upload_part(key, uid, 2, data),
+             3: object_store.upload_part(key, uid, 3, blob(5 * MiB, 3)),
+             4: object_store.upload_zero_part(key, uid, 4, 1000)}
+    infos[3] = object_store.upload_zero_part(key, uid, 3, 5 * MiB)  # the data there gives way to a hole
+    assert object_store.upload_zero_part(key, uid, 1, 5 * MiB).token == infos[1].token  # (a retry)
+    object_store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
+    whole = bytes(5 * MiB) + data + bytes(5 * MiB + 1000)
+    assert object_store.head(key).size == len(whole)
+    assert object_store.get_range(key, 0, len(whole)) == whole
+    assert all(o.key.startswith(".ckptfs-") for o in object_store.list("") if o.key not in (key, "sparse/"))
+
+    for reserved in [o.key for o in object_store.list(".ckptfs-zeros/")]:
+        object_store.delete(reserved)
+    uid = object_store.create_multipart("sparse/again.pt")
+    parts = [object_store.upload_zero_part("sparse/again.pt", uid, 1, 5 * MiB),
+             object_store.upload_part("sparse/again.pt", uid, 2, tail)]
+    object_store.complete_multipart("sparse/again.pt", uid, parts)
+    assert object_store.get_range("sparse/again.pt", 0, 6 * MiB) == bytes(5 * MiB) + tail
+
+
 def test_multipart_parts_left_out(object_store):
     """Completing with some of the uploaded parts: numbers with gaps, or fewer at the end."""
     blobs = {n: blob(5 * MiB, n) for n in (1, 2, 3, 4)}

@@ -179,6 +179,11 @@ class ObjectStore(ABC):
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
         """Upload part ``number`` (1-based); uploading the same number again replaces it."""
 
+    def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
+        """Part ``number`` made of ``length`` zero bytes (a sparse file's hole). Stores that can
+        make one without being sent the bytes override this (a server-side copy, a punched hole)."""
+        return self.upload_part(key, upload_id, number, bytes(length))
+
     @abstractmethod
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
         """Make the object appear under ``key``, made of ``parts`` in order."""

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import xxhash
 
+from ..blocks import zeros_xxh3
 from . import localfs as fs
 from .base import NotFound, PartInfo, StoreError
 from .local_tree import NOT_AN_OBJECT, TMP_DIR, UPLOADS, LocalTree
@@ -234,22 +235,33 @@ class LocalMultipart(LocalTree):
         return upload_id
 
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
+        view = memoryview(data).cast("B")
+        # The token names the part's content, so complete_multipart uses exactly the
+        # bytes the caller uploaded (like an S3 ETag) and a stale token fails.
+        return self._store_part(key, upload_id, number, len(view), lambda: xxhash.xxh3_64_hexdigest(view),
+                                lambda fd, offset: fs.pwrite_all(fd, view, offset))
+
+    def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
+        """A hole: the part's bytes are punched out of the file, never written (a sparse object)."""
+        return self._store_part(key, upload_id, number, length, lambda: zeros_xxh3(length),
+                                lambda fd, offset: fs.zero_range(fd, offset, length))
+
+    def _store_part(self, key: str, upload_id: str, number: int, length: int, token_of, write) -> PartInfo:
+        """Part ``number`` of ``length`` bytes: ``token_of()`` names its content, ``write(fd,
+        offset)`` puts its bytes (into ``data`` at its slot, or into a file of its own)."""
         if not 1 <= number <= self.limits.max_parts:
             raise StoreError(f"local store {self.root}: part number {number} not in 1..{self.limits.max_parts}",
                              errno_=errno.EINVAL)
-        view = memoryview(data).cast("B")
         if upload_id not in self._slot_sizes:
             with self._begun_lock:  # before hashing: parts sent at once have all begun when P is decided
-                self._begun.setdefault(upload_id, {})[number] = len(view)
-        # The token names the part's content, so complete_multipart uses exactly the
-        # bytes the caller uploaded (like an S3 ETag) and a stale token fails.
-        token = xxhash.xxh3_64_hexdigest(view)
+                self._begun.setdefault(upload_id, {})[number] = length
+        token = token_of()
         try:
             with self._locked_upload(key, upload_id, fcntl.LOCK_SH) as (d, index), \
                     fs.flocked(d, f"{number}.lock", fcntl.LOCK_EX, create=True):
-                size = self._slot_size(d, upload_id, index, number, len(view))
-                in_slot = size is not None and len(view) <= size
-                new = _Part(len(view), (number - 1) * size if in_slot else _OWN_FILE, token)
+                size = self._slot_size(d, upload_id, index, number, length)
+                in_slot = size is not None and length <= size
+                new = _Part(length, (number - 1) * size if in_slot else _OWN_FILE, token)
                 old = _read_part(index, number)
                 if old == new:
                     return PartInfo(number, token)  # these very bytes are there already (a retry)
@@ -259,7 +271,9 @@ class LocalMultipart(LocalTree):
                 fd = os.open("data", os.O_WRONLY | fs.NOFOLLOW, dir_fd=d) if in_slot else \
                     os.open(own, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | fs.NOFOLLOW, 0o644, dir_fd=d)
                 try:
-                    fs.pwrite_all(fd, view, new.offset if in_slot else 0)
+                    if not in_slot:
+                        os.ftruncate(fd, length)  # (a hole punched past the end would not count)
+                    write(fd, new.offset if in_slot else 0)
                     os.fdatasync(fd)
                 finally:
                     os.close(fd)

@@ -9,6 +9,8 @@ writes).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import os
@@ -73,6 +75,24 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> int:
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
     return done
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def zero_range(fd: int, offset: int, length: int) -> None:
+    """Make ``length`` bytes at ``offset`` read as zeros without writing them: a hole punched in
+    the file (what was there is freed). Where the filesystem cannot punch, zeros are written."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_long(offset),
+                       ctypes.c_long(length)) == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
+        raise OSError(err, os.strerror(err))
+    zeros = bytes(min(length, COPY_CHUNK))
+    for start in range(0, length, len(zeros)):
+        pwrite_all(fd, memoryview(zeros)[:min(len(zeros), length - start)], offset + start)
 
 
 def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int | None = None) -> int:

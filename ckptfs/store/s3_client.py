@@ -158,6 +158,7 @@ class S3Client(ObjectStore):
         self._multipart_checksums = True
         self._checksummed: dict[str, bool] = {}
         self._checksummed_lock = threading.Lock()
+        self._zeros_made: set[int] = set()  # sizes of the zeros objects known in the bucket (s3_multipart)
 
     def report_to(self, health) -> None:
         """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage

@@ -6,8 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import NotFound, PartInfo
+from .base import RESERVED_PREFIX, NotFound, PartInfo
 from .s3_client import CHECKSUM_ALGORITHM, S3Client, _as_bytes, _token, bex, crc32c_b64, log
+
+
+ZEROS_PREFIX = RESERVED_PREFIX + "zeros/"  # objects of zeros that hole parts are copied from
+ZEROS_MIN = 8 << 20  # the smallest such object (sizes are powers of two from here)
+
+
+def zeros_size(length: int) -> int:
+    """The size of the zeros object a hole part of ``length`` bytes is copied from."""
+    return max(ZEROS_MIN, 1 << (length - 1).bit_length())
 
 
 class S3Multipart(S3Client):
@@ -67,6 +76,33 @@ class S3Multipart(S3Client):
         r = self._call("upload_part", key, "upload_part", client=self._body_client(crc), Key=self._key(key),
                        UploadId=upload_id, PartNumber=number, Body=body, **extra)
         return PartInfo(number, _token(r["ETag"], crc))
+
+    def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
+        """A hole: UploadPartCopy of a range of a zeros object in the bucket (made once, at the
+        first hole of its size), so no byte of it crosses the wire. A zeros object deleted by
+        hand is made again."""
+        for attempt in range(2):
+            source = self._zeros_object(zeros_size(length), again=attempt > 0)
+            try:
+                r = self._call("upload_part", key, "upload_part_copy", Key=self._key(key), UploadId=upload_id,
+                               PartNumber=number, CopySource={"Bucket": self.bucket, "Key": self._key(source)},
+                               CopySourceRange=f"bytes=0-{length - 1}")
+            except NotFound:
+                if attempt or self.head(source) is not None:
+                    raise  # the upload is gone, not the zeros
+                continue
+            result = r["CopyPartResult"]
+            return PartInfo(number, _token(result["ETag"], result.get("ChecksumCRC32C")))
+        raise AssertionError("unreachable")
+
+    def _zeros_object(self, size: int, again: bool = False) -> str:
+        key = f"{ZEROS_PREFIX}{size}"
+        if again or size not in self._zeros_made:  # (threads racing here make it twice: harmless)
+            info = self.head(key)
+            if info is None or info.size != size:
+                self.put(key, bytes(size))  # (calloc'd, at most twice a part's size; once per bucket)
+            self._zeros_made.add(size)
+        return key
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
         def entry(p: PartInfo) -> dict[str, Any]:
