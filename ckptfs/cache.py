@@ -214,7 +214,10 @@ class Cache:
             for owner, (content, on_evict, whole) in self.clean.items():
                 if spare_pinned and self.policy.pinned(owner):
                     continue
-                held = [i for i, r in enumerate(content.blocks) if r is not None and prefer_tier in (None, r[0])]
+                if whole and content.in_use:
+                    continue  # (a read is gathering blocks of it: see Content.reading)
+                held = [i for i, r in enumerate(content.blocks)
+                        if r is not None and prefer_tier in (None, r[0]) and i not in content.in_use]
                 if not held:
                     continue
                 if whole:

@@ -7,7 +7,9 @@ import: the cache makes Contents, so it is the one above).
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections import Counter
 
 from .arena import RAM
 from .blocks import BlockRef, block_length, blocks_touched, n_blocks
@@ -36,6 +38,7 @@ class Content:
         self.durable_at = 0.0  # when it became durable (time.time()), for the clean cache index
         self.verify = ""  # cached blocks kept from the last mount: their digest, checked at first open
         self.checksums: object | None = None  # integrity.Checksums of its object, once known
+        self.in_use: Counter[int] = Counter()  # blocks reads are gathering (eviction passes them by)
 
     def hold(self) -> Content:
         self.holders += 1
@@ -62,6 +65,19 @@ class Content:
         bs = self.cache.block_size
         end = min(offset + length, self.size)
         return [i for i in blocks_touched(offset, end, bs) if self.blocks[i] is None]
+
+    @contextlib.contextmanager
+    def reading(self, offset: int, length: int):
+        """While a read gathers its blocks, eviction passes them by: a read of more blocks than
+        the RAM tier holds would otherwise evict its own first block to fetch its last, and
+        fetch that one again, forever (the disk tier takes what RAM cannot)."""
+        touched = blocks_touched(offset, min(offset + length, self.size), self.cache.block_size)
+        self.in_use.update(touched)
+        try:
+            yield
+        finally:
+            self.in_use.subtract(touched)
+            self.in_use += Counter()  # (drops the zeros)
 
     def holes(self, offset: int, length: int) -> bool:
         """Whether bytes [offset, offset + length) of a file not yet in the store are all hole

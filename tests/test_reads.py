@@ -202,6 +202,26 @@ def _read_whole(path: Path, start: int, size: int, direct: bool, chunk: int = Mi
     return bytes(out)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("store", ["local"], indirect=True)  # (S3's 5 MiB parts: a read spans 2 at most)
+def test_one_read_of_more_blocks_than_the_ram_tier_holds(store, mount_factory):
+    """A read request spanning more blocks than the RAM tier has slots (16 blocks in a 1 MiB
+    page-cache read, 4 RAM slots): the blocks it has gathered are not evicted to fetch the rest
+    (that looped forever, found by the long model run); the disk tier takes them."""
+    small = {"ram_cache": str(256 << 10), "cache_size": "64MiB", "extra": ("--part-size", "65536")}
+    data = blob(3 * MiB + 777, seed=5)
+    writer = mount_factory("w", **small).start()
+    (writer.path / "f.bin").write_bytes(data)
+    writer.stop()
+
+    reader = mount_factory("r", **small).start()
+    with open(reader.path / "f.bin", "rb", buffering=0) as f:
+        got = f.read(len(data) + 1)
+        got += f.read()  # (if the kernel cut it short)
+    assert got == data
+    assert reader.fetched_bytes() >= len(data)
+
+
 def test_concurrent_cold_readers_fetch_each_block_once(s3_server, s3_bucket, tmp_path):
     from tests.faultproxy import FaultProxy
 

@@ -137,9 +137,11 @@ class Files:
                     self.fetcher.prefetch(content, (offset + size) // self.cache.block_size)
                 handle.read_end = offset + size
                 self.cache.touch(handle.node)  # the file being read goes last among clean data
-                # Loop: a block fetched for this read may be evicted while the next one arrives.
-                while missing := content.missing(offset, size):
-                    await self.fetcher.fill(content, missing)
+                # Loop: a block fetched for this read may be evicted while the next one arrives
+                # (only by another read's need: eviction passes over this read's blocks).
+                with content.reading(offset, size):
+                    while missing := content.missing(offset, size):
+                        await self.fetcher.fill(content, missing)
             # (No await since the check: every block is there. A view only of what the handle
             # still holds: the blocks of a version let go meanwhile may be freed with our hold.)
             return content.read(offset, size, view and content is handle.content)
