@@ -51,14 +51,7 @@ class PartSender:
             task.compressed = any(compression.untag(h)[1] is not None for h in task.op.hashes.values())
         if task.stream is not None:
             await self._adopt_stream(task)
-        if task.multipart and task.upload is not None:
-            # The upload exists (streamed or resumed): the hash goes only into the manifest, so it
-            # runs beside the last parts, not before them (with free cores, durable follows the upload).
-            async with trio.open_nursery() as both:
-                both.start_soon(self._hash_whole_file, task)
-                await self._upload_parts(task)
-            return
-        await self._hash_whole_file(task)  # (a new upload's metadata carries it)
+        await self._hash_whole_file(task)
         if task.multipart:
             await self._upload_parts(task)
 
