@@ -78,6 +78,7 @@ class Content:
         finally:
             self.in_use.subtract(touched)
             self.in_use += Counter()  # (drops the zeros)
+            self.cache.notify_space()  # (an allocation may have found only these blocks to evict)
 
     def holes(self, offset: int, length: int) -> bool:
         """Whether bytes [offset, offset + length) of a file not yet in the store are all hole

@@ -80,13 +80,15 @@ class ObjectEncoding:
         return replace(part, xxh3=compression.tag(digest, stored, by))
 
     def _zeros_frame(self, length: int) -> tuple[bytes, int]:
-        """The frame of ``length`` zero bytes, encoded at the first hole of that length."""
+        """The frame of ``length`` zero bytes, encoded at the first hole of that length (a raw
+        frame, for an upload resumed from a mount that compressed, is made each time: not kept)."""
+        if self.codec is None:
+            return compression.raw_frame(bytes(length)), compression.RAW
         frame = self._zero_frames.get(length)
         if frame is None:
-            zeros = bytes(length)
-            frame = compression.encode_part(self.codec, None, zeros) if self.codec is not None else \
-                (compression.raw_frame(zeros), compression.RAW)
-            self._zero_frames = {**self._zero_frames, length: frame}  # (threads: replaced whole, never changed)
+            frame = compression.encode_part(self.codec, None, bytes(length))
+            # (threads: replaced whole, never changed; a few lengths at most: a part's and a last one's)
+            self._zero_frames = {**(self._zero_frames if len(self._zero_frames) < 4 else {}), length: frame}
         return frame
 
     def _seek_table_after(self, task: Task, number: int) -> Callable[[int], bytes] | None:

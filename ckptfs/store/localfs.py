@@ -83,7 +83,12 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 def zero_range(fd: int, offset: int, length: int) -> None:
     """Make ``length`` bytes at ``offset`` read as zeros without writing them: a hole punched in
-    the file (what was there is freed). Where the filesystem cannot punch, zeros are written."""
+    the file (what was there is freed), which reaches at least to the range's end (a hole past
+    the end is only that once the file is that long). Where the filesystem cannot punch, zeros
+    are written."""
+    if length <= 0:
+        return
+    pwrite_all(fd, b"\0", offset + length - 1)  # (never shrinks the file, whoever writes beyond)
     if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_long(offset),
                        ctypes.c_long(length)) == 0:
         return

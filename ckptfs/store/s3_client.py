@@ -159,6 +159,8 @@ class S3Client(ObjectStore):
         self._checksummed: dict[str, bool] = {}
         self._checksummed_lock = threading.Lock()
         self._zeros_made: set[int] = set()  # sizes of the zeros objects known in the bucket (s3_multipart)
+        self._zeros_lock = threading.Lock()
+        self._zeros_refused = False  # the server refused UploadPartCopy: holes are sent as zeros
 
     def report_to(self, health) -> None:
         """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage

@@ -4,19 +4,30 @@ where the server verifies it), parts, completion, abort, and the listing of unfi
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import threading
 from typing import Any
 
-from .base import RESERVED_PREFIX, NotFound, PartInfo
+from .base import RESERVED_PREFIX, NotFound, PartInfo, StoreError
 from .s3_client import CHECKSUM_ALGORITHM, S3Client, _as_bytes, _token, bex, crc32c_b64, log
 
 
 ZEROS_PREFIX = RESERVED_PREFIX + "zeros/"  # objects of zeros that hole parts are copied from
 ZEROS_MIN = 8 << 20  # the smallest such object (sizes are powers of two from here)
+# The largest: made by one PUT of a calloc'd buffer. A hole part longer than this (a file over
+# ~640 GiB has parts that long) is sent as zeros, as any part is.
+ZEROS_MAX = 64 << 20
 
 
 def zeros_size(length: int) -> int:
     """The size of the zeros object a hole part of ``length`` bytes is copied from."""
     return max(ZEROS_MIN, 1 << (length - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros_etag(size: int) -> str:
+    return hashlib.md5(bytes(size), usedforsecurity=False).hexdigest()  # (a one-PUT object's ETag)
 
 
 class S3Multipart(S3Client):
@@ -79,8 +90,10 @@ class S3Multipart(S3Client):
 
     def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
         """A hole: UploadPartCopy of a range of a zeros object in the bucket (made once, at the
-        first hole of its size), so no byte of it crosses the wire. A zeros object deleted by
-        hand is made again."""
+        first hole of its size), so no byte of it crosses the wire. A zeros object deleted or
+        changed by hand is made again; a server that refuses the copy gets the zeros sent."""
+        if length > ZEROS_MAX or self._zeros_refused:
+            return super().upload_zero_part(key, upload_id, number, length)
         for attempt in range(2):
             source = self._zeros_object(zeros_size(length), again=attempt > 0)
             try:
@@ -91,17 +104,27 @@ class S3Multipart(S3Client):
                 if attempt or self.head(source) is not None:
                     raise  # the upload is gone, not the zeros
                 continue
+            except StoreError as exc:
+                if exc.transient:
+                    raise
+                log.warning("%s refuses to copy a part from %s (%s): holes are sent as zeros from now on",
+                            self.endpoint, source, exc)
+                self._zeros_refused = True
+                return super().upload_zero_part(key, upload_id, number, length)
             result = r["CopyPartResult"]
             return PartInfo(number, _token(result["ETag"], result.get("ChecksumCRC32C")))
         raise AssertionError("unreachable")
 
     def _zeros_object(self, size: int, again: bool = False) -> str:
+        """The key of the bucket's zeros object of ``size`` bytes, checked (its ETag is the MD5
+        of that many zeros) and made where it is missing or not that, once per size at a time."""
         key = f"{ZEROS_PREFIX}{size}"
-        if again or size not in self._zeros_made:  # (threads racing here make it twice: harmless)
-            info = self.head(key)
-            if info is None or info.size != size:
-                self.put(key, bytes(size))  # (calloc'd, at most twice a part's size; once per bucket)
-            self._zeros_made.add(size)
+        with self._zeros_lock:
+            if again or size not in self._zeros_made:
+                info = self.head(key)
+                if info is None or info.size != size or info.etag.strip('"') != _zeros_etag(size):
+                    self.put(key, bytes(size))  # (calloc'd, at most ZEROS_MAX; once per bucket)
+                self._zeros_made.add(size)
         return key
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
