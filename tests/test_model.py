@@ -52,7 +52,7 @@ import os
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import pytest
@@ -224,12 +224,19 @@ def guarded(rule_fn):
     """A failure after the daemon died says so, with its log; a known crash discards the example."""
     @functools.wraps(rule_fn)
     def wrapper(self, *args, **kwargs):
+        self.trace.append(rule_fn.__name__ + "(" + ", ".join(
+            f"{k}={len(v)} bytes" if isinstance(v, bytes) else f"{k}={v!r}" for k, v in kwargs.items()
+            if k != "data") + ")")
         try:
             return rule_fn(self, *args, **kwargs)
         except (AssertionError, OSError) as exc:
             why = self.m.died() if self.m is not None else None
             if why is None:
-                raise
+                # (a failure hypothesis may not replay: timing. Say what led to it, and what the daemon logged)
+                log = self.m.cache_dir / "ckptfs.log" if self.m is not None else None
+                tail = log.read_text(errors="replace").splitlines()[-40:] if log is not None and log.exists() else []
+                raise type(exc)(f"{exc}\nthe machine's last steps:\n  " + "\n  ".join(self.trace) +
+                                "\nthe daemon's log ends with:\n" + "\n".join(tail)) from exc
             if KNOWN_CRASH in why and TOLERATE["daemon crash on a cancelled multipart upload"]:
                 SEEN["daemon crash on a cancelled multipart upload"] += 1
                 reject()
@@ -251,6 +258,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.hids = itertools.count()
         self.working_ids = itertools.count()
         self.steps_since_restart = 0
+        self.trace: deque[str] = deque(maxlen=40)  # the last rules run (and what they touched), for failures
         self.m: SpawnedMount | None = None
 
     # -- set-up and tear-down --------------------------------------------------------------------
@@ -312,6 +320,7 @@ class ModelMachine(RuleBasedStateMachine):
                 self.detach(child)
 
     def commit(self, node: MFile, data: bytes) -> None:
+        self.trace.append(f"  commits {'/'.join(next((p for p, n in self.files() if n is node), ('?',)))}: {len(data)} bytes")
         node.committed = bytes(data)
         node.commit_event = next(self.events)
         node.history.append(node.committed)
