@@ -37,8 +37,8 @@ ckptfs CLI from a helper process started before any file is opened on the mount,
 copies the model's open writers (a forked child's close no longer commits them,
 test_fork_does_not_commit_an_open_writer, but the model does not depend on it).
 
-Default: 20 examples of up to 30 steps (about half a minute); CKPTFS_LONG=1: 300 of up to 60 (about
-15 minutes). CKPTFS_MODEL_EXAMPLES / CKPTFS_MODEL_STEPS override.
+Default: 20 examples of up to 30 steps (about a minute); CKPTFS_LONG=1: 300 of up to 60 (about
+half an hour on 2 cores). CKPTFS_MODEL_EXAMPLES / CKPTFS_MODEL_STEPS override.
 """
 
 from __future__ import annotations
