@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from . import private
+from .store.localfs import punch_hole
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ RAM, DISK = 0, 1
 PAGE = mmap.PAGESIZE  # the unit a disk slot's block is charged in
 # The disk arena is sparse; past this apparent size small files wait for room (ext4: 16 TiB at most).
 MAX_DISK_ARENA = 1 << 40
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_FALLOC_FL_KEEP_SIZE = 0x01
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 TIER_NAMES = ("ram", "disk")
 
@@ -205,9 +206,8 @@ class Tier:
             self._punch(slot * self.block_size, held)
 
     def _punch(self, pos: int, length: int) -> None:
-        if _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                           ctypes.c_long(pos), ctypes.c_long(length)) != 0:
-            log.debug("cannot punch a hole in %s: %s", self.path, os.strerror(ctypes.get_errno()))
+        if err := punch_hole(self.fd, pos, length):
+            log.debug("cannot punch a hole in %s: %s", self.path, os.strerror(err))
 
     def sync(self) -> None:
         if self.mm is not None:

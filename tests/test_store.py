@@ -619,3 +619,16 @@ def test_redact_url_masks_a_password_holding_at_signs():
 
     assert redact_url("http://user:p@ss@host:9000/a@b") == "http://***@host:9000/a@b"
     assert redact_url("s3://bucket/run@1/x") == "s3://bucket/run@1/x"
+
+
+def test_s3_a_zeros_object_changed_by_hand_is_made_again(s3_store):
+    """A zeros object someone overwrote with other bytes of the same size is not copied from:
+    a new store checks its ETag and puts zeros there again."""
+    from ckptfs.store.s3_multipart import ZEROS_PREFIX, zeros_size
+    first = s3_store()
+    first.put(f"{ZEROS_PREFIX}{zeros_size(5 * MiB)}", blob(zeros_size(5 * MiB), 7))
+    store = s3_store()
+    uid = store.create_multipart("z.bin")
+    parts = [store.upload_zero_part("z.bin", uid, 1, 5 * MiB), store.upload_part("z.bin", uid, 2, b"end")]
+    store.complete_multipart("z.bin", uid, parts)
+    assert store.get_range("z.bin", 0, 6 * MiB) == bytes(5 * MiB) + b"end"

@@ -81,6 +81,15 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
+def punch_hole(fd: int, offset: int, length: int) -> int:
+    """Free ``length`` bytes at ``offset`` of a file (they read as zeros; its size stays).
+    Returns 0, or the errno of a filesystem that cannot."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_long(offset),
+                       ctypes.c_long(length)) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
 def zero_range(fd: int, offset: int, length: int) -> None:
     """Make ``length`` bytes at ``offset`` read as zeros without writing them: a hole punched in
     the file (what was there is freed), which reaches at least to the range's end (a hole past
@@ -89,10 +98,9 @@ def zero_range(fd: int, offset: int, length: int) -> None:
     if length <= 0:
         return
     pwrite_all(fd, b"\0", offset + length - 1)  # (never shrinks the file, whoever writes beyond)
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_long(offset),
-                       ctypes.c_long(length)) == 0:
+    err = punch_hole(fd, offset, length)
+    if not err:
         return
-    err = ctypes.get_errno()
     if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
         raise OSError(err, os.strerror(err))
     zeros = bytes(min(length, COPY_CHUNK))
