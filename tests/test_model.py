@@ -923,6 +923,55 @@ def test_restart_keeps_the_last_commit_over_an_older_fsync(local_mount):
     assert path.read_bytes() == b"closed later by K"
 
 
+def _wait_durable(path: Path) -> None:
+    deadline = time.monotonic() + 30
+    while os.getxattr(path, "user.ckptfs.state") != b"durable":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _kill_and_remount(m: Mount, *open_fds: int) -> None:
+    kill_daemon(m)
+    for fd in open_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # (ENOTCONN: the daemon is gone)
+    m.start()
+
+
+def test_a_durable_file_fsynced_then_renamed_keeps_its_fsynced_bytes_after_a_kill(local_mount):
+    """Was a bug (the long model run): the fsync's journal record moved to the new name but kept
+    its place in the journal, before the rename's move op; replay applied the fsynced copy,
+    then the move, which put the older durable version over it."""
+    m = local_mount
+    (m.path / "x").write_bytes(b"durable version")
+    _wait_durable(m.path / "x")
+    fd = os.open(m.path / "x", os.O_WRONLY)
+    os.pwrite(fd, b"FSYNCED", 0)
+    os.fsync(fd)
+    os.rename(m.path / "x", m.path / "y")
+    _kill_and_remount(m, fd)
+    assert sorted(os.listdir(m.path)) == ["y"]
+    assert (m.path / "y").read_bytes() == b"FSYNCED version"
+    assert stored(m, "y") == b"FSYNCED version"
+
+
+def test_a_new_file_fsynced_then_renamed_over_another_keeps_its_fsynced_bytes_after_a_kill(local_mount):
+    """Was a bug: the rename journals a delete of the file it replaces after the new file's
+    fsync record; replay deleted the fsynced file."""
+    m = local_mount
+    (m.path / "latest").write_bytes(b"the old one")
+    fd = os.open(m.path / "latest.tmp", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, b"the new one, fsynced")
+    os.fsync(fd)
+    os.rename(m.path / "latest.tmp", m.path / "latest")
+    _kill_and_remount(m, fd)
+    assert sorted(os.listdir(m.path)) == ["latest"]
+    assert (m.path / "latest").read_bytes() == b"the new one, fsynced"
+    assert stored(m, "latest") == b"the new one, fsynced"
+
+
 def test_msync_is_an_fsync_a_clean_remount_keeps_what_it_synced(local_mount):
     """msync of a shared map sends FSYNC: the working copy is then locally durable, so a clean
     umount while its read-write descriptor is still open keeps it (the long model run found

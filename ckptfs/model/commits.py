@@ -45,8 +45,7 @@ class Commits:
         object's metadata says so too)."""
         now = time.time_ns()
         try:
-            op = put_op(node.key(), content)
-            op.meta = attr_metadata(node)
+            op = put_op(node.key(), content, attr_metadata(node))
             op.replaces = self._replaced_manifest(node)
             op = self.log(op)
         except BaseException:
@@ -142,9 +141,10 @@ class Commits:
         if node.is_dir:
             node.last_seq = self.log(Op(MKDIR, new_key, meta=attr_metadata(node))).seq
             return
-        for shadow in node.shadows:
-            shadow.op.key = new_key
-            self.journal.retarget(shadow.op.seq, new_key)
+        self._relocate_version(node, old_key, new_key)
+        self._rejournal_shadows(node)
+
+    def _relocate_version(self, node: Node, old_key: str, new_key: str) -> None:
         version = node.version
         if version is None:
             return  # created, never committed: its commit will use the new key
@@ -186,12 +186,23 @@ class Commits:
 
     # -- fsync shadows -----------------------------------------------------------------------------
     def add_shadow(self, node: Node, content: Content, writing: Writing | None, covers: int | None) -> None:
-        op = self.journal.append(put_op(node.key(), content))
+        op = self.journal.append(put_op(node.key(), content, attr_metadata(node)))
         for old in [s for s in node.shadows if writing is not None and s.writing is writing]:
             self._retire_shadow(node, old)  # superseded by this later fsync of the same working copy
         shadow = Shadow(op, content, writing, covers)
         node.shadows.append(shadow)
         self.shadows[op.seq] = shadow
+
+    def _rejournal_shadows(self, node: Node) -> None:
+        """A renamed file's fsync records move to the journal's end under its new key: replay
+        applies ops in order, and the rename's own ops (the move of the durable version, the
+        delete of the file it replaced) must not land on top of what was fsynced."""
+        for shadow in node.shadows:
+            old_seq = shadow.op.seq
+            shadow.op = self.journal.append(put_op(node.key(), shadow.content, attr_metadata(node)))
+            self.journal.cancel(old_seq)  # (after the append: a crash between keeps one of them)
+            del self.shadows[old_seq]
+            self.shadows[shadow.op.seq] = shadow
 
     def _retire_shadow(self, node: Node, shadow: Shadow) -> None:
         node.shadows.remove(shadow)
@@ -217,8 +228,10 @@ class Commits:
         return names
 
 
-def put_op(key: str, content: Content) -> Op:
+def put_op(key: str, content: Content, meta: dict[str, str] | None = None) -> Op:
     op = Op(PUT, key, size=content.size, blocks=list(content.blocks))
+    if meta is not None:
+        op.meta = meta
     if content.remote:  # the upload holding the evicted parts (a restart completes it)
         upload = content.upload
         op.upload = [upload.key, upload.upload_id, upload.journal_id]
