@@ -156,6 +156,8 @@ class Uploader(PartSender, ObjectEncoding):
         task = self.pending.get(seq)
         if task is None or task.publishing or task.op.upload:
             return False  # (evicted parts cannot move to another key's upload: a move follows)
+        if any(later > seq and key in (t.op.key, t.op.src) for later, t in self.pending.items()):
+            return False  # a later op there (a move of another file to it) would land on top: a move follows
         task.op.key = key
         task.op.replaces = ""  # (the old key's object goes with its delete, manifest and all)
         self.journal.retarget(seq, key)

@@ -234,6 +234,31 @@ async def test_rename_of_a_pending_file_retargets_its_upload(tmp_path, local):
 
 
 @trio_test
+async def test_rename_of_a_pending_file_to_a_name_a_pending_move_fills(tmp_path, local):
+    """Was a bug (found reading the code after the long model run): the pending put was
+    retargeted to a key that a later pending op (the move of another file there) writes, and
+    that op, published after it, left the other file under the name."""
+    store = FaultyStore(local)
+    x, y = blob(300, 1), blob(200, 2)
+
+    async with mounted(tmp_path, store) as m:
+        ns = m.ns
+        await create(ns, "/y", y)
+        await sync(m)  # durable: its rename is a move op
+        gate = store.hold("put", "blocker")  # hold the publisher before x's put
+        await create(ns, "/blocker", b"b")
+        await create(ns, "/x", x)
+        await gate.entered()
+        ns.rename(ROOT_INODE, "y", ROOT_INODE, "a", 0)  # a move op, after x's put
+        ns.rename(ROOT_INODE, "x", ROOT_INODE, "a", 0)  # x replaces y there
+        gate.open()
+        await sync(m)
+        assert names(ns) == ["a", "blocker"]
+        assert await read_all(ns, "a") == x
+    assert store_files(local) == {"blocker": b"b", "a": x}
+
+
+@trio_test
 async def test_directory_rename_with_durable_and_pending_files(tmp_path, local):
     a, b = blob(100, 1), blob(2 * BS + 1, 2)
 
