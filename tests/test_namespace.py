@@ -259,6 +259,31 @@ async def test_rename_of_a_pending_file_to_a_name_a_pending_move_fills(tmp_path,
 
 
 @trio_test
+async def test_rename_of_a_pending_file_to_a_name_a_pending_move_empties(tmp_path, local):
+    """The same bug the other way (the model run's "committed file missing from the store"): a
+    pending move of the file that had the name, published after the retargeted put, moved the
+    new file away with it."""
+    store = FaultyStore(local)
+    x, y = blob(300, 1), blob(200, 2)
+
+    async with mounted(tmp_path, store) as m:
+        ns = m.ns
+        await create(ns, "/a", y)
+        await sync(m)  # durable: its rename is a move op
+        gate = store.hold("put", "blocker")
+        await create(ns, "/blocker", b"b")
+        await create(ns, "/x", x)
+        await gate.entered()
+        ns.rename(ROOT_INODE, "a", ROOT_INODE, "z", 0)  # a move op (from a), after x's put
+        ns.rename(ROOT_INODE, "x", ROOT_INODE, "a", 0)
+        gate.open()
+        await sync(m)
+        assert await read_all(ns, "a") == x
+        assert await read_all(ns, "z") == y
+    assert store_files(local) == {"blocker": b"b", "a": x, "z": y}
+
+
+@trio_test
 async def test_directory_rename_with_durable_and_pending_files(tmp_path, local):
     a, b = blob(100, 1), blob(2 * BS + 1, 2)
 
