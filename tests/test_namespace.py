@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from ckptfs import retry
+from ckptfs.cache import DISK, RAM
 from ckptfs.model.tree import Tree
 from ckptfs.namespace import RENAME_NOREPLACE, ROOT_INODE, Namespace
 from ckptfs.store.base import ObjectInfo
@@ -281,6 +282,32 @@ async def test_rename_of_a_pending_file_to_a_name_a_pending_move_empties(tmp_pat
         assert await read_all(ns, "a") == x
         assert await read_all(ns, "z") == y
     assert store_files(local) == {"blocker": b"b", "a": x, "z": y}
+
+
+@trio_test
+async def test_fsync_of_a_pending_version_on_the_disk_tier_syncs_the_disk_arena(tmp_path, local):
+    """Was a bug: a pending version whose blocks were all on the disk tier was fsynced by
+    syncing the journal alone: after a node reboot its journal record could name disk slots
+    whose bytes never reached the disk."""
+    store = FaultyStore(local)
+    async with mounted(tmp_path, store) as m:
+        ns = m.ns
+        ram_taken = []
+        while (ref := m.cache.try_alloc(only=RAM)) is not None:  # the RAM tier is full
+            ram_taken.append(ref)
+        gate = store.hold("put", "f")  # the version stays pending
+        f = await create(ns, "/f", blob(BS + 1, 1))
+        assert all(ref[0] == DISK for ref in ns.node(f).version.content.refs())
+        disk = m.cache.tiers[DISK]
+        synced, sync = [], disk.sync
+        disk.sync = lambda: (synced.append(True), sync())
+        reader, *_ = await ns.open(f, os.O_RDONLY)
+        await ns.fsync(reader.fh)
+        assert synced, "fsync did not sync the disk arena holding the version's blocks"
+        ns.release(reader.fh)
+        gate.open()
+        for ref in ram_taken:
+            m.cache.decref(ref)
 
 
 @trio_test

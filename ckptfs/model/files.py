@@ -286,10 +286,12 @@ class Files:
         elif node.version is not None and node.version.seq is not None:
             content, covers = node.version.content, node.version.seq
             if not any(ref is not None and ref[0] == RAM for ref in content.blocks):
-                content = None  # already on disk: the journal record is enough
+                content = None  # already on disk: its commit's journal record names those blocks
         else:
             return  # durable in the store already, or nothing committed
-        if content is not None:
+        if content is None:  # its disk blocks were written, not necessarily synced
+            await trio.to_thread.run_sync(self.cache.tiers[DISK].sync)
+        else:
             content.hold()
             try:
                 disk = await self.cache.on_disk(content)
