@@ -209,26 +209,36 @@ class Cache:
 
     def _evict(self, prefer_tier: int | None) -> bool:
         """Drop the least recently used clean content (holding a block on prefer_tier); the
-        latest checkpoint's only when nothing else is left."""
-        for spare_pinned in (True, False):
-            for owner, (content, on_evict, whole) in self.clean.items():
-                if spare_pinned and self.policy.pinned(owner):
-                    continue
-                if whole and content.in_use:
-                    continue  # (a read is gathering blocks of it: see Content.reading)
-                held = [i for i, r in enumerate(content.blocks)
-                        if r is not None and prefer_tier in (None, r[0]) and i not in content.in_use]
-                if not held:
-                    continue
-                if whole:
-                    del self.clean[owner]
-                    on_evict()
-                    content.drop_blocks()
-                else:  # (the entry stays: the reader fetches more blocks into it)
-                    self.decref(content.blocks[held[0]])
-                    content.blocks[held[0]] = None
+        latest checkpoint's only when nothing else is left. One pass, the pinning asked only of
+        contents that hold such a block: a save of many small files can evict on every
+        allocation, with hundreds of clean files to pass over."""
+        first_pinned = None
+        for owner, (content, on_evict, whole) in self.clean.items():
+            if whole and content.in_use:
+                continue  # (a read is gathering blocks of it: see Content.reading)
+            held = [i for i, r in enumerate(content.blocks)
+                    if r is not None and prefer_tier in (None, r[0]) and i not in content.in_use]
+            if not held:
+                continue
+            if not self.policy.pinned(owner):
+                self._drop_clean(owner, content, on_evict, whole, held[0])
                 return True
+            if first_pinned is None:
+                first_pinned = (owner, content, on_evict, whole, held[0])
+        if first_pinned is not None:
+            self._drop_clean(*first_pinned)
+            return True
         return False
+
+    def _drop_clean(self, owner: object, content: Content, on_evict: Callable[[], None], whole: bool,
+                    first_held: int) -> None:
+        if whole:
+            del self.clean[owner]
+            on_evict()
+            content.drop_blocks()
+        else:  # (the entry stays: the reader fetches more blocks into it)
+            self.decref(content.blocks[first_held])
+            content.blocks[first_held] = None
 
     # -- block I/O ----------------------------------------------------------------------
     def write(self, ref: BlockRef, offset: int, data) -> None:

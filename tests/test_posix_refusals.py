@@ -185,6 +185,12 @@ def test_link_counts_directories_two_plus_subdirectories_unlinked_open_file_zero
     assert os.stat(d / "f.bin").st_nlink == 1
     (d / "a").rmdir()
     assert os.stat(d).st_nlink == 3
+    os.rename(d / "b", m.path / "moved")  # a directory moved out takes its ".." along
+    assert os.stat(d).st_nlink == 2
+    assert os.stat(m.path).st_nlink == root_links + 2
+    os.rename(m.path / "moved", d / "b")
+    assert os.stat(d).st_nlink == 3
+    assert os.stat(m.path).st_nlink == root_links + 1
 
     reader = os.open(d / "f.bin", os.O_RDONLY)
     writer = os.open(d / "w.bin", os.O_CREAT | os.O_WRONLY, 0o644)

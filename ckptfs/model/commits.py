@@ -181,7 +181,7 @@ class Commits:
                 n.version.content.release()
                 n.version = None
             n.unlinked = True
-        del node.parent.children[node.name]
+        self.tree.take_out(node)
         self.tree.maybe_drop(node)
 
     # -- fsync shadows -----------------------------------------------------------------------------

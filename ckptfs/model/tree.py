@@ -74,6 +74,7 @@ class Node:
         self.uid, self.gid = uid, gid
         self.atime_ns = self.mtime_ns = self.ctime_ns = time.time_ns()
         self.children: dict[str, Node] = {}
+        self.subdirs = 0  # directories among the children (their ".." links: nlink, without a scan)
         self.version: Version | None = None
         self.nlookup = 0
         self.handles = 0
@@ -214,7 +215,7 @@ class Tree:
     def attr(node: Node) -> Attr:
         # Links as on a local disk: a directory's "." and its entry, and each subdirectory's "..";
         # none once unlinked (a file still open).
-        nlink = 2 + sum(c.is_dir for c in node.children.values()) if node.is_dir else 1
+        nlink = 2 + node.subdirs if node.is_dir else 1
         # Stored attributes not read yet (a HEAD failed): shown as root's, no permission, never
         # more open than they will be.
         mode, uid, gid = (node.mode, node.uid, node.gid) if node.attrs_known else (stat.S_IFMT(node.mode), 0, 0)
@@ -234,7 +235,7 @@ class Tree:
                     self.gid if gid is None else gid)
         self._next_ino += 1
         self.inodes[node.ino] = node
-        parent.children[name] = node
+        self.put_in(node, parent, name)
         return node
 
     def ensure_dir(self, parts: list[str]) -> Node | None:
@@ -248,13 +249,22 @@ class Tree:
             node = child
         return node
 
-    @staticmethod
-    def move(node: Node, new_parent: Node, new_name: str) -> None:
-        del node.parent.children[node.name]
-        node.parent = new_parent
-        node.name = new_name
-        new_parent.children[new_name] = node
+    def move(self, node: Node, new_parent: Node, new_name: str) -> None:
+        self.take_out(node)
+        self.put_in(node, new_parent, new_name)
         node.ctime_ns = time.time_ns()
+
+    @staticmethod
+    def put_in(node: Node, parent: Node, name: str) -> None:
+        node.parent, node.name = parent, name
+        parent.children[name] = node
+        parent.subdirs += node.is_dir
+
+    @staticmethod
+    def take_out(node: Node) -> None:
+        """Out of its parent's entries (the node keeps ``parent``: an unlinked node's last place)."""
+        del node.parent.children[node.name]
+        node.parent.subdirs -= node.is_dir
 
     def touch(self, node: Node) -> None:
         """A directory changed here (create, unlink, rename in it)."""
