@@ -28,7 +28,7 @@ class ObjectEncoding:
 
     async def _publish_one(self, task: Task) -> None:
         op = task.op
-        data = await trio.to_thread.run_sync(task.content.read, 0, op.size, limiter=self.hash_threads)
+        data = await self._in_thread_if_large(op.size, task.content.read, 0, op.size)
         metadata = {**op.meta, integrity.XXH3_META: task.xxh3}
         checksums = integrity.Checksums.whole_file(op.size, task.xxh3)
         if self.codec is not None and op.size >= compression.ONE_PUT_MIN:

@@ -62,7 +62,7 @@ class PartSender:
         content = task.content
         if task.xxh3 or content.remote or (task.multipart and content.sparse()):
             return
-        task.xxh3 = await trio.to_thread.run_sync(self._hash, content, limiter=self.hash_threads)
+        task.xxh3 = await self._in_thread_if_large(content.size, self._hash, content)
 
     async def _adopt_stream(self, task: Task) -> None:
         """Take over the parts a stream sent that still match the committed content."""
