@@ -18,7 +18,7 @@ import trio
 
 from . import compression, integrity
 from .store.base import StoreError
-from .upload_tasks import Task, Upload
+from .upload_tasks import Task, Upload, in_thread_if_large
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class ObjectEncoding:
 
     async def _publish_one(self, task: Task) -> None:
         op = task.op
-        data = await self._in_thread_if_large(op.size, task.content.read, 0, op.size)
+        data = await in_thread_if_large(self.hash_threads, op.size, task.content.read, 0, op.size)
         metadata = {**op.meta, integrity.XXH3_META: task.xxh3}
         checksums = integrity.Checksums.whole_file(op.size, task.xxh3)
         if self.codec is not None and op.size >= compression.ONE_PUT_MIN:

@@ -19,7 +19,7 @@ import trio
 from . import compression, integrity
 from .blocks import BlockRef, zeros_xxh3
 from .store.base import NotFound, PartInfo, StoreError
-from .upload_tasks import Stream, Task, Upload
+from .upload_tasks import Stream, Task, Upload, in_thread_if_large
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class PartSender:
         content = task.content
         if task.xxh3 or content.remote or (task.multipart and content.sparse()):
             return
-        task.xxh3 = await self._in_thread_if_large(content.size, self._hash, content)
+        task.xxh3 = await in_thread_if_large(self.hash_threads, content.size, self._hash, content)
 
     async def _adopt_stream(self, task: Task) -> None:
         """Take over the parts a stream sent that still match the committed content."""

@@ -131,3 +131,15 @@ class Task:
 
     def n_parts(self) -> int:
         return math.ceil(self.op.size / self.part_size)
+
+
+INLINE_BYTES = 256 << 10  # hashed or copied on the trio thread up to this size
+
+
+async def in_thread_if_large(limiter: trio.CapacityLimiter, nbytes: int, fn: Callable, *args):
+    """``fn(*args)``, a hash or copy of ``nbytes`` of cached data: in a worker thread, or on the
+    trio thread when small (a thread's round trip, two wake-ups, costs more on this VM than
+    hashing or copying INLINE_BYTES: a save of many small files waits on the trio thread)."""
+    if nbytes <= INLINE_BYTES:
+        return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter)

@@ -55,8 +55,6 @@ __all__ = ["PartBuffers", "Stream", "Task", "Upload", "Uploader", "part_size_for
 
 log = logging.getLogger(__name__)
 
-INLINE_BYTES = 256 << 10  # hashed or copied on the trio thread up to this size (_in_thread_if_large)
-
 
 class Uploader(PartSender, ObjectEncoding):
     """The op queue, its publication in commit order, retries and figures. The data path before
@@ -363,14 +361,6 @@ class Uploader(PartSender, ObjectEncoding):
         if (key, message) not in self._logged_errors:  # once per key and reason, not per retry
             self._logged_errors.add((key, message))
             log.error("store error on %s (will retry): %s", key, message)
-
-    async def _in_thread_if_large(self, nbytes: int, fn, *args):
-        """``fn(*args)``, a hash or copy of ``nbytes`` of cached data: in a worker thread, or on
-        the trio thread when small (a thread's round trip, two wake-ups, costs more on this VM
-        than hashing or copying INLINE_BYTES: a save of many small files waits on the trio thread)."""
-        if nbytes <= INLINE_BYTES:
-            return fn(*args)
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.hash_threads)
 
     def _hash(self, content: Content) -> str:
         return content_xxh3(self.cache.view, content.size, content.blocks, self.cache.block_size)
