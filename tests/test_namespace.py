@@ -234,54 +234,38 @@ async def test_rename_of_a_pending_file_retargets_its_upload(tmp_path, local):
     assert_xxh3(local, "big.bin", big)
 
 
+@pytest.mark.parametrize("durable, first_rename, expected", [
+    # a pending move of another file to the name: it was published after the retargeted put
+    # and left the other file under the name
+    ("y", ("y", "a"), {"a": "x"}),
+    # a pending move of the file that had the name away (the model run's "committed file
+    # missing from the store"): published after the retargeted put, it took the new file along
+    ("a", ("a", "z"), {"a": "x", "z": "durable"}),
+], ids=["a-move-there", "a-move-away"])
 @trio_test
-async def test_rename_of_a_pending_file_to_a_name_a_pending_move_fills(tmp_path, local):
+async def test_rename_of_a_pending_file_to_a_name_a_later_pending_move_touches(tmp_path, local, durable,
+                                                                              first_rename, expected):
     """Was a bug (found reading the code after the long model run): the pending put was
-    retargeted to a key that a later pending op (the move of another file there) writes, and
-    that op, published after it, left the other file under the name."""
+    retargeted to a key that a later pending op writes or moves away."""
     store = FaultyStore(local)
-    x, y = blob(300, 1), blob(200, 2)
+    data = {"x": blob(300, 1), "durable": blob(200, 2)}
 
     async with mounted(tmp_path, store) as m:
         ns = m.ns
-        await create(ns, "/y", y)
+        await create(ns, "/" + durable, data["durable"])
         await sync(m)  # durable: its rename is a move op
         gate = store.hold("put", "blocker")  # hold the publisher before x's put
         await create(ns, "/blocker", b"b")
-        await create(ns, "/x", x)
+        await create(ns, "/x", data["x"])
         await gate.entered()
-        ns.rename(ROOT_INODE, "y", ROOT_INODE, "a", 0)  # a move op, after x's put
-        ns.rename(ROOT_INODE, "x", ROOT_INODE, "a", 0)  # x replaces y there
-        gate.open()
-        await sync(m)
-        assert names(ns) == ["a", "blocker"]
-        assert await read_all(ns, "a") == x
-    assert store_files(local) == {"blocker": b"b", "a": x}
-
-
-@trio_test
-async def test_rename_of_a_pending_file_to_a_name_a_pending_move_empties(tmp_path, local):
-    """The same bug the other way (the model run's "committed file missing from the store"): a
-    pending move of the file that had the name, published after the retargeted put, moved the
-    new file away with it."""
-    store = FaultyStore(local)
-    x, y = blob(300, 1), blob(200, 2)
-
-    async with mounted(tmp_path, store) as m:
-        ns = m.ns
-        await create(ns, "/a", y)
-        await sync(m)  # durable: its rename is a move op
-        gate = store.hold("put", "blocker")
-        await create(ns, "/blocker", b"b")
-        await create(ns, "/x", x)
-        await gate.entered()
-        ns.rename(ROOT_INODE, "a", ROOT_INODE, "z", 0)  # a move op (from a), after x's put
+        ns.rename(ROOT_INODE, first_rename[0], ROOT_INODE, first_rename[1], 0)  # a move op, after x's put
         ns.rename(ROOT_INODE, "x", ROOT_INODE, "a", 0)
         gate.open()
         await sync(m)
-        assert await read_all(ns, "a") == x
-        assert await read_all(ns, "z") == y
-    assert store_files(local) == {"blocker": b"b", "a": x, "z": y}
+        assert names(ns) == sorted(["blocker", *expected])
+        for name, which in expected.items():
+            assert await read_all(ns, name) == data[which]
+    assert store_files(local) == {"blocker": b"b", **{name: data[which] for name, which in expected.items()}}
 
 
 @trio_test
