@@ -265,7 +265,13 @@ class Operations(pyfuse3.Operations):
         self._opened_at[handle.fh] = time.monotonic()
         # direct_io for write-only handles: the kernel hands large writes straight to us
         # (1 MiB requests) instead of splitting them through its page cache (files.direct_writes).
-        return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_writes(flags)), self._entry(attr)
+        entry = self._entry(attr)
+        # The new file's attributes may be cached although it is open for writing: the kernel
+        # drops its cached size, times and blocks itself at every write and truncate through
+        # it, and nothing else changes them. Saves the GETATTR that the open's permission
+        # check would send next: one of seven requests per small file (docs/benchmarks.md).
+        entry.attr_timeout = self.entry_timeout
+        return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_writes(flags)), entry
 
     @_errno_boundary
     async def open(self, inode, flags, ctx):

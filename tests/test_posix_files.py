@@ -16,6 +16,8 @@ import zipfile
 import numpy as np
 import pytest
 
+from ckptfs.fuse_ops import ENTRY_TIMEOUT
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -49,6 +51,28 @@ def test_the_size_is_visible_while_writing(store, mount_factory):
         os.close(fd)
     m.sync()
     assert store.read("growing.bin") == b"x" * 5000 + bytes(95_000)
+
+
+def test_a_close_changes_no_attribute(store, mount_factory):
+    """As on a disk, a close leaves size and times as the last write or truncate set them. The
+    kernel caches a new file's attributes from the create, so a commit that moved ctime showed
+    one ctime right after a touch and another a second later."""
+    m = mount_factory().start()
+    fields = ("st_size", "st_mtime_ns", "st_ctime_ns", "st_mode", "st_blocks")
+    for name, data in (("touched", b""), ("written", b"w" * 70_000)):
+        path = m.path / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+        try:
+            if data:
+                os.write(fd, data)
+            at_close = os.fstat(fd)
+        finally:
+            os.close(fd)
+        after_close = os.stat(path)
+        time.sleep(ENTRY_TIMEOUT + 0.5)  # (past the kernel's attribute cache: the daemon answers)
+        later = os.stat(path)
+        for field in fields:
+            assert getattr(at_close, field) == getattr(after_close, field) == getattr(later, field), (name, field)
 
 
 def test_an_append_from_another_process_is_not_lost(store, mount_factory):

@@ -43,7 +43,6 @@ class Commits:
     def commit(self, node: Node, content: Content, writing: Writing | None = None) -> None:
         """``node``'s new version; its mtime is its last write's, as the caller set it (the
         object's metadata says so too)."""
-        now = time.time_ns()
         try:
             op = put_op(node.key(), content, attr_metadata(node))
             op.replaces = self._replaced_manifest(node)
@@ -63,7 +62,7 @@ class Commits:
         if writing is not None and writing.stream is not None:
             stream, stamps, writing.stream = writing.stream, list(writing.staged.stamps), None
         self.uploader.submit(op, content, self.on_durable(node), stream, stamps)
-        node.ctime_ns = now
+        # (ctime is not touched: the writes and truncates did that; a close does not, as on a disk)
         if stream is not None and stream.meta != attr_metadata(node, mtime=False):
             self.set_attrs(node)  # changed since its upload began (the upload's metadata is fixed then)
 

@@ -350,7 +350,7 @@ class Files:
                 base.release()
         await staged.truncate(size)
         if not node.unlinked:
-            node.mtime_ns = time.time_ns()
+            node.mtime_ns = node.ctime_ns = time.time_ns()
             self.commits.commit(node, staged.snapshot())
             self._readers_follow(node)
         staged.discard()
