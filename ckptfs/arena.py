@@ -164,20 +164,23 @@ class Tier:
             # written through the file without zeroing it first and without a page fault per
             # page of the map (a fresh mount's first save: 279k faults per GiB through the
             # map, 23k this way; docs/benchmarks.md). The GIL is released for the copy too.
-            os.pwrite(self.fd, data, pos)
+            self._pwrite_all(data, pos)
             return
         end = offset + len(data)
         if end > self.charged.get(slot, 0):  # a fitted block written again past its end (rare)
             self.charge(slot, min(in_pages(end), self.block_size))
-        os.pwrite(self.fd, data, pos)
+        self._pwrite_all(data, pos)
 
     def fill(self, slot: int, data) -> None:
         """Write a freshly taken slot's block from its start through the file, not the map: the
         GIL is released for the copy (callable from a worker thread: no bookkeeping here, the
         slot was charged a whole block when taken) and tmpfs takes the bytes without a page
         fault per page of the map (a fresh mount's RAM slots have never been mapped)."""
-        view, pos = memoryview(data), slot * self.block_size
-        while view:
+        self._pwrite_all(data, slot * self.block_size)
+
+    def _pwrite_all(self, data, pos: int) -> None:
+        view = memoryview(data)
+        while view:  # (a signal may cut a large write short)
             written = os.pwrite(self.fd, view, pos)
             view, pos = view[written:], pos + written
 
