@@ -172,12 +172,19 @@ def test_training_at_risk_rises_while_uploads_are_blocked_and_falls_after(mount_
     assert m.status()["training_at_risk_s"] == 0
 
 
+def _ctrl_c_as_on_a_terminal() -> None:
+    """A suite started in the background (`scripts/test &`) hands its children SIGINT ignored,
+    and a command that starts so keeps ignoring it (Python then installs no KeyboardInterrupt):
+    the child gets SIGINT as a terminal's Ctrl-C would deliver it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_status_watch_redraws_in_place_on_a_terminal_and_streams_json_otherwise(mount_factory):
     m = mount_factory().start()
     (m.path / "a.bin").write_bytes(b"x" * 1000)
     main, sub = pty.openpty()
     proc = subprocess.Popen([*CKPTFS, "status", str(m.path), "--watch", "0.3"], stdin=sub, stdout=sub,
-                            stderr=sub, close_fds=True)
+                            stderr=sub, close_fds=True, preexec_fn=_ctrl_c_as_on_a_terminal)
     os.close(sub)
     out = b""
     deadline = time.monotonic() + 20
@@ -196,7 +203,8 @@ def test_status_watch_redraws_in_place_on_a_terminal_and_streams_json_otherwise(
 
     # Not on a terminal, with --json: one object per line, no escape codes.
     proc = subprocess.Popen([*CKPTFS, "status", str(m.path), "--json", "--watch", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_as_on_a_terminal)
     lines = [proc.stdout.readline() for _ in range(3)]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=20) == 0
