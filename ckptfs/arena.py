@@ -156,15 +156,15 @@ class Tier:
 
     def write(self, slot: int, offset: int, data) -> None:
         pos = slot * self.block_size + offset
-        if self.mm is not None and slot in self.populated:
-            self.mm[pos : pos + len(data)] = data
-            return
         if self.mm is not None:
-            # A slot whose pages were never touched through the map: tmpfs takes a whole page
-            # written through the file without zeroing it first and without a page fault per
-            # page of the map (a fresh mount's first save: 279k faults per GiB through the
-            # map, 23k this way; docs/benchmarks.md). The GIL is released for the copy too.
-            self._pwrite_all(data, pos)
+            if slot in self.populated:
+                self.mm[pos : pos + len(data)] = data
+            else:
+                # Pages never touched through the map: tmpfs takes a whole page written through
+                # the file without zeroing it first and without a page fault per page of the map
+                # (a fresh mount's first save: 279k faults per GiB through the map, 23k this
+                # way; docs/benchmarks.md). The GIL is released for the copy too.
+                self._pwrite_all(data, pos)
             return
         end = offset + len(data)
         if end > self.charged.get(slot, 0):  # a fitted block written again past its end (rare)

@@ -269,7 +269,8 @@ class Operations(pyfuse3.Operations):
         # The new file's attributes may be cached although it is open for writing: the kernel
         # drops its cached size, times and blocks itself at every write and truncate through
         # it, and nothing else changes them. Saves the GETATTR that the open's permission
-        # check would send next: one of seven requests per small file (docs/benchmarks.md).
+        # check would send next: a small file takes six requests instead of seven
+        # (docs/benchmarks.md, "What one small file costs").
         entry.attr_timeout = self.entry_timeout
         return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_writes(flags)), entry
 
