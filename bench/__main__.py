@@ -24,12 +24,12 @@ import time
 import traceback
 from pathlib import Path
 
-from . import report, sysinfo, workloads
-from .durable import POLL_INTERVAL
-from .figures import Results
-from .goals import check
-from .mounts import fuse_mounts_under, unmount
-from .targets import TARGETS, Context
+from bench import report, sysinfo, workloads
+from bench.durable import POLL_INTERVAL
+from bench.figures import Results
+from bench.goals import check
+from bench.mounts import fuse_mounts_under, unmount
+from bench.targets import TARGETS, Context
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = ("save", "cold", "write", "scale", "ram4x", "dcp", "small")
@@ -47,9 +47,11 @@ def _names(allowed, what: str):
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in allowed]
         if unknown or not names:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or repr(text)}; "
-                                             f"choose from {','.join(allowed)}")
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(unknown) or repr(text)}; choose from {','.join(allowed)}"
+            )
         return names
+
     return parse
 
 
@@ -62,38 +64,99 @@ def _at_least(low: int):
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below {low}")
         return value
+
     return parse
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(prog="scripts/bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=_at_least(16), default=1024, metavar="MiB",
-                   help="checkpoint size in MiB (default 1024); each of the 4 DCP ranks saves size/4")
-    p.add_argument("--runs", type=_at_least(1), default=3, metavar="N", help="runs per figure and target (default 3)")
-    p.add_argument("--slow-runs", type=_at_least(1), default=2, metavar="N",
-                   help=f"runs of {' and '.join(SLOW_PEERS)} in the save, cold and dcp scenarios (default 2)")
-    p.add_argument("--small-files", type=_at_least(1), default=2000, metavar="N",
-                   help="files of 64 KiB in the small-files scenario (default 2000)")
-    p.add_argument("--small-runs", type=_at_least(1), default=1, metavar="N",
-                   help="runs per target of the small-files scenario, the slowest part (default 1)")
-    p.add_argument("--slow-files", type=_at_least(0), default=200, metavar="N",
-                   help="s3fs and s3torchconnector write only N of the small files, their times scaled "
-                        "to all of them (default 200; 0: all)")
-    p.add_argument("--targets", type=_names(tuple(TARGETS), "target"), default=list(TARGETS), metavar="LIST",
-                   help=f"comma-separated (default all: {','.join(TARGETS)})")
-    p.add_argument("--scenarios", type=_names(SCENARIOS, "scenario"), default=list(SCENARIOS), metavar="LIST",
-                   help=f"comma-separated (default all: {','.join(SCENARIOS)}); cold loads read what save wrote")
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks", metavar="DIR",
-                   help="where results.json and the plots go (default docs/benchmarks)")
-    p.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"), metavar="FILE",
-                   help="markdown file whose bench:results block is rewritten; 'none' to skip")
-    p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()), metavar="DIR",
-                   help="where the temporary work directory goes: the cache disk (default $TMPDIR or /tmp)")
-    p.add_argument("--compress", action="store_true",
-                   help="measure --compress zstd instead (bench/compression.py; with it: --size MiB "
-                        "(default 256), --rate MiB/s for the throttled link (default 50), --level N)")
-    p.add_argument("--note", default="", metavar="TEXT",
-                   help="a remark stored with the results (e.g. that the machine was shared)")
+    p = Parser(
+        prog="scripts/bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--size",
+        type=_at_least(16),
+        default=1024,
+        metavar="MiB",
+        help="checkpoint size in MiB (default 1024); each of the 4 DCP ranks saves size/4",
+    )
+    p.add_argument(
+        "--runs", type=_at_least(1), default=3, metavar="N", help="runs per figure and target (default 3)"
+    )
+    p.add_argument(
+        "--slow-runs",
+        type=_at_least(1),
+        default=2,
+        metavar="N",
+        help=f"runs of {' and '.join(SLOW_PEERS)} in the save, cold and dcp scenarios (default 2)",
+    )
+    p.add_argument(
+        "--small-files",
+        type=_at_least(1),
+        default=2000,
+        metavar="N",
+        help="files of 64 KiB in the small-files scenario (default 2000)",
+    )
+    p.add_argument(
+        "--small-runs",
+        type=_at_least(1),
+        default=1,
+        metavar="N",
+        help="runs per target of the small-files scenario, the slowest part (default 1)",
+    )
+    p.add_argument(
+        "--slow-files",
+        type=_at_least(0),
+        default=200,
+        metavar="N",
+        help="s3fs and s3torchconnector write only N of the small files, their times scaled "
+        "to all of them (default 200; 0: all)",
+    )
+    p.add_argument(
+        "--targets",
+        type=_names(tuple(TARGETS), "target"),
+        default=list(TARGETS),
+        metavar="LIST",
+        help=f"comma-separated (default all: {','.join(TARGETS)})",
+    )
+    p.add_argument(
+        "--scenarios",
+        type=_names(SCENARIOS, "scenario"),
+        default=list(SCENARIOS),
+        metavar="LIST",
+        help=f"comma-separated (default all: {','.join(SCENARIOS)}); cold loads read what save wrote",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "docs" / "benchmarks",
+        metavar="DIR",
+        help="where results.json and the plots go (default docs/benchmarks)",
+    )
+    p.add_argument(
+        "--doc",
+        default=str(REPO / "docs" / "benchmarks.md"),
+        metavar="FILE",
+        help="markdown file whose bench:results block is rewritten; 'none' to skip",
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        metavar="DIR",
+        help="where the temporary work directory goes: the cache disk (default $TMPDIR or /tmp)",
+    )
+    p.add_argument(
+        "--compress",
+        action="store_true",
+        help="measure --compress zstd instead (bench/compression.py; with it: --size MiB "
+        "(default 256), --rate MiB/s for the throttled link (default 50), --level N)",
+    )
+    p.add_argument(
+        "--note",
+        default="",
+        metavar="TEXT",
+        help="a remark stored with the results (e.g. that the machine was shared)",
+    )
     opts = p.parse_args(argv)
     if not opts.work_dir.is_dir():
         p.error(f"--work-dir {opts.work_dir} is not a directory")
@@ -111,11 +174,13 @@ def runs_policy(opts):
         if target in SLOW_PEERS:
             return min(opts.runs, opts.slow_runs)
         return opts.runs
+
     return runs
 
 
 def budget(opts) -> dict[str, str]:
     """How many runs each scenario gets, and what the slow peers skip, in words."""
+
     def runs(n: int) -> str:
         return f"{n} run{'s' if n > 1 else ''}"
 
@@ -134,8 +199,9 @@ def budget(opts) -> dict[str, str]:
         out["small"] = runs(opts.small_runs)
         slow = [t for t in workloads.SLOW_SMALL if t in opts.targets]
         if slow and 0 < opts.slow_files < opts.small_files:
-            out["small"] += (f", {' and '.join(slow)} on {opts.slow_files} of {opts.small_files} files "
-                             "with times scaled")
+            out["small"] += (
+                f", {' and '.join(slow)} on {opts.slow_files} of {opts.small_files} files with times scaled"
+            )
     return out
 
 
@@ -151,7 +217,7 @@ def _safely(what: str, fn, *args) -> None:
 
 def _clean_work(work: Path) -> None:
     """Whatever is left: FUSE mounts under the work dir, RAM arenas of its ckptfs caches, the dir."""
-    from ckptfs.daemon import recorded_ram_dir
+    from ckptfs.daemon.run import recorded_ram_dir
 
     for mountpoint in fuse_mounts_under(work):
         print(f"  unmounting leftover {mountpoint}", file=sys.stderr, flush=True)
@@ -221,9 +287,16 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "argv": sys.argv[1:],
-        "options": {"size": opts.size, "runs": opts.runs, "slow_runs": opts.slow_runs, "small_files": opts.small_files,
-                    "small_runs": opts.small_runs, "slow_files": opts.slow_files, "targets": opts.targets,
-                    "scenarios": opts.scenarios},
+        "options": {
+            "size": opts.size,
+            "runs": opts.runs,
+            "slow_runs": opts.slow_runs,
+            "small_files": opts.small_files,
+            "small_runs": opts.small_runs,
+            "slow_files": opts.slow_files,
+            "targets": opts.targets,
+            "scenarios": opts.scenarios,
+        },
         "budget": budget(opts),
         "checkpoint_mib": nbytes / MiB,
         "poll_interval_s": POLL_INTERVAL,
@@ -253,7 +326,8 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--compress" in argv and not {"-h", "--help"} & set(argv):
-        from . import compression
+        from bench import compression
+
         return compression.main([a for a in argv if a != "--compress"])
     opts = parse_args(argv)
     progress = workloads.Progress()

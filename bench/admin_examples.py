@@ -53,7 +53,9 @@ def main() -> None:
             m.start()
             mp = m.path
             for n in (1000, 2000, 3000):
-                dcp.save({"w": torch.randn(1024, 1024), "step": n}, checkpoint_id=str(mp / "dcp" / f"step-{n}"))
+                dcp.save(
+                    {"w": torch.randn(1024, 1024), "step": n}, checkpoint_id=str(mp / "dcp" / f"step-{n}")
+                )
             for n in (100, 200, 300):
                 rank = mp / "megatron" / f"iter_{n:07d}" / "mp_rank_00"
                 rank.mkdir(parents=True)
@@ -62,7 +64,9 @@ def main() -> None:
                     (mp / "megatron" / "latest_checkpointed_iteration.txt").write_text(str(n))
             m.sync()
             rule = proxy.add_rule(Rule(blackhole(), kind=UPLOADS))  # the next step stays pending
-            dcp.save({"w": torch.randn(1024, 1024), "step": 4000}, checkpoint_id=str(mp / "dcp" / "step-4000"))
+            dcp.save(
+                {"w": torch.randn(1024, 1024), "step": 4000}, checkpoint_id=str(mp / "dcp" / "step-4000")
+            )
             run("ls", str(mp), "dcp")
             run("checkpoints", str(mp))
             run("gc", str(mp), "--keep-last", "1", "--dry-run")

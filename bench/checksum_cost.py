@@ -27,6 +27,7 @@ def _botocore(name: str):
     """A botocore flexible-checksum class by name, or None when this install cannot compute it."""
     try:
         from botocore import httpchecksum
+
         cls = getattr(httpchecksum, name)
         cls().update(b"x")
         return cls
@@ -43,22 +44,27 @@ def candidates() -> dict[str, object]:
         "md5 (S3 part ETag)": lambda b: hashlib.md5(b).hexdigest(),
     }
     try:
-        from ckptfs.store.s3 import crc32c_b64
+        from ckptfs.store.s3_client import crc32c_b64
+
         if crc32c_b64(b"x") is not None:
             out["crc32c header (ckptfs, awscrt)"] = crc32c_b64
             out["xxh3 + crc32c (a part, S3 checks)"] = lambda b: (xxhash.xxh3_64_hexdigest(b), crc32c_b64(b))
     except ImportError:  # boto3 missing
         pass
-    for label, name in (("crc32c (botocore/awscrt)", "CrtCrc32cChecksum"),
-                        ("crc64nvme (botocore/awscrt)", "CrtCrc64NvmeChecksum")):
+    for label, name in (
+        ("crc32c (botocore/awscrt)", "CrtCrc32cChecksum"),
+        ("crc64nvme (botocore/awscrt)", "CrtCrc64NvmeChecksum"),
+    ):
         cls = _botocore(name)
         if cls is None:
             out[label] = None
         else:
+
             def crc(b, cls=cls):
                 c = cls()
                 c.update(b)
                 return c.digest()
+
             out[label] = crc
     return out
 
@@ -71,7 +77,8 @@ def main() -> None:
     data = bytearray(os.urandom(PART))
     gib = parts * PART / (1 << 30)
     print(f"{parts} parts of {PART >> 20} MiB ({gib:.2f} GiB) per checksum, one thread")
-    from ckptfs.integrity import Checksums, part_hash
+    from ckptfs.objects.integrity import Checksums, part_hash
+
     checks = Checksums(parts * PART, PART, [part_hash(data)] * parts)
     print(f"  {'ckptfs read check':34s}", end=" ")
     cpu = time.process_time()

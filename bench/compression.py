@@ -68,9 +68,9 @@ def serialized(state) -> bytes:
 
 
 def codec_figures(name: str, data: bytes, level: int) -> dict:
-    from ckptfs import compression
+    from ckptfs.objects import compression
 
-    parts = [memoryview(data)[i:i + PART] for i in range(0, len(data), PART)]
+    parts = [memoryview(data)[i : i + PART] for i in range(0, len(data), PART)]
     plain = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     cpu = time.process_time()
     plain_frames = [plain.compress(p) for p in parts]
@@ -86,10 +86,12 @@ def codec_figures(name: str, data: bytes, level: int) -> dict:
     gib = len(data) / GiB
     groups = {by: sum(1 for _, b in frames if b == by) for by in (0, 1, 2, 4)}
     return {
-        "name": name, "mib": len(data) / MiB,
+        "name": name,
+        "mib": len(data) / MiB,
         "plain_ratio": len(data) / sum(map(len, plain_frames)),
         "grouped_ratio": len(data) / sum(len(f) for f, _ in frames),
-        "plain_cpu_s_per_gib": plain_cpu / gib, "grouped_cpu_s_per_gib": ckptfs_cpu / gib,
+        "plain_cpu_s_per_gib": plain_cpu / gib,
+        "grouped_cpu_s_per_gib": ckptfs_cpu / gib,
         "decode_cpu_s_per_gib": decode_cpu / gib,
         "frames": f"{groups[4]} by 4, {groups[2]} by 2, {groups[1]} ungrouped, {groups[0]} raw",
     }
@@ -109,8 +111,13 @@ sys.stdin.read()  # until the bench closes it
 def throttled_proxy(endpoint: str, rate: float):
     """The fault proxy throttled to ``rate`` bytes/s each way, in a process of its own (in the
     bench's process it would share the GIL with torch.save and slow down with it)."""
-    child = subprocess.Popen([sys.executable, "-c", PROXY, endpoint, str(rate)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    child = subprocess.Popen(
+        [sys.executable, "-c", PROXY, endpoint, str(rate)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     try:
         yield child.stdout.readline().strip()
     finally:
@@ -138,8 +145,13 @@ def durable_figures(state, nbytes: int, rate_mib: float, level: int, work: Path)
                     bucket = f"ckptfs-z{len(rows)}"
                     server.make_bucket(bucket)
                     extra = ("--compress", compress) if compress else ()
-                    m = Mount(f"s3://{bucket}", work / bucket, endpoint_url=endpoint,
-                              ram_cache=f"{2 * nbytes // MiB + 64}MiB", extra=extra)
+                    m = Mount(
+                        f"s3://{bucket}",
+                        work / bucket,
+                        endpoint_url=endpoint,
+                        ram_cache=f"{2 * nbytes // MiB + 64}MiB",
+                        extra=extra,
+                    )
                     m.start()
                     try:
                         daemon_cpu = _cpu(m.pid)
@@ -152,10 +164,21 @@ def durable_figures(state, nbytes: int, rate_mib: float, level: int, work: Path)
                         stored = server.client().head_object(Bucket=bucket, Key="ckpt.pt")["ContentLength"]
                     finally:
                         m.cleanup()
-                    rows.append({"link": link, "compress": compress or "off", "stall_s": stall,
-                                 "durable_s": durable, "stored_mib": stored / MiB, "daemon_cpu_s": cpu})
-                    print(f"  {link:12} --compress {compress or 'off':7}: stall {stall:5.2f} s, durable "
-                          f"{durable:6.2f} s, stored {stored / MiB:7.1f} MiB, daemon CPU {cpu:5.1f} s", flush=True)
+                    rows.append(
+                        {
+                            "link": link,
+                            "compress": compress or "off",
+                            "stall_s": stall,
+                            "durable_s": durable,
+                            "stored_mib": stored / MiB,
+                            "daemon_cpu_s": cpu,
+                        }
+                    )
+                    print(
+                        f"  {link:12} --compress {compress or 'off':7}: stall {stall:5.2f} s, durable "
+                        f"{durable:6.2f} s, stored {stored / MiB:7.1f} MiB, daemon CPU {cpu:5.1f} s",
+                        flush=True,
+                    )
     finally:
         server.stop()
     return rows
@@ -168,7 +191,9 @@ def _cpu(pid: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/bench --compress", description=__doc__.splitlines()[0])
-    p.add_argument("--size", type=int, default=256, metavar="MiB", help="realistic checkpoint size (default 256)")
+    p.add_argument(
+        "--size", type=int, default=256, metavar="MiB", help="realistic checkpoint size (default 256)"
+    )
     p.add_argument("--rate", type=float, default=50, metavar="MiB/s", help="the throttled link (default 50)")
     p.add_argument("--level", type=int, default=1, help="zstd level (default 1, as --compress zstd)")
     p.add_argument("--skip-durable", action="store_true", help="the codec figures only (no mounts)")
@@ -180,18 +205,26 @@ def main(argv: list[str] | None = None) -> int:
     state = make_checkpoint(opts.size)
     realistic = serialized(state)
     print(f"codec, zstd level {opts.level}, {PART // MiB} MiB parts, one thread:", flush=True)
-    rows = [codec_figures("realistic checkpoint", realistic, opts.level),
-            codec_figures("small transformer fp32", serialized(small_transformer(torch.float32)), opts.level),
-            codec_figures("small transformer bf16", serialized(small_transformer(torch.bfloat16)), opts.level)]
-    print(f"  {'checkpoint':24} {'MiB':>6} {'zstd':>6} {'grouped':>8} {'zstd CPU':>9} {'grouped CPU':>12} "
-          f"{'decode CPU':>11}  frames")
+    rows = [
+        codec_figures("realistic checkpoint", realistic, opts.level),
+        codec_figures("small transformer fp32", serialized(small_transformer(torch.float32)), opts.level),
+        codec_figures("small transformer bf16", serialized(small_transformer(torch.bfloat16)), opts.level),
+    ]
+    print(
+        f"  {'checkpoint':24} {'MiB':>6} {'zstd':>6} {'grouped':>8} {'zstd CPU':>9} {'grouped CPU':>12} "
+        f"{'decode CPU':>11}  frames"
+    )
     for r in rows:
-        print(f"  {r['name']:24} {r['mib']:6.0f} {r['plain_ratio']:6.3f} {r['grouped_ratio']:8.3f} "
-              f"{r['plain_cpu_s_per_gib']:7.2f} s {r['grouped_cpu_s_per_gib']:10.2f} s "
-              f"{r['decode_cpu_s_per_gib']:9.2f} s  {r['frames']}  (CPU per GiB)")
+        print(
+            f"  {r['name']:24} {r['mib']:6.0f} {r['plain_ratio']:6.3f} {r['grouped_ratio']:8.3f} "
+            f"{r['plain_cpu_s_per_gib']:7.2f} s {r['grouped_cpu_s_per_gib']:10.2f} s "
+            f"{r['decode_cpu_s_per_gib']:9.2f} s  {r['frames']}  (CPU per GiB)"
+        )
     if not opts.skip_durable:
-        print(f"time to durable of the realistic checkpoint ({len(realistic) / MiB:.0f} MiB), Swift on 127.0.0.1:",
-              flush=True)
+        print(
+            f"time to durable of the realistic checkpoint ({len(realistic) / MiB:.0f} MiB), Swift on 127.0.0.1:",
+            flush=True,
+        )
         with tempfile.TemporaryDirectory(prefix="ckptfs-bench-z-") as work:
             durable_figures(state, len(realistic), opts.rate, opts.level, Path(work))
     return 0

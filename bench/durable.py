@@ -111,7 +111,9 @@ class Poller:
         if self._thread.is_alive():
             self._stop.set()
             missing = sorted(k for k in self.expected if not self._confirmed(k))
-            raise TimeoutError(f"not durable after {timeout:.0f} s: {len(missing)} keys missing, e.g. {missing[:3]}")
+            raise TimeoutError(
+                f"not durable after {timeout:.0f} s: {len(missing)} keys missing, e.g. {missing[:3]}"
+            )
         if self.error is not None:
             raise self.error
         return self.done_at - self.start

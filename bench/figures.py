@@ -29,18 +29,32 @@ FIGURES = [
     Figure("ram_4x_rss", "daemon", "ckptfs peak RSS saving 4x its RAM-tier budget", "MiB"),
     Figure("write_tp", "write", "FUSE write path: 8 MiB os.write calls", "GiB/s", True, floor="nullfs"),
     Figure("save_tp", "write", "FUSE write path: torch.save throughput", "GiB/s", True, floor="nullfs"),
-    Figure("scale_write_1", "scale", "1 writer into one mount (8 MiB os.write): aggregate", "GiB/s", True,
-           floor="nullfs"),
+    Figure(
+        "scale_write_1",
+        "scale",
+        "1 writer into one mount (8 MiB os.write): aggregate",
+        "GiB/s",
+        True,
+        floor="nullfs",
+    ),
     Figure("scale_write_2", "scale", "2 writers into one mount: aggregate", "GiB/s", True, floor="nullfs"),
     Figure("scale_write_4", "scale", "4 writers into one mount: aggregate", "GiB/s", True, floor="nullfs"),
     Figure("scale_read_1", "scale", "1 cold reader (fresh mount, empty cache)", "GiB/s", True),
     Figure("scale_read_4", "scale", "4 cold readers of different files: aggregate", "GiB/s", True),
-    Figure("scale_write_cpu_1", "scale_cpu", "1 writer: daemon CPU per GiB written and uploaded", "CPU s/GiB"),
-    Figure("scale_write_cpu_2", "scale_cpu", "2 writers: daemon CPU per GiB written and uploaded", "CPU s/GiB"),
-    Figure("scale_write_cpu_4", "scale_cpu", "4 writers: daemon CPU per GiB written and uploaded", "CPU s/GiB"),
+    Figure(
+        "scale_write_cpu_1", "scale_cpu", "1 writer: daemon CPU per GiB written and uploaded", "CPU s/GiB"
+    ),
+    Figure(
+        "scale_write_cpu_2", "scale_cpu", "2 writers: daemon CPU per GiB written and uploaded", "CPU s/GiB"
+    ),
+    Figure(
+        "scale_write_cpu_4", "scale_cpu", "4 writers: daemon CPU per GiB written and uploaded", "CPU s/GiB"
+    ),
     Figure("scale_read_cpu_1", "scale_cpu", "1 cold reader: daemon CPU per GiB read", "CPU s/GiB"),
     Figure("scale_read_cpu_4", "scale_cpu", "4 cold readers: daemon CPU per GiB read", "CPU s/GiB"),
-    Figure("dcp_stall", "dcp", "4 ranks save a shard each: stall until the last returns", "s", floor="cache-disk"),
+    Figure(
+        "dcp_stall", "dcp", "4 ranks save a shard each: stall until the last returns", "s", floor="cache-disk"
+    ),
     Figure("dcp_durable", "dcp", "4 ranks: time to durable of all shards", "s"),
     Figure("small_stall", "small", "many small files: save time", "s", floor="cache-disk"),
     Figure("small_durable", "small", "many small files: time to durable", "s"),

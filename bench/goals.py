@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .figures import BY_ID, Results
+from bench.figures import BY_ID, Results
 
 MiB = 1 << 20
 ME = "ckptfs-s3"
@@ -17,7 +17,9 @@ class Goal:
     met: bool | None  # None: not measured in this run
 
 
-def _ratio_goal(results: Results, text: str, figure: str, other: str, limit: float, faster: bool = False) -> Goal:
+def _ratio_goal(
+    results: Results, text: str, figure: str, other: str, limit: float, faster: bool = False
+) -> Goal:
     """mine / other <= limit, or with `faster`, other / mine >= limit (how many times faster)."""
     mine, theirs = results.median(figure, ME), results.median(figure, other)
     if mine is None or theirs is None:
@@ -25,8 +27,11 @@ def _ratio_goal(results: Results, text: str, figure: str, other: str, limit: flo
     unit = BY_ID[figure].unit
     if faster:
         ratio = theirs / mine
-        return Goal(text, f"{other} takes {ratio:.2f}x as long ({theirs:.2f} {unit} vs {mine:.2f} {unit})",
-                    ratio >= limit)
+        return Goal(
+            text,
+            f"{other} takes {ratio:.2f}x as long ({theirs:.2f} {unit} vs {mine:.2f} {unit})",
+            ratio >= limit,
+        )
     ratio = mine / theirs
     return Goal(text, f"{ratio:.2f}x ({mine:.2f} {unit} vs {theirs:.2f} {unit})", ratio <= limit)
 
@@ -45,8 +50,12 @@ def _memory_goal(results: Results, ram_budget: int) -> Goal:
     if summary is None:
         return Goal(text, "not measured", None)
     limit = (ram_budget + 200e6) / MiB
-    return Goal(text, f"peak {summary.max:.0f} MiB (highest of {len(summary.runs)} runs), limit {limit:.0f} MiB "
-                      f"(budget {ram_budget / MiB:.0f} MiB)", summary.max <= limit)
+    return Goal(
+        text,
+        f"peak {summary.max:.0f} MiB (highest of {len(summary.runs)} runs), limit {limit:.0f} MiB "
+        f"(budget {ram_budget / MiB:.0f} MiB)",
+        summary.max <= limit,
+    )
 
 
 def _cpu_goal(results: Results) -> Goal:
@@ -54,8 +63,11 @@ def _cpu_goal(results: Results) -> Goal:
     mine = results.median("daemon_cpu", ME)
     if mine is None:
         return Goal(text, "not measured", None)
-    others = ", ".join(f"{p} {results.median('daemon_cpu', p):.2f}" for p in ("s3fs", "rclone")
-                       if results.median("daemon_cpu", p) is not None)
+    others = ", ".join(
+        f"{p} {results.median('daemon_cpu', p):.2f}"
+        for p in ("s3fs", "rclone")
+        if results.median("daemon_cpu", p) is not None
+    )
     return Goal(text, f"{mine:.2f} CPU s/GiB" + (f" ({others})" if others else ""), mine <= 3.0)
 
 
@@ -82,17 +94,33 @@ def check(results: Results, ram_budget: int) -> list[Goal]:
         _ratio_goal(results, "save stall >= 3x faster than s3fs", "save_stall", "s3fs", 3.0, faster=True),
         _ratio_goal(results, "save stall no slower than rclone mount", "save_stall", "rclone", 1.0),
         _ratio_goal(results, "time to durable <= 1.1x the boto3 upload alone", "durable", "boto3", 1.1),
-        _ratio_goal(results, "time to durable no slower than s3torchconnector", "durable", "s3torchconnector", 1.0),
-        _ratio_goal(results, "time to durable >= 3x faster than rclone", "durable", "rclone", 3.0, faster=True),
+        _ratio_goal(
+            results, "time to durable no slower than s3torchconnector", "durable", "s3torchconnector", 1.0
+        ),
+        _ratio_goal(
+            results, "time to durable >= 3x faster than rclone", "durable", "rclone", 3.0, faster=True
+        ),
         _ratio_goal(results, "warm torch.load <= 1.1x the cache disk", "warm_load", "cache-disk", 1.1),
-        _ratio_goal(results, "cold torch.load >= 1.3x the throughput of boto3 download_fileobj", "cold_load",
-                    "boto3", 1.3, faster=True),
+        _ratio_goal(
+            results,
+            "cold torch.load >= 1.3x the throughput of boto3 download_fileobj",
+            "cold_load",
+            "boto3",
+            1.3,
+            faster=True,
+        ),
         _memory_goal(results, ram_budget),
         _cpu_goal(results),
-        _throughput_goal(results, "FUSE write path (os.write) >= 85% of the do-nothing filesystem", "write_tp"),
-        _throughput_goal(results, "FUSE write path (torch.save) >= 85% of the do-nothing filesystem", "save_tp"),
-        Goal("crash safety: 100 kill -9 trials, 0 committed files lost, torn or corrupt",
-             "not measured by the bench: tests/test_crash_torture.py (scripts/test --long runs 100 trials)", None),
+        _throughput_goal(
+            results, "FUSE write path (os.write) >= 85% of the do-nothing filesystem", "write_tp"
+        ),
+        _throughput_goal(
+            results, "FUSE write path (torch.save) >= 85% of the do-nothing filesystem", "save_tp"
+        ),
+        Goal(
+            "crash safety: 100 kill -9 trials, 0 committed files lost, torn or corrupt",
+            "not measured by the bench: tests/test_crash_torture.py (scripts/test --long runs 100 trials)",
+            None,
+        ),
         _best_everywhere(results),
     ]
-

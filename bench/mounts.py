@@ -61,8 +61,15 @@ def fuse_mounts_under(root: Path) -> list[Path]:
 class ForegroundMount:
     """A FUSE daemon in the foreground, as our child: we know its PID and own its log."""
 
-    def __init__(self, name: str, argv: list[str], mountpoint: Path, log: Path, env: dict | None = None,
-                 stop_signal: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        mountpoint: Path,
+        log: Path,
+        env: dict | None = None,
+        stop_signal: int | None = None,
+    ):
         """`stop_signal`: how the daemon wants to be stopped (it unmounts itself); None: fusermount3 -u."""
         self.name, self.argv, self.mountpoint, self.log, self.env = name, argv, mountpoint, log, env
         self.stop_signal = stop_signal
@@ -75,17 +82,27 @@ class ForegroundMount:
     def start(self) -> ForegroundMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + MOUNT_TIMEOUT
         while not _mounted(self.mountpoint):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} before mounting:\n"
-                                   + _tail(self.log))
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.proc.returncode} before mounting:\n"
+                    + _tail(self.log)
+                )
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"{self.name} did not mount {self.mountpoint} in {MOUNT_TIMEOUT:.0f} s:\n"
-                                   + _tail(self.log))
+                raise RuntimeError(
+                    f"{self.name} did not mount {self.mountpoint} in {MOUNT_TIMEOUT:.0f} s:\n"
+                    + _tail(self.log)
+                )
             time.sleep(0.05)
         return self
 
@@ -112,23 +129,43 @@ class ForegroundMount:
 class CkptfsMount:
     """`ckptfs mount STORE MNT` with its own cache dir; `stop` drains and unmounts it."""
 
-    def __init__(self, store_url: str, mountpoint: Path, cache_dir: Path, ram_cache: int, cache_size: int,
-                 endpoint: str | None = None):
+    def __init__(
+        self,
+        store_url: str,
+        mountpoint: Path,
+        cache_dir: Path,
+        ram_cache: int,
+        cache_size: int,
+        endpoint: str | None = None,
+    ):
         self.store_url, self.mountpoint, self.cache_dir = store_url, mountpoint, cache_dir
         self.ram_cache, self.cache_size, self.endpoint = ram_cache, cache_size, endpoint
         self.pid: int | None = None
 
     def _ckptfs(self, *args: str, timeout: float = 120) -> str:
-        r = subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, timeout=timeout,
-                           check=False)
+        r = subprocess.run(
+            [sys.executable, "-m", "ckptfs", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if r.returncode:
             raise RuntimeError(f"ckptfs {args[0]} failed ({r.returncode}): {r.stderr.strip()}")
         return r.stdout
 
     def start(self) -> CkptfsMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
-        args = [self.store_url, str(self.mountpoint), "--cache-dir", str(self.cache_dir),
-                "--ram-cache", str(self.ram_cache), "--cache-size", str(self.cache_size)]
+        args = [
+            self.store_url,
+            str(self.mountpoint),
+            "--cache-dir",
+            str(self.cache_dir),
+            "--ram-cache",
+            str(self.ram_cache),
+            "--cache-size",
+            str(self.cache_size),
+        ]
         if self.endpoint:
             args += ["--endpoint-url", self.endpoint]
         try:
@@ -144,7 +181,7 @@ class CkptfsMount:
     def stop(self) -> None:
         if self.pid is None:
             return
-        from ckptfs.daemon import recorded_ram_dir
+        from ckptfs.daemon.run import recorded_ram_dir
 
         try:
             self._ckptfs("umount", str(self.mountpoint), timeout=300)

@@ -20,8 +20,8 @@ from pathlib import Path
 import trio
 
 from ckptfs.config import MountConfig
-from ckptfs.core import build_core
-from ckptfs.namespace import ROOT_INODE
+from ckptfs.daemon.wiring import build_core
+from ckptfs.model.tree import ROOT_INODE
 from ckptfs.store.local import LocalStore
 
 BS = 64 << 10
@@ -30,8 +30,16 @@ BS = 64 << 10
 async def one_round(tmp: Path, files: int, lookups: int) -> tuple[float, float]:
     store = LocalStore(tmp / "store")
     store.check()
-    config = MountConfig(mountpoint=str(tmp / "mnt"), store_url=f"file://{tmp / 'store'}", cache_dir=str(tmp / "cache"),
-                         part_size=BS, ram_cache=16 * BS, cache_size=64 * BS, upload_concurrency=4, list_ttl=None)
+    config = MountConfig(
+        mountpoint=str(tmp / "mnt"),
+        store_url=f"file://{tmp / 'store'}",
+        cache_dir=str(tmp / "cache"),
+        part_size=BS,
+        ram_cache=16 * BS,
+        cache_size=64 * BS,
+        upload_concurrency=4,
+        list_ttl=None,
+    )
     core = build_core(config, store, tmp / "cache", tmp / "ram", check_ram_room=False)
     try:
         async with trio.open_nursery() as nursery:
@@ -40,7 +48,9 @@ async def one_round(tmp: Path, files: int, lookups: int) -> tuple[float, float]:
             ns, data = core.namespace, b"x" * 4096
             started = time.thread_time()
             for i in range(files):
-                handle, _ = ns.create(ROOT_INODE, f"f{i}", 0o644, os.O_WRONLY | os.O_CREAT, os.getuid(), os.getgid())
+                handle, _ = ns.create(
+                    ROOT_INODE, f"f{i}", 0o644, os.O_WRONLY | os.O_CREAT, os.getuid(), os.getgid()
+                )
                 await ns.write(handle.fh, 0, data)
                 ns.flush(handle.fh)
                 ns.release(handle.fh)
@@ -68,7 +78,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             results.append(trio.run(one_round, Path(tmp), args.files, args.lookups))
     commit, lookup = min(r[0] for r in results), min(r[1] for r in results)
-    print(f"commit of a 4 KiB file: {commit * 1e6:.0f} us CPU; lookup + getattr + forget: {lookup * 1e6:.2f} us CPU")
+    print(
+        f"commit of a 4 KiB file: {commit * 1e6:.0f} us CPU; lookup + getattr + forget: {lookup * 1e6:.2f} us CPU"
+    )
 
 
 if __name__ == "__main__":

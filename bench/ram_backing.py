@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckptfs import cache
+from ckptfs.cache import cache
 from ckptfs.config import MiB
 
 BLOCK = 8 * MiB
@@ -66,8 +66,10 @@ def main() -> None:
     for backed in (True, False):
         first, reuse, alloc = (statistics.median(r[i] for r in results[backed]) for i in range(3))
         name = "fallocate first" if backed else "no fallocate (old)"
-        print(f"{name:20} first use {first:.3f} s ({size / first:.2f} GiB/s)   reuse {reuse:.3f} s "
-              f"({size / reuse:.2f} GiB/s)   {args.slots} allocations on reuse {alloc * 1e6:.0f} us")
+        print(
+            f"{name:20} first use {first:.3f} s ({size / first:.2f} GiB/s)   reuse {reuse:.3f} s "
+            f"({size / reuse:.2f} GiB/s)   {args.slots} allocations on reuse {alloc * 1e6:.0f} us"
+        )
 
 
 if __name__ == "__main__":

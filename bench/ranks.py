@@ -23,7 +23,7 @@ def _save(spec: tuple, state, cache: dict) -> None:
     if kind == "file":
         torch.save(state, spec[1])
     elif kind == "boto3":
-        from .targets import transfer_config
+        from bench.targets import transfer_config
 
         if "s3" not in cache:
             from tests.swift import S3Endpoint
@@ -34,7 +34,7 @@ def _save(spec: tuple, state, cache: dict) -> None:
         buf.seek(0)
         cache["s3"].upload_fileobj(buf, spec[1], spec[2], Config=transfer_config())
     elif kind == "s3torch":
-        from .targets import s3torch_checkpoint
+        from bench.targets import s3torch_checkpoint
 
         if "s3torch" not in cache:
             cache["s3torch"] = s3torch_checkpoint(os.environ["CKPTFS_TEST_S3_ENDPOINT"])

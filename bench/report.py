@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from .figures import CKPTFS, FIGURES, SCENARIO_TITLES, Results
-from .goals import Goal
+from bench.figures import CKPTFS, FIGURES, SCENARIO_TITLES, Results
+from bench.goals import Goal
 
 BEGIN, END = "<!-- bench:results -->", "<!-- /bench:results -->"
 ORDER = ("cache-disk", "nullfs", "ckptfs-local", "ckptfs-s3", "s3fs", "rclone", "boto3", "s3torchconnector")
@@ -57,11 +57,25 @@ def table(results: Results, goals: list[Goal]) -> str:
         for target in _targets(results, fig.id):
             s = results.summary(fig.id, target)
             r = results.ratios(fig.id, target) if target in CKPTFS else {}
-            rows.append([fig.id, fig.unit, target + _star(results, fig.id, target),
-                         _num(s.median), _num(s.min), _num(s.max), len(s.runs),
-                         _ratio(r, "vs_floor", "floor"), _ratio(r, "vs_best_peer", "best_peer")])
-    text = tabulate(rows, ["figure", "unit", "target", "median", "min", "max", "runs", "ckptfs / floor",
-                           "ckptfs / best peer"], tablefmt="simple", disable_numparse=True)
+            rows.append(
+                [
+                    fig.id,
+                    fig.unit,
+                    target + _star(results, fig.id, target),
+                    _num(s.median),
+                    _num(s.min),
+                    _num(s.max),
+                    len(s.runs),
+                    _ratio(r, "vs_floor", "floor"),
+                    _ratio(r, "vs_best_peer", "best_peer"),
+                ]
+            )
+    text = tabulate(
+        rows,
+        ["figure", "unit", "target", "median", "min", "max", "runs", "ckptfs / floor", "ckptfs / best peer"],
+        tablefmt="simple",
+        disable_numparse=True,
+    )
     width = max(len(g.text) for g in goals)
     notes = "".join(f"\n  * {line}" for line in _notes(results))
     lines = [f"  {_goal_mark(g):12} {g.text:{width}}  {g.detail}" for g in goals]
@@ -81,11 +95,23 @@ def to_json(results: Results, goals: list[Goal], meta: dict) -> dict:
             if target in results.notes.get(fig.id, {}):
                 values[target]["note"] = results.notes[fig.id][target]
         if values:
-            figures.append({"id": fig.id, "scenario": fig.scenario, "title": fig.title, "unit": fig.unit,
-                            "higher_is_better": fig.higher_is_better, "floor": fig.floor, "values": values,
-                            "ratios": {t: results.ratios(fig.id, t) for t in CKPTFS if t in values}})
-    return {"meta": meta, "figures": figures,
-            "design_targets": [{"target": g.text, "measured": g.detail, "met": g.met} for g in goals]}
+            figures.append(
+                {
+                    "id": fig.id,
+                    "scenario": fig.scenario,
+                    "title": fig.title,
+                    "unit": fig.unit,
+                    "higher_is_better": fig.higher_is_better,
+                    "floor": fig.floor,
+                    "values": values,
+                    "ratios": {t: results.ratios(fig.id, t) for t in CKPTFS if t in values},
+                }
+            )
+    return {
+        "meta": meta,
+        "figures": figures,
+        "design_targets": [{"target": g.text, "measured": g.detail, "met": g.met} for g in goals],
+    }
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -135,11 +161,23 @@ def plots(results: Results, out: Path, limits: dict[str, tuple[float, str]]) -> 
             sums = [results.summary(f.id, n) for n in names]
             med = [s.median for s in sums]
             err = [[s.median - s.min for s in sums], [s.max - s.median for s in sums]]
-            bars = ax.bar(range(len(names)), med, yerr=err, capsize=4, color=[_color(n) for n in names],
-                          edgecolor=["black" if n in CKPTFS else "none" for n in names], width=0.7)
+            bars = ax.bar(
+                range(len(names)),
+                med,
+                yerr=err,
+                capsize=4,
+                color=[_color(n) for n in names],
+                edgecolor=["black" if n in CKPTFS else "none" for n in names],
+                width=0.7,
+            )
             ax.bar_label(bars, labels=[_num(m) for m in med], padding=2, fontsize=8)
-            ax.set_xticks(range(len(names)), [_bar_label(results, f.id, n) for n in names],
-                          rotation=35, ha="right", fontsize=8)
+            ax.set_xticks(
+                range(len(names)),
+                [_bar_label(results, f.id, n) for n in names],
+                rotation=35,
+                ha="right",
+                fontsize=8,
+            )
             ax.set_xlim(-0.6, max(len(names), 3) - 0.4)
             better = "higher is better" if f.higher_is_better else "lower is better"
             ax.set_ylabel(f"{f.unit} ({better})", fontsize=8)
@@ -150,8 +188,10 @@ def plots(results: Results, out: Path, limits: dict[str, tuple[float, str]]) -> 
                 ax.axhline(value, color="#d95f02", linestyle="--", linewidth=1)
                 ax.text(-0.5, value, label, ha="left", va="bottom", fontsize=8, color="#d95f02")
         starred = any(_star(results, f.id, n) for f in figs for n in results.targets(f.id))
-        fig.suptitle(f"{title}  (median of the runs; whiskers: min and max{'; *: see the notes' if starred else ''})",
-                     fontsize=10)
+        fig.suptitle(
+            f"{title}  (median of the runs; whiskers: min and max{'; *: see the notes' if starred else ''})",
+            fontsize=10,
+        )
         fig.tight_layout()
         path = out / f"{scenario}.png"
         fig.savefig(path, dpi=110)
@@ -185,25 +225,44 @@ def markdown(results: Results, goals: list[Goal], meta: dict, plot_paths: list[P
     for f in FIGURES:
         r = {t: results.ratios(f.id, t) for t in CKPTFS}
         if any(r.values()):
-            ratio_rows.append([f.id, *(_ratio(r[t], "vs_floor", "floor") for t in CKPTFS),
-                               *(_ratio(r[t], "vs_best_peer", "best_peer") for t in CKPTFS)])
-    ratios = tabulate(ratio_rows, ["figure", *(f"{t} / floor" for t in CKPTFS),
-                                   *(f"{t} / best peer" for t in CKPTFS)], tablefmt="github", disable_numparse=True)
+            ratio_rows.append(
+                [
+                    f.id,
+                    *(_ratio(r[t], "vs_floor", "floor") for t in CKPTFS),
+                    *(_ratio(r[t], "vs_best_peer", "best_peer") for t in CKPTFS),
+                ]
+            )
+    ratios = tabulate(
+        ratio_rows,
+        ["figure", *(f"{t} / floor" for t in CKPTFS), *(f"{t} / best peer" for t in CKPTFS)],
+        tablefmt="github",
+        disable_numparse=True,
+    )
     m, machine = meta, meta["machine"]
     v = machine["versions"]
     runs = "; ".join(f"{k}: {n}" for k, n in m["budget"].items())
-    generated = (f"_Generated by `scripts/bench {' '.join(m['argv'])}` on {m['date']} in {m['duration_s'] / 60:.1f} "
-                 "min (do not edit by hand: the next run rewrites this part)._")
-    load = (f"{', '.join(map(str, machine['load_average_at_start']))} at start, "
-            f"{', '.join(map(str, m['load_average_at_end']))} at the end")
-    host = (f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
-            f"kernel {machine['kernel']}, {machine['os']}; load average {load}."
-            + (f" Note: {m['note']}" if m.get("note") else ""))
-    versions = (f"Versions: ckptfs {v['ckptfs']}, torch {v['torch']}, pyfuse3 {v['pyfuse3']}, s3fs {v['s3fs']}, "
-                f"rclone {v['rclone']}, boto3 {v['boto3']}, s3torchconnector {v['s3torchconnector']}, Swift {v['swift']}, "
-                f"libfuse {v['libfuse']}.")
-    ratio_text = ("Ratios: ckptfs's median divided by the floor's and by the best peer's (for times, below 1 is "
-                  "faster; for throughputs, above 1 is faster).")
+    generated = (
+        f"_Generated by `scripts/bench {' '.join(m['argv'])}` on {m['date']} in {m['duration_s'] / 60:.1f} "
+        "min (do not edit by hand: the next run rewrites this part)._"
+    )
+    load = (
+        f"{', '.join(map(str, machine['load_average_at_start']))} at start, "
+        f"{', '.join(map(str, m['load_average_at_end']))} at the end"
+    )
+    host = (
+        f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
+        f"kernel {machine['kernel']}, {machine['os']}; load average {load}."
+        + (f" Note: {m['note']}" if m.get("note") else "")
+    )
+    versions = (
+        f"Versions: ckptfs {v['ckptfs']}, torch {v['torch']}, pyfuse3 {v['pyfuse3']}, s3fs {v['s3fs']}, "
+        f"rclone {v['rclone']}, boto3 {v['boto3']}, s3torchconnector {v['s3torchconnector']}, Swift {v['swift']}, "
+        f"libfuse {v['libfuse']}."
+    )
+    ratio_text = (
+        "Ratios: ckptfs's median divided by the floor's and by the best peer's (for times, below 1 is "
+        "faster; for throughputs, above 1 is faster)."
+    )
     lines = [
         BEGIN,
         generated,
@@ -241,5 +300,5 @@ def update_doc(doc: Path, block: str) -> bool:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         return False
-    doc.write_text(text[:start] + block + text[end + len(END):])
+    doc.write_text(text[:start] + block + text[end + len(END) :])
     return True

@@ -96,8 +96,12 @@ def _cpu_model() -> str:
 
 def _git_revision() -> str:
     rev = _first_line(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, check=False).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     return rev + (" + uncommitted changes" if dirty else "")
 
 
@@ -117,7 +121,8 @@ def describe() -> dict:
             "pyfuse3": _python_package("pyfuse3"),
             "boto3": _python_package("boto3"),
             "s3torchconnector": _python_package("s3torchconnector"),
-            "s3fs": _first_line(["s3fs", "--version"]).replace("Amazon Simple Storage Service File System V", "")
+            "s3fs": _first_line(["s3fs", "--version"])
+            .replace("Amazon Simple Storage Service File System V", "")
             .split(" ")[0],
             "rclone": _first_line(["rclone", "version"]).replace("rclone v", ""),
             "swift": _debian_package("swift"),

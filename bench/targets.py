@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .durable import DirView, S3View
-from .mounts import CkptfsMount, ForegroundMount
+from bench.durable import DirView, S3View
+from bench.mounts import CkptfsMount, ForegroundMount
 
 MiB = 1 << 20
 PART = 8 * MiB  # multipart part size for every peer where it can be set
@@ -47,8 +47,9 @@ class Context:
         if "s3" not in self.clients:
             from tests.swift import S3Endpoint
 
-            self.clients["s3"] = S3Endpoint(self.endpoint, self.access_key, self.secret_key, self.region).client(
-                max_pool_connections=2 * IN_FLIGHT)
+            self.clients["s3"] = S3Endpoint(
+                self.endpoint, self.access_key, self.secret_key, self.region
+            ).client(max_pool_connections=2 * IN_FLIGHT)
         return self.clients["s3"]
 
 
@@ -153,8 +154,13 @@ class NullFs(Target):
         import sys
 
         self.root = self.ctx.work / "nullfs-mnt"
-        self.mount = ForegroundMount("nullfs", [sys.executable, "-m", "bench.nullfs", str(self.root)], self.root,
-                                     self.ctx.work / "nullfs.log", stop_signal=signal.SIGTERM).start()
+        self.mount = ForegroundMount(
+            "nullfs",
+            [sys.executable, "-m", "bench.nullfs", str(self.root)],
+            self.root,
+            self.ctx.work / "nullfs.log",
+            stop_signal=signal.SIGTERM,
+        ).start()
 
     def stop(self) -> None:
         if getattr(self, "mount", None) is not None:
@@ -185,8 +191,14 @@ class Ckptfs(Target):
         self.mounts += 1
         tag = f"{self.name}-{self.mounts}"
         url, endpoint = self.store()
-        return CkptfsMount(url, self.ctx.work / f"{tag}-mnt", self.ctx.work / f"{tag}-cache", self.ram_cache,
-                           self.cache_size, endpoint).start()
+        return CkptfsMount(
+            url,
+            self.ctx.work / f"{tag}-mnt",
+            self.ctx.work / f"{tag}-cache",
+            self.ram_cache,
+            self.cache_size,
+            endpoint,
+        ).start()
 
     def start(self) -> None:
         self.mount = self._mount()
@@ -225,8 +237,10 @@ class Ckptfs(Target):
             mount.stop()
 
     def describe(self) -> str:
-        return (f"RAM tier {self.ram_cache // MiB} MiB, disk tier {self.cache_size // MiB} MiB, "
-                f"8 MiB parts, 8 in flight (defaults)")
+        return (
+            f"RAM tier {self.ram_cache // MiB} MiB, disk tier {self.cache_size // MiB} MiB, "
+            f"8 MiB parts, 8 in flight (defaults)"
+        )
 
 
 class CkptfsLocal(Ckptfs):
@@ -305,8 +319,10 @@ class FusePeer(Target):
 
 class S3fs(FusePeer):
     name = "s3fs"
-    note = ("s3fs-fuse, foreground (-f), path-style, url=http://127.0.0.1:PORT, multipart_size=8 (MiB), "
-            "parallel_count=8, its temp files under the work directory; other options default")
+    note = (
+        "s3fs-fuse, foreground (-f), path-style, url=http://127.0.0.1:PORT, multipart_size=8 (MiB), "
+        "parallel_count=8, its temp files under the work directory; other options default"
+    )
 
     def _mount(self) -> ForegroundMount:
         self.mounts += 1
@@ -316,32 +332,60 @@ class S3fs(FusePeer):
         passwd.chmod(0o600)
         tmp = work / f"s3fs-{self.mounts}-tmp"
         tmp.mkdir()
-        options = [f"url={self.ctx.endpoint}", "use_path_request_style", f"endpoint={self.ctx.region}",
-                   f"passwd_file={passwd}", f"multipart_size={PART // MiB}", f"parallel_count={IN_FLIGHT}",
-                   f"tmpdir={tmp}"]
+        options = [
+            f"url={self.ctx.endpoint}",
+            "use_path_request_style",
+            f"endpoint={self.ctx.region}",
+            f"passwd_file={passwd}",
+            f"multipart_size={PART // MiB}",
+            f"parallel_count={IN_FLIGHT}",
+            f"tmpdir={tmp}",
+        ]
         mnt = work / f"s3fs-{self.mounts}-mnt"
-        return ForegroundMount("s3fs", ["s3fs", self.bucket, str(mnt), "-f", "-o", ",".join(options)], mnt,
-                               work / "s3fs.log").start()
+        return ForegroundMount(
+            "s3fs", ["s3fs", self.bucket, str(mnt), "-f", "-o", ",".join(options)], mnt, work / "s3fs.log"
+        ).start()
 
 
 class Rclone(FusePeer):
     name = "rclone"
-    note = ("rclone mount --vfs-cache-mode writes (write-back after the default 5 s), its own cache dir, "
-            "S3 remote from environment variables (provider Other, path style), --s3-chunk-size 8Mi, "
-            "--s3-upload-concurrency 8; other options default")
+    note = (
+        "rclone mount --vfs-cache-mode writes (write-back after the default 5 s), its own cache dir, "
+        "S3 remote from environment variables (provider Other, path style), --s3-chunk-size 8Mi, "
+        "--s3-upload-concurrency 8; other options default"
+    )
 
     def _mount(self) -> ForegroundMount:
         self.mounts += 1
         work = self.ctx.work
-        remote = {"TYPE": "s3", "PROVIDER": "Other", "ENDPOINT": self.ctx.endpoint, "REGION": self.ctx.region,
-                  "ACCESS_KEY_ID": self.ctx.access_key, "SECRET_ACCESS_KEY": self.ctx.secret_key,
-                  "FORCE_PATH_STYLE": "true"}
+        remote = {
+            "TYPE": "s3",
+            "PROVIDER": "Other",
+            "ENDPOINT": self.ctx.endpoint,
+            "REGION": self.ctx.region,
+            "ACCESS_KEY_ID": self.ctx.access_key,
+            "SECRET_ACCESS_KEY": self.ctx.secret_key,
+            "FORCE_PATH_STYLE": "true",
+        }
         env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}  # rclone refuses to start with it
         env.update({f"RCLONE_CONFIG_BENCH_{k}": v for k, v in remote.items()})
         mnt = work / f"rclone-{self.mounts}-mnt"
-        argv = ["rclone", "mount", f"bench:{self.bucket}", str(mnt), "--config", "/dev/null",
-                "--vfs-cache-mode", "writes", "--cache-dir", str(work / f"rclone-{self.mounts}-cache"),
-                "--s3-chunk-size", f"{PART // MiB}Mi", "--s3-upload-concurrency", str(IN_FLIGHT)]
+        argv = [
+            "rclone",
+            "mount",
+            f"bench:{self.bucket}",
+            str(mnt),
+            "--config",
+            "/dev/null",
+            "--vfs-cache-mode",
+            "writes",
+            "--cache-dir",
+            str(work / f"rclone-{self.mounts}-cache"),
+            "--s3-chunk-size",
+            f"{PART // MiB}Mi",
+            "--s3-upload-concurrency",
+            str(IN_FLIGHT),
+        ]
         return ForegroundMount("rclone", argv, mnt, work / "rclone.log", env).start()
 
 
@@ -383,9 +427,11 @@ def transfer_config():
 
 class Boto3(ClientTarget):
     name = "boto3"
-    note = ("boto3 upload_fileobj / download_fileobj, 8 MiB parts, 8 in flight; save stall = torch.save into "
-            "memory + upload, time to durable = the upload alone of the bytes already in memory, "
-            "cold load = download_fileobj alone (no torch.load)")
+    note = (
+        "boto3 upload_fileobj / download_fileobj, 8 MiB parts, 8 in flight; save stall = torch.save into "
+        "memory + upload, time to durable = the upload alone of the bytes already in memory, "
+        "cold load = download_fileobj alone (no torch.load)"
+    )
 
     def save(self, state, rel: str) -> dict:
         start = time.monotonic()
@@ -414,15 +460,20 @@ def s3torch_checkpoint(ctx_or_endpoint, region: str = "us-east-1"):
 
     endpoint = getattr(ctx_or_endpoint, "endpoint", ctx_or_endpoint)
     region = getattr(ctx_or_endpoint, "region", region)
-    return S3Checkpoint(region=region, endpoint=endpoint,
-                        s3client_config=S3ClientConfig(force_path_style=True, part_size=PART))
+    return S3Checkpoint(
+        region=region,
+        endpoint=endpoint,
+        s3client_config=S3ClientConfig(force_path_style=True, part_size=PART),
+    )
 
 
 class S3Torch(ClientTarget):
     name = "s3torchconnector"
-    note = ("AWS's S3 connector for PyTorch: S3Checkpoint writer (torch.save streams into it; durable at "
-            "close) and reader (torch.load from it), S3ClientConfig(force_path_style=True, part_size=8 MiB), "
-            "endpoint=http://127.0.0.1:PORT, credentials from AWS_* variables")
+    note = (
+        "AWS's S3 connector for PyTorch: S3Checkpoint writer (torch.save streams into it; durable at "
+        "close) and reader (torch.load from it), S3ClientConfig(force_path_style=True, part_size=8 MiB), "
+        "endpoint=http://127.0.0.1:PORT, credentials from AWS_* variables"
+    )
 
     def start(self) -> None:
         super().start()

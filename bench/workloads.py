@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import sysinfo
-from .durable import Poller
-from .figures import Results
-from .ranks import Ranks
-from .targets import CkptfsS3, Target
+from bench import sysinfo
+from bench.durable import Poller
+from bench.figures import Results
+from bench.ranks import Ranks
+from bench.targets import CkptfsS3, Target
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -29,8 +29,16 @@ WRITE_CHUNK = 8 * MiB
 LOAD_PREFAULT = 1.5  # times the checkpoint: the memory a load touches, pre-faulted (sysinfo)
 # what save_pretrained / DCP write next to the tensors, written last
 CONFIG_FILES = {
-    "config.json": json.dumps({"architectures": ["TinyLLM"], "hidden_size": 1024, "num_hidden_layers": 24,
-                               "torch_dtype": "bfloat16", "vocab_size": 32000}, indent=2),
+    "config.json": json.dumps(
+        {
+            "architectures": ["TinyLLM"],
+            "hidden_size": 1024,
+            "num_hidden_layers": 24,
+            "torch_dtype": "bfloat16",
+            "vocab_size": 32000,
+        },
+        indent=2,
+    ),
     "generation_config.json": json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.9}, indent=2),
     "tokenizer_config.json": json.dumps({"model_max_length": 4096, "padding_side": "right"}, indent=2),
     "special_tokens_map.json": json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
@@ -77,8 +85,9 @@ class Measured:
     extra: dict
 
 
-def measure(target: Target, save: Callable[[], dict], rels: list[str], known: dict[str, int] | None = None
-            ) -> Measured:
+def measure(
+    target: Target, save: Callable[[], dict], rels: list[str], known: dict[str, int] | None = None
+) -> Measured:
     """Time one save of `rels` (relative paths) into `target`, with the store poller and daemon stats."""
     pid = target.pid
     if pid:
@@ -188,8 +197,10 @@ def write_path(bench: Bench, state, nbytes: int) -> None:
         s = measure(t, lambda t=t, rel=save_rel: t.save(state, rel), [save_rel])
         saved = (t.root / save_rel).stat().st_size
         bench.results.add("save_tp", t.name, saved / GiB / s.stall)
-        bench.progress(f"write     {t.name:17} run {i + 1}/{n}: os.write {total / GiB / m.stall:5.2f} GiB/s, "
-                       f"torch.save {saved / GiB / s.stall:5.2f} GiB/s")
+        bench.progress(
+            f"write     {t.name:17} run {i + 1}/{n}: os.write {total / GiB / m.stall:5.2f} GiB/s, "
+            f"torch.save {saved / GiB / s.stall:5.2f} GiB/s"
+        )
         t.remove(rel)
         t.remove(save_rel)
 
@@ -243,14 +254,24 @@ def scaling(bench: Bench, nbytes: int) -> None:
     for i, n, t in bench.each_run("scale", ("nullfs", "ckptfs-local", "ckptfs-s3")):
         line = []
         if i == 0:  # untimed: the RAM tier's slots get their pages, as for a job's second save
-            measure(t, lambda t=t: _write_file(t.root / "scale-warm.bin", nbytes // WRITE_CHUNK * WRITE_CHUNK, chunk),
-                    ["scale-warm.bin"])
+            measure(
+                t,
+                lambda t=t: _write_file(
+                    t.root / "scale-warm.bin", nbytes // WRITE_CHUNK * WRITE_CHUNK, chunk
+                ),
+                ["scale-warm.bin"],
+            )
             t.remove("scale-warm.bin")
         for k in SCALE_WRITERS:
             each = max(1, nbytes // k // WRITE_CHUNK) * WRITE_CHUNK
             rels = [f"scale-{i}-w{k}-{j}.bin" for j in range(k)]  # (nullfs has no directories)
-            m = measure(t, lambda rels=rels, each=each, t=t: _concurrently(
-                [lambda rel=rel: _write_file(t.root / rel, each, chunk) for rel in rels]), rels)
+            m = measure(
+                t,
+                lambda rels=rels, each=each, t=t: _concurrently(
+                    [lambda rel=rel: _write_file(t.root / rel, each, chunk) for rel in rels]
+                ),
+                rels,
+            )
             gib = each * k / GiB
             bench.results.add(f"scale_write_{k}", t.name, gib / m.stall)
             if m.cpu is not None:
@@ -289,11 +310,15 @@ def ram_budget_4x(bench: Bench, ctx, state, nbytes: int, make_target=CkptfsS3) -
             rel = f"ram4x/run-{i}/model.pt"
             m = measure(target, lambda rel=rel: target.save(state, rel), [rel])
             bench.results.add("ram_4x_rss", "ckptfs-s3", m.rss / MiB)
-            bench.progress(f"ram 4x    {'ckptfs-s3':17} run {i + 1}/{runs}: RAM tier {budget / MiB:.0f} MiB, {_fmt(m)}")
+            bench.progress(
+                f"ram 4x    {'ckptfs-s3':17} run {i + 1}/{runs}: RAM tier {budget / MiB:.0f} MiB, {_fmt(m)}"
+            )
             target.remove(os.path.dirname(rel))
     finally:
         target.stop()
-    bench.results.note("ram_4x_rss", "ckptfs-s3", f"--ram-cache {budget // MiB} MiB, a {nbytes / MiB:.0f} MiB save")
+    bench.results.note(
+        "ram_4x_rss", "ckptfs-s3", f"--ram-cache {budget // MiB} MiB, a {nbytes / MiB:.0f} MiB save"
+    )
     return budget
 
 
@@ -316,7 +341,9 @@ def dcp_like(bench: Bench, shard_mib: int) -> None:
                 ranks.save(specs)
                 t.write_files([(f"{folder}/.metadata", metadata)])
 
-            m = measure(t, save, [*shards, f"{folder}/.metadata"], known={f"{folder}/.metadata": len(metadata)})
+            m = measure(
+                t, save, [*shards, f"{folder}/.metadata"], known={f"{folder}/.metadata": len(metadata)}
+            )
             _record_pair(bench, "dcp", t, m)
             bench.progress(f"dcp       {t.name:17} run {i + 1}/{n}: {_fmt(m)}")
             if i + 1 < n:
@@ -337,20 +364,31 @@ def small_files(bench: Bench, count: int, slow_count: int) -> None:
     for i, n, t in bench.each_run("small", [n for n in SAVE_TARGETS if n in bench.targets]):
         written = min(count, slow_count) if t.name in SLOW_SMALL and slow_count else count
         folder = f"small/run-{i}"
-        files = [(f"{folder}/shards/{k:05d}.bin", blob[k * SMALL_FILE:(k + 1) * SMALL_FILE]) for k in range(written)]
+        files = [
+            (f"{folder}/shards/{k:05d}.bin", blob[k * SMALL_FILE : (k + 1) * SMALL_FILE])
+            for k in range(written)
+        ]
         files += [(f"{folder}/{name}", text.encode()) for name, text in CONFIG_FILES.items()]
-        m = measure(t, lambda t=t, files=files: t.write_files(files), [rel for rel, _ in files],
-                    known={rel: len(data) for rel, data in files})
+        m = measure(
+            t,
+            lambda t=t, files=files: t.write_files(files),
+            [rel for rel, _ in files],
+            known={rel: len(data) for rel, data in files},
+        )
         scale = (count + len(CONFIG_FILES)) / len(files)
         line = f"small     {t.name:17} run {i + 1}/{n}: {len(files)} files, {_fmt(m)}"
         if scale != 1:
             m.stall *= scale
             m.durable = None if m.durable is None else m.durable * scale
-            note = (f"wrote {written} of the {count} data files (and the config files), times scaled by the file "
-                    f"count x{scale:.1f} (--slow-files)")
+            note = (
+                f"wrote {written} of the {count} data files (and the config files), times scaled by the file "
+                f"count x{scale:.1f} (--slow-files)"
+            )
             bench.results.note("small_stall", t.name, note)
             bench.results.note("small_durable", t.name, note)
-            line += f"; scaled x{scale:.1f} to {count + len(CONFIG_FILES)} files: {_fmt(m).split(', daemon')[0]}"
+            line += (
+                f"; scaled x{scale:.1f} to {count + len(CONFIG_FILES)} files: {_fmt(m).split(', daemon')[0]}"
+            )
         _record_pair(bench, "small", t, m)
         bench.progress(line)
         if i + 1 < n:

@@ -4,17 +4,27 @@ The Python API for training scripts (see docs/admin.md, "Python API"); importing
 none of the daemon's libraries (no boto3, no pyfuse3).
 """
 
-from .api import NotACkptfsMount, SyncResult, mount_of, state, sync, wait_durable
-from .errors import CkptfsError, TimedOut
+from ckptfs.api import NotACkptfsMount, SyncResult, mount_of, state, sync, wait_durable
+from ckptfs.errors import CkptfsError, TimedOut
 
-__all__ = ["CkptfsError", "NotACkptfsMount", "SyncResult", "TimedOut", "checkpoints", "mount_of", "state", "sync",
-           "wait_durable"]
+__all__ = [
+    "CkptfsError",
+    "NotACkptfsMount",
+    "SyncResult",
+    "TimedOut",
+    "checkpoints",
+    "mount_of",
+    "state",
+    "sync",
+    "wait_durable",
+]
 
 
 def __getattr__(name: str):
     # ckptfs.checkpoints(url_or_mountpoint): the checkpoint series (ckptfs/catalog.py), loaded on
     # first use: the catalog reads stores, which `import ckptfs` alone must not pull in.
     if name == "checkpoints":
-        from .catalog import checkpoints
+        from ckptfs.admin.catalog import checkpoints
+
         return checkpoints
     raise AttributeError(f"module 'ckptfs' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from ckptfs.cli import main
+from ckptfs.cli.main import main
 
 raise SystemExit(main())

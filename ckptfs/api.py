@@ -20,8 +20,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from .config import ckptfs_mounts
-from .errors import CkptfsError, TimedOut
+from ckptfs.config import ckptfs_mounts
+from ckptfs.errors import CkptfsError, TimedOut
 
 STATE_XATTR = "user.ckptfs.state"
 WRITING, PENDING, DURABLE = "writing", "pending", "durable"
@@ -72,14 +72,20 @@ def sync(path: str | os.PathLike, timeout: float | None = None) -> SyncResult:
     """Block until everything committed (closed) so far at or under ``path`` is durable in the
     store; ``path`` the mountpoint means the whole mount. Raises ``TimedOut`` after ``timeout``
     seconds (the uploads go on; nothing is lost)."""
-    from . import control  # (trio: only when used)
+    from ckptfs.control import client  # (trio: only when used)
 
     if timeout is not None and not timeout >= 0:
         raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
     mountpoint, paths = _relative(path)
-    result = control.call(mountpoint, "sync", {"paths": paths, "timeout": timeout},
-                          timeout=None if timeout is None else timeout + CLIENT_SLACK_S)
-    return SyncResult(int(result.get("files") or 0), int(result.get("bytes") or 0), float(result.get("seconds") or 0.0))
+    result = client.call(
+        mountpoint,
+        "sync",
+        {"paths": paths, "timeout": timeout},
+        timeout=None if timeout is None else timeout + CLIENT_SLACK_S,
+    )
+    return SyncResult(
+        int(result.get("files") or 0), int(result.get("bytes") or 0), float(result.get("seconds") or 0.0)
+    )
 
 
 def state(path: str | os.PathLike) -> str:

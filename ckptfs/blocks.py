@@ -85,7 +85,7 @@ def zeros_xxh3(length: int) -> str:
     sparse file's hole parts are named without hashing a byte per byte of hole."""
     hasher, zeros = xxhash.xxh3_64(), memoryview(bytes(min(length, 1 << 20)))
     for start in range(0, length, len(zeros) or 1):
-        hasher.update(zeros[:min(len(zeros), length - start)])
+        hasher.update(zeros[: min(len(zeros), length - start)])
     return hasher.hexdigest()
 
 

@@ -88,14 +88,20 @@ def mount_table() -> list[tuple[str, str, str]]:
         text = Path("/proc/self/mounts").read_text(errors="surrogateescape")
     except OSError:
         return []
-    return [(f[0], re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f[1]), f[2])  # \040 is a space
-            for f in (line.split() for line in text.splitlines()) if len(f) >= 3]
+    return [
+        (f[0], re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f[1]), f[2])  # \040 is a space
+        for f in (line.split() for line in text.splitlines())
+        if len(f) >= 3
+    ]
 
 
 def ckptfs_mounts() -> set[str]:
     """Mountpoints of ckptfs filesystems (live or with a dead daemon)."""
-    return {mountpoint for source, mountpoint, fstype in mount_table()
-            if fstype == "fuse.ckptfs" or (fstype.startswith("fuse") and source == "ckptfs")}
+    return {
+        mountpoint
+        for source, mountpoint, fstype in mount_table()
+        if fstype == "fuse.ckptfs" or (fstype.startswith("fuse") and source == "ckptfs")
+    }
 
 
 def mount_owner(mountpoint: str) -> int | None:
@@ -107,12 +113,14 @@ def mount_owner(mountpoint: str) -> int | None:
     except OSError:
         return None
     owner = None  # the last (topmost) mount there wins
-    for line in text.splitlines():  # ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS
+    for line in (
+        text.splitlines()
+    ):  # ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS
         fields = line.split()
         if "-" not in fields[6:]:
             continue
         dash = fields.index("-", 6)
-        fstype, source, options = (fields[dash + 1:dash + 4] + ["", "", ""])[:3]
+        fstype, source, options = (fields[dash + 1 : dash + 4] + ["", "", ""])[:3]
         if not (fstype == "fuse.ckptfs" or (fstype.startswith("fuse") and source == "ckptfs")):
             continue
         if re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]) != mountpoint:

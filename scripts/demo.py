@@ -48,7 +48,9 @@ def main() -> int:
         torch.save(state, path)
         stall = time.perf_counter() - start
         size = path.stat().st_size
-        print(f"\ntorch.save -> {path}: {size / 2**20:.1f} MiB in {stall:.2f} s (returned once committed in the cache)")
+        print(
+            f"\ntorch.save -> {path}: {size / 2**20:.1f} MiB in {stall:.2f} s (returned once committed in the cache)"
+        )
         print(f"state right after close: {os.getxattr(path, 'user.ckptfs.state').decode()}")
         ckptfs("status", str(mountpoint))
         ckptfs("sync", str(mountpoint))
@@ -63,6 +65,7 @@ def main() -> int:
         ckptfs("umount", str(mountpoint))
         mountpoint.rmdir()
     from ckptfs.config import default_store_dir
+
     stored = default_store_dir() / "demo" / "step-1" / "model.pt"
     print(f"\nthe checkpoint in the store: {stored} ({stored.stat().st_size / 2**20:.1f} MiB)")
     return 0

@@ -23,8 +23,10 @@ def make_checkpoint(size_mb: int, seed: int = 0) -> dict:
     model["norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     return {
         "model": model,
-        "optimizer": {"state": {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
-                      "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}]},
+        "optimizer": {
+            "state": {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
+            "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}],
+        },
         "step": 1000 + seed,
         "rng": torch.get_rng_state(),
         "config": {"name": "tiny-llm", "layers": n_layers, "hidden": hidden, "tags": ["bench", "ckptfs"]},

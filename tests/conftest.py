@@ -196,12 +196,17 @@ class LocalStoreView:
         return (self.root / key).read_bytes()
 
     def keys(self) -> set[str]:
-        return {str(p.relative_to(self.root)) for p in self.root.rglob("*")
-                if p.is_file() and not str(p.relative_to(self.root)).startswith(".ckptfs-")}
+        return {
+            str(p.relative_to(self.root))
+            for p in self.root.rglob("*")
+            if p.is_file() and not str(p.relative_to(self.root)).startswith(".ckptfs-")
+        }
 
 
 class S3StoreView:
-    def __init__(self, server, bucket: str, prefix: str = "run1", proxy=None, mount_extra: tuple[str, ...] = ()):
+    def __init__(
+        self, server, bucket: str, prefix: str = "run1", proxy=None, mount_extra: tuple[str, ...] = ()
+    ):
         self.client = server.client()
         self.bucket = bucket
         self.prefix = prefix
@@ -216,9 +221,14 @@ class S3StoreView:
     def sizes(self) -> dict[str, int]:
         """key -> size of every file (no directory markers, no reserved keys such as manifests)."""
         out = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
-            out |= {o["Key"][len(self.prefix) + 1:]: o["Size"] for o in page.get("Contents", [])
-                    if not o["Key"].endswith("/") and not o["Key"][len(self.prefix) + 1:].startswith(".ckptfs-")}
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + "/"
+        ):
+            out |= {
+                o["Key"][len(self.prefix) + 1 :]: o["Size"]
+                for o in page.get("Contents", [])
+                if not o["Key"].endswith("/") and not o["Key"][len(self.prefix) + 1 :].startswith(".ckptfs-")
+            }
         return out
 
     def keys(self) -> set[str]:
@@ -285,7 +295,9 @@ def proxied_store(s3_server, s3_bucket, proxy):
     shm = Path("/dev/shm") / f"ckptfs-tests-{uuid.uuid4().hex[:8]}"
     shm.mkdir(mode=0o700)
     try:
-        yield S3StoreView(s3_server, s3_bucket, prefix="run", proxy=proxy, mount_extra=("--shm-dir", str(shm)))
+        yield S3StoreView(
+            s3_server, s3_bucket, prefix="run", proxy=proxy, mount_extra=("--shm-dir", str(shm))
+        )
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 
@@ -295,8 +307,13 @@ def mount_factory(store, tmp_path):
     mounts: list[Mount] = []
 
     def make(name: str | None = None, extra: tuple[str, ...] = (), **kwargs) -> Mount:
-        m = Mount(store.url, tmp_path / (name or f"m{len(mounts)}"), endpoint_url=store.endpoint,
-                  extra=(*store.mount_extra, *extra), **kwargs)
+        m = Mount(
+            store.url,
+            tmp_path / (name or f"m{len(mounts)}"),
+            endpoint_url=store.endpoint,
+            extra=(*store.mount_extra, *extra),
+            **kwargs,
+        )
         mounts.append(m)
         return m
 
@@ -323,6 +340,7 @@ import time  # noqa: E402
 
 from tests.faultproxy import FaultProxy  # noqa: E402 (a global: the layer markers see it reached)
 
+
 @pytest.fixture(scope="module")
 def moto_endpoint(tmp_path_factory):
     """moto's standalone S3 server on 127.0.0.1 (a process of its own), stopped after the module."""
@@ -330,8 +348,11 @@ def moto_endpoint(tmp_path_factory):
 
     port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -355,15 +376,26 @@ def moto(moto_endpoint, monkeypatch):
     import boto3
     from botocore.config import Config
 
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }.items():
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)
-    client = boto3.client("s3", endpoint_url=moto_endpoint, config=Config(
-        s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
-        response_checksum_validation="when_required"))
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto_endpoint,
+        config=Config(
+            s3={"addressing_style": "path"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
     bucket = f"ckptfs-checks-{os.urandom(4).hex()}"
     client.create_bucket(Bucket=bucket)
     return moto_endpoint, client, bucket
@@ -402,8 +434,18 @@ class OtherUser:
     def run(self, argv: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", "LANG": "C.UTF-8"}
         env.update(kwargs.pop("env", {}))
-        return subprocess.run(argv, user=self.uid, group=self.gid, extra_groups=[], cwd="/", env=env,
-                              capture_output=True, text=True, timeout=timeout, **kwargs)
+        return subprocess.run(
+            argv,
+            user=self.uid,
+            group=self.gid,
+            extra_groups=[],
+            cwd="/",
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kwargs,
+        )
 
     def python(self, code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """``code`` run as that user by an interpreter it can reach, with ckptfs and its dependencies
@@ -418,7 +460,9 @@ class OtherUser:
         path = Path(path).resolve()
         for directory in [path, *path.parents]:
             if directory == self._session_root or self._session_root in directory.parents:
-                directory.chmod(directory.stat().st_mode | 0o011)  # search (x) for group and others; no listing
+                directory.chmod(
+                    directory.stat().st_mode | 0o011
+                )  # search (x) for group and others; no listing
 
 
 def _other_python() -> str:
@@ -430,7 +474,11 @@ def _other_pythonpath() -> dict[str, str]:
     import sysconfig
 
     repo = Path(__file__).resolve().parent.parent
-    return {"PYTHONPATH": os.pathsep.join([str(repo), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])}
+    return {
+        "PYTHONPATH": os.pathsep.join(
+            [str(repo), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+        )
+    }
 
 
 _other_user_usable: str | None = None  # why not, once found out
@@ -452,7 +500,7 @@ def other_user(tmp_path_factory) -> OtherUser:
     user = OtherUser(entry, root)
     global _other_user_usable
     if _other_user_usable is None:
-        done = user.python("import ckptfs.cli")
+        done = user.python("import ckptfs.cli.main")
         _other_user_usable = "" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1]
     if _other_user_usable:
         pytest.skip(f"{OTHER_USER} cannot run ckptfs from this checkout: {_other_user_usable}")
@@ -486,9 +534,13 @@ _SLOW_TIMEOUT_S = 600
 def _reach_targets() -> dict[int, str]:
     from tests import faultproxy, mounting, swift
 
-    return {id(mounting.Mount): "e2e", id(mounting.ckptfs): "e2e",
-            id(swift.SwiftServer): "store", id(swift.S3Endpoint): "store",
-            id(faultproxy.FaultProxy): "store"}
+    return {
+        id(mounting.Mount): "e2e",
+        id(mounting.ckptfs): "e2e",
+        id(swift.SwiftServer): "store",
+        id(swift.S3Endpoint): "store",
+        id(faultproxy.FaultProxy): "store",
+    }
 
 
 def _codes(code):
@@ -556,8 +608,9 @@ def _asks_for_s3(func) -> bool:
     import inspect
 
     code = getattr(inspect.unwrap(func), "__code__", None)
-    return code is not None and any(const in _S3_FIXTURES for c in _codes(code) for const in c.co_consts
-                                    if isinstance(const, str))
+    return code is not None and any(
+        const in _S3_FIXTURES for c in _codes(code) for const in c.co_consts if isinstance(const, str)
+    )
 
 
 def _layers_of(item, targets: dict[int, str]) -> set[str]:
@@ -573,7 +626,7 @@ def _layers_of(item, targets: dict[int, str]) -> set[str]:
         _reached(item.function, targets, seen, kinds)
     fixtureinfo = getattr(item, "_fixtureinfo", None)
     for name in names:
-        for fixturedef in (fixtureinfo.name2fixturedefs.get(name, ()) if fixtureinfo else ()):
+        for fixturedef in fixtureinfo.name2fixturedefs.get(name, ()) if fixtureinfo else ():
             _reached(fixturedef.func, targets, seen, kinds)
             # request.getfixturevalue("s3_server"): always, or (a parametrised fixture such as
             # `store`) only on its "s3" parameter

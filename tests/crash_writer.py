@@ -30,8 +30,19 @@ from pathlib import Path
 
 MiB = 1 << 20
 # Sizes around the 8 MiB part size (single PUT vs multipart, exact multiples, one byte over).
-RAW_SIZES = [0, 1, 4095, 64 * 1024 + 3, MiB, 3 * MiB + 17, 8 * MiB - 1, 8 * MiB, 8 * MiB + 1,
-             12 * MiB + 5, 17 * MiB]
+RAW_SIZES = [
+    0,
+    1,
+    4095,
+    64 * 1024 + 3,
+    MiB,
+    3 * MiB + 17,
+    8 * MiB - 1,
+    8 * MiB,
+    8 * MiB + 1,
+    12 * MiB + 5,
+    17 * MiB,
+]
 MAX_TRIAL_BYTES = 40 * MiB
 CHUNK = MiB
 
@@ -89,7 +100,10 @@ def torch_state(trial: int, entry: Entry) -> dict:
     gen = torch.Generator().manual_seed(trial * 1000 + entry.index)
     n = entry.size // 4
     return {
-        "model": {"w": torch.randn(n // 2, generator=gen), "b": torch.randn(n // 2, generator=gen).to(torch.bfloat16)},
+        "model": {
+            "w": torch.randn(n // 2, generator=gen),
+            "b": torch.randn(n // 2, generator=gen).to(torch.bfloat16),
+        },
         "optimizer": {"step": trial, "lr": 3e-4},
         "iteration": trial,
     }
@@ -119,7 +133,7 @@ def _log(fd: int, line: str) -> None:
 def _write_raw(path: Path, data: bytes, pace: random.Random) -> None:
     with open(path, "wb", buffering=0) as f:
         for start in range(0, len(data), CHUNK):
-            f.write(data[start:start + CHUNK])
+            f.write(data[start : start + CHUNK])
             time.sleep(pace.uniform(0, 0.004))  # a little time for the kill to land mid-file
 
 

@@ -43,8 +43,18 @@ from typing import Self
 from urllib.parse import urlsplit
 
 PIECE = 64 << 10
-KINDS = ("get", "put", "upload_part", "create_multipart", "complete_multipart", "abort",
-         "head", "list", "delete", "copy")
+KINDS = (
+    "get",
+    "put",
+    "upload_part",
+    "create_multipart",
+    "complete_multipart",
+    "abort",
+    "head",
+    "list",
+    "delete",
+    "copy",
+)
 
 
 @dataclass(frozen=True)
@@ -111,11 +121,13 @@ class Rule:
 
     def matches(self, req: Request) -> bool:
         kinds = (self.kind,) if isinstance(self.kind, str) else self.kind
-        return ((self.method is None or req.method == self.method.upper())
-                and (kinds is None or req.kind in kinds)
-                and (self.query is None or self.query in req.query)
-                and (self.path is None or re.search(self.path, req.path) is not None)
-                and all(re.search(rx, req.headers.get(name, "")) for name, rx in (self.headers or {}).items()))
+        return (
+            (self.method is None or req.method == self.method.upper())
+            and (kinds is None or req.kind in kinds)
+            and (self.query is None or self.query in req.query)
+            and (self.path is None or re.search(self.path, req.path) is not None)
+            and all(re.search(rx, req.headers.get(name, "")) for name, rx in (self.headers or {}).items())
+        )
 
     def active(self, now: float) -> bool:
         if self.count is not None and self.hits >= self.count:
@@ -124,7 +136,9 @@ class Rule:
 
     def over(self, now: float) -> bool:
         """Removed, or past its time window."""
-        return self.removed.is_set() or (self.for_s is not None and now >= self.added + self.after_s + self.for_s)
+        return self.removed.is_set() or (
+            self.for_s is not None and now >= self.added + self.after_s + self.for_s
+        )
 
 
 @dataclass
@@ -144,9 +158,17 @@ def classify(method: str, path: str, query: str, headers: dict[str, str]) -> str
     if method == "HEAD":
         return "head"
     if method == "PUT":
-        return "copy" if "x-amz-copy-source" in headers else "upload_part" if "partNumber" in params else "put"
+        return (
+            "copy" if "x-amz-copy-source" in headers else "upload_part" if "partNumber" in params else "put"
+        )
     if method == "POST":
-        return "create_multipart" if "uploads" in params else "complete_multipart" if "uploadId" in params else "delete"
+        return (
+            "create_multipart"
+            if "uploads" in params
+            else "complete_multipart"
+            if "uploadId" in params
+            else "delete"
+        )
     if method == "DELETE":
         return "abort" if "uploadId" in params else "delete"
     if "uploadId" in params or "uploads" in params or not has_key or "list-type" in params:
@@ -247,7 +269,7 @@ def _copy(body, out: socket.socket, length: int, corrupt: bool = False, cut: boo
             if cut:
                 out.sendall(piece[:i])
                 return True
-            piece = piece[:i] + bytes([piece[i] ^ 0xFF]) + piece[i + 1:]
+            piece = piece[:i] + bytes([piece[i] ^ 0xFF]) + piece[i + 1 :]
             corrupt = False
         out.sendall(piece)
         sent += len(piece) if payload else 0
@@ -318,24 +340,37 @@ class _Handler(socketserver.BaseRequestHandler):
                 _reset(sock)
                 return False
             req.status = action.code
-            xml = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{action.s3_code}</Code>'
-                   f"<Message>{action.message}</Message><Resource>{path}</Resource>"
-                   "<RequestId>faultproxy</RequestId></Error>").encode()
-            sock.sendall(f"HTTP/1.1 {action.code} Injected\r\nContent-Type: application/xml\r\n"
-                         f"Content-Length: {len(xml)}\r\nx-amz-request-id: faultproxy\r\n\r\n".encode()
-                         + (b"" if method == "HEAD" else xml))
+            xml = (
+                f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{action.s3_code}</Code>'
+                f"<Message>{action.message}</Message><Resource>{path}</Resource>"
+                "<RequestId>faultproxy</RequestId></Error>"
+            ).encode()
+            sock.sendall(
+                f"HTTP/1.1 {action.code} Injected\r\nContent-Type: application/xml\r\n"
+                f"Content-Length: {len(xml)}\r\nx-amz-request-id: faultproxy\r\n\r\n".encode()
+                + (b"" if method == "HEAD" else xml)
+            )
             return keep_alive
         corrupt = action.name == "corrupt_request_body"
-        if proxy.verify_checksums and "x-amz-checksum-crc32c" in headers and not _chunked(headers) \
-                and action.name in ("forward", "delay", "corrupt_request_body"):
+        if (
+            proxy.verify_checksums
+            and "x-amz-checksum-crc32c" in headers
+            and not _chunked(headers)
+            and action.name in ("forward", "delay", "corrupt_request_body")
+        ):
             data, good = self._checked_body(body, headers, corrupt)
             if not good:
                 proxy.refused_checksums += 1
                 req.status = 400
-                xml = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>BadDigest</Code><Message>The '
-                       b'CRC32C you specified did not match the calculated checksum.</Message></Error>')
-                sock.sendall(f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/xml\r\n"
-                             f"Content-Length: {len(xml)}\r\n\r\n".encode() + xml)
+                xml = (
+                    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>BadDigest</Code><Message>The '
+                    b"CRC32C you specified did not match the calculated checksum.</Message></Error>"
+                )
+                sock.sendall(
+                    f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/xml\r\n"
+                    f"Content-Length: {len(xml)}\r\n\r\n".encode()
+                    + xml
+                )
                 return keep_alive
             body, corrupt = iter([(data, True)]), False
         if action.name == "delay":
@@ -349,8 +384,7 @@ class _Handler(socketserver.BaseRequestHandler):
             up.sendall(b"".join(head) + b"\r\n")
             length = int(headers.get("content-length", "0") or 0)
             has_body = length > 0 or _chunked(headers)
-            if _copy(body, up, length, corrupt=corrupt,
-                     cut=action.name == "reset_mid_body", pace=proxy._up):
+            if _copy(body, up, length, corrupt=corrupt, cut=action.name == "reset_mid_body", pace=proxy._up):
                 _reset(up)
                 _reset(sock)
                 return False
@@ -380,8 +414,14 @@ class _Handler(socketserver.BaseRequestHandler):
             _reset(sock)  # nothing to cut in half: the server acted, the client hears a reset
             return False
         sock.sendall(b"".join(head) + b"\r\n")
-        if _copy(body, sock, length, corrupt=action.name == "corrupt_response_body" and not no_body, cut=cut,
-                 pace=self.server.proxy._down):
+        if _copy(
+            body,
+            sock,
+            length,
+            corrupt=action.name == "corrupt_response_body" and not no_body,
+            cut=cut,
+            pace=self.server.proxy._down,
+        ):
             _reset(sock)
             return False
         framed = no_body or "content-length" in headers or _chunked(headers)
@@ -462,8 +502,11 @@ class FaultProxy:
     def count(self, method: str | None = None, kind: str | None = None) -> int:
         """Requests seen (whatever was done with them) of this method and/or kind."""
         with self._lock:
-            return sum(n for (m, k), n in self.counts.items()
-                       if (method is None or m == method.upper()) and (kind is None or k == kind))
+            return sum(
+                n
+                for (m, k), n in self.counts.items()
+                if (method is None or m == method.upper()) and (kind is None or k == kind)
+            )
 
     def reset_counts(self) -> None:
         with self._lock:

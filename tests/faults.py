@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 import trio
 
-from ckptfs.store.base import DirListing, ObjectInfo, ObjectStore, PartInfo, StoreError
+from ckptfs.errors import StoreError
+from ckptfs.store.base import DirListing, ObjectInfo, ObjectStore, PartInfo
 
 HANG_GUARD_S = 60.0
 
@@ -83,9 +84,11 @@ class FaultyStore(ObjectStore):
 
     async def called(self, verb: str, n: int = 1, guard_s: float = HANG_GUARD_S) -> None:
         """Wait until ``n`` calls of ``verb`` have completed (fails after ``guard_s``)."""
+
         def wait() -> bool:
             with self._lock:
                 return self._lock.wait_for(lambda: self.done[verb] >= n, guard_s)
+
         ok = await trio.to_thread.run_sync(wait)
         assert ok, f"fewer than {n} {verb} calls completed"
 
@@ -146,7 +149,9 @@ class FaultyStore(ObjectStore):
         return self._call("upload_part", key, self.inner.upload_part, key, upload_id, number, data)
 
     def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
-        return self._call("upload_zero_part", key, self.inner.upload_zero_part, key, upload_id, number, length)
+        return self._call(
+            "upload_zero_part", key, self.inner.upload_zero_part, key, upload_id, number, length
+        )
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
         return self._call("complete_multipart", key, self.inner.complete_multipart, key, upload_id, parts)

@@ -41,14 +41,19 @@ def expected(seed: int) -> dict:
 
 def sharded(state: dict, mesh, placement) -> dict:
     """``state`` with its weight split across the mesh by ``placement``."""
-    return {**state, "model": {**state["model"],
-                               "weight": distribute_tensor(state["model"]["weight"], mesh, [placement])}}
+    return {
+        **state,
+        "model": {**state["model"], "weight": distribute_tensor(state["model"]["weight"], mesh, [placement])},
+    }
 
 
 def template(seed: int, mesh, placement) -> dict:
     """What a restarting job builds before dcp.load: the right shapes, wrong values."""
-    zeros = {"model": {k: torch.zeros_like(v) for k, v in expected(seed)["model"].items()}, "step": 0,
-             "extra": {"lr": 0.0, "tags": []}}
+    zeros = {
+        "model": {k: torch.zeros_like(v) for k, v in expected(seed)["model"].items()},
+        "step": 0,
+        "extra": {"lr": 0.0, "tags": []},
+    }
     return sharded(zeros, mesh, placement)
 
 
@@ -66,7 +71,11 @@ def main(root: str) -> int:
     try:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         dcp.save(sharded(expected(1), mesh, Shard(0)), checkpoint_id=os.path.join(root, "dcp-sync"))
-        wait(dcp.async_save(sharded(expected(2), mesh, Shard(0)), checkpoint_id=os.path.join(root, "dcp-async")))
+        wait(
+            dcp.async_save(
+                sharded(expected(2), mesh, Shard(0)), checkpoint_id=os.path.join(root, "dcp-async")
+            )
+        )
         dist.barrier()
         print("saved", flush=True)
         if sys.stdin.readline().strip() != "load":

@@ -63,17 +63,21 @@ async def wait_until_async(predicate, timeout: float, what: str, step: float = 0
 
 def run_trio(fn, *args, guard_s: float = TRIO_GUARD_S):
     """``trio.run(fn, *args)`` under a hang guard; returns what ``fn`` returns."""
+
     async def guarded():
         with trio.fail_after(guard_s):
             return await fn(*args)
+
     return trio.run(guarded)
 
 
 def trio_test(test):
     """Decorator: an ``async def`` test (its fixtures as usual) run by ``run_trio``."""
+
     @functools.wraps(test)
     def run(*args, **kwargs):
         return run_trio(functools.partial(test, *args, **kwargs))
+
     return run
 
 
@@ -117,8 +121,14 @@ def proc_state(pid: int) -> str | None:
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """The ckptfs command in a subprocess from the repository root; never raises on its exit code."""
-    return subprocess.run([sys.executable, "-m", "ckptfs", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "ckptfs", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, code: int | None, *needles: str) -> None:
@@ -136,11 +146,13 @@ def assert_one_line_error(done: subprocess.CompletedProcess, code: int | None, *
 
 
 def can_open(other_user, path: Path) -> str:
-    """"ok" if the other user can open ``path`` for reading, else the errno's name."""
+    """ "ok" if the other user can open ``path`` for reading, else the errno's name."""
     done = other_user.python(
         "import errno, os, sys\n"
         "try:\n    os.close(os.open(sys.argv[1], os.O_RDONLY)); print('ok')\n"
-        "except OSError as e:\n    print(errno.errorcode[e.errno])", str(path))
+        "except OSError as e:\n    print(errno.errorcode[e.errno])",
+        str(path),
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 

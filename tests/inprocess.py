@@ -11,13 +11,14 @@ import pytest
 import trio
 import xxhash
 
-from ckptfs.cache import Cache
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.journal import Journal
 from ckptfs.errors import FsError
-from ckptfs.fetcher import Fetcher
-from ckptfs.integrity import is_reserved
-from ckptfs.journal import Journal
-from ckptfs.namespace import ROOT_INODE, Namespace
-from ckptfs.uploader import Uploader
+from ckptfs.model.namespace import Namespace
+from ckptfs.model.tree import ROOT_INODE
+from ckptfs.objects.integrity import is_reserved
+from ckptfs.transfer.fetcher import Fetcher
+from ckptfs.transfer.uploader import Uploader
 from tests.faults import FaultyStore
 
 BS = 64 << 10
@@ -140,8 +141,11 @@ async def sync(m: InProcessMount) -> None:
 def store_files(store) -> dict[str, bytes]:
     """The files in the store (checksum manifests are not files)."""
     inner = store.inner if isinstance(store, FaultyStore) else store
-    return {o.key: inner.get_range(o.key, 0, o.size) for o in inner.list("")
-            if not o.key.endswith("/") and not is_reserved(o.key)}
+    return {
+        o.key: inner.get_range(o.key, 0, o.size)
+        for o in inner.list("")
+        if not o.key.endswith("/") and not is_reserved(o.key)
+    }
 
 
 def store_keys(store) -> set[str]:
@@ -154,7 +158,9 @@ def assert_xxh3(store, key: str, data: bytes) -> None:
     while it was written has none: the upload began before its last byte was known)."""
     inner = store.inner if isinstance(store, FaultyStore) else store
     info = inner.head(key)
-    assert xxhash.xxh3_64(inner.get_range(key, 0, info.size + 1)).hexdigest() == xxhash.xxh3_64(data).hexdigest()
+    assert (
+        xxhash.xxh3_64(inner.get_range(key, 0, info.size + 1)).hexdigest() == xxhash.xxh3_64(data).hexdigest()
+    )
     assert info.metadata.get("xxh3", xxhash.xxh3_64(data).hexdigest()) == xxhash.xxh3_64(data).hexdigest()
 
 

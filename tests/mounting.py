@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from ckptfs import control
-from ckptfs.daemon import recorded_ram_dir
+from ckptfs.control import client
+from ckptfs.daemon.run import recorded_ram_dir
 from tests.harness import proc_state
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
@@ -36,8 +36,15 @@ def is_mounted(path: Path) -> bool:
 class Mount:
     """One ckptfs mount: a mountpoint, a cache dir and a store; start/stop/kill it any number of times."""
 
-    def __init__(self, store_url: str, root: Path, endpoint_url: str | None = None,
-                 ram_cache: str = "256MiB", cache_size: str = "2GiB", extra: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        store_url: str,
+        root: Path,
+        endpoint_url: str | None = None,
+        ram_cache: str = "256MiB",
+        cache_size: str = "2GiB",
+        extra: tuple[str, ...] = (),
+    ):
         self.store_url = store_url
         self.path = root / "mnt"
         self.cache_dir = root / "cache"
@@ -49,8 +56,17 @@ class Mount:
         self.path.mkdir(parents=True, exist_ok=True)
 
     def args(self) -> list[str]:
-        args = [self.store_url, str(self.path), "--cache-dir", str(self.cache_dir),
-                "--ram-cache", self.ram_cache, "--cache-size", self.cache_size, *self.extra]
+        args = [
+            self.store_url,
+            str(self.path),
+            "--cache-dir",
+            str(self.cache_dir),
+            "--ram-cache",
+            self.ram_cache,
+            "--cache-size",
+            self.cache_size,
+            *self.extra,
+        ]
         if self.endpoint_url:
             args += ["--endpoint-url", self.endpoint_url]
         return args
@@ -65,7 +81,7 @@ class Mount:
         socket from this process: an interpreter start per call cost 1-1.5 s on the loaded 2-core
         VM, and tests poll it. The CLI's own path keeps tests of its own (test_status_metrics,
         test_packaging, test_security_logs)."""
-        return json.loads(json.dumps(control.call(self.path, "status", timeout=30)))
+        return json.loads(json.dumps(client.call(self.path, "status", timeout=30)))
 
     def fetched_bytes(self) -> int:
         """Bytes this daemon fetched from the store so far (its status)."""
@@ -164,12 +180,22 @@ class S3fsMount:
         passwd = root / "s3fs.passwd"
         passwd.write_text(f"{bucket}:{server.access_key}:{server.secret_key}\n")
         passwd.chmod(0o600)
-        options = [f"url={server.endpoint}", "use_path_request_style", f"endpoint={server.region}",
-                   f"passwd_file={passwd}", "stat_cache_expire=1", *options]
+        options = [
+            f"url={server.endpoint}",
+            "use_path_request_style",
+            f"endpoint={server.region}",
+            f"passwd_file={passwd}",
+            "stat_cache_expire=1",
+            *options,
+        ]
         self.log = root / "s3fs.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(["s3fs", f"{bucket}:/{prefix}", str(self.path), "-f", "-o", ",".join(options)],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                ["s3fs", f"{bucket}:/{prefix}", str(self.path), "-f", "-o", ",".join(options)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 60
         while not os.path.ismount(self.path):
             if self.proc.poll() is not None or time.monotonic() > deadline:

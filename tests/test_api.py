@@ -54,8 +54,9 @@ TRAINING_LOOP = textwrap.dedent("""
 
 
 def test_a_training_loop_waits_for_each_step_to_be_durable(mount, bucket_read):
-    done = subprocess.run([sys.executable, "-c", TRAINING_LOOP, str(mount.path)], capture_output=True, text=True,
-                          timeout=200)
+    done = subprocess.run(
+        [sys.executable, "-c", TRAINING_LOOP, str(mount.path)], capture_output=True, text=True, timeout=200
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     print("\n" + done.stdout)
@@ -69,9 +70,17 @@ def test_a_training_loop_waits_for_each_step_to_be_durable(mount, bucket_read):
     assert lines[-1] == "latest durable"
     assert bucket_read("latest") == b"step-3\n"
     # `import ckptfs` loads none of the daemon's libraries
-    probe = subprocess.run([sys.executable, "-c", "import sys, ckptfs; print(sorted(m for m in "
-                            "('boto3', 'botocore', 'pyfuse3', 'trio', 'prometheus_client') if m in sys.modules))"],
-                           capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, ckptfs; print(sorted(m for m in "
+            "('boto3', 'botocore', 'pyfuse3', 'trio', 'prometheus_client') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.stdout.strip() == "[]", probe
 
 
@@ -139,9 +148,11 @@ def test_api_errors_are_clear(mount, tmp_path):
     assert ckptfs.mount_of(mount.path / "x" / "y") == str(mount.path)
 
     # The same through the command, as a user would meet them: one line, exit != 0.
-    for args, message in (((str(outside),), f"no ckptfs mount at {outside}"),
-                          ((str(mount.path), str(outside / "f")), "is not inside the ckptfs mount"),
-                          ((str(mount.path), str(mount.path / "no-such-step")), "no such file on the mount")):
+    for args, message in (
+        ((str(outside),), f"no ckptfs mount at {outside}"),
+        ((str(mount.path), str(outside / "f")), "is not inside the ckptfs mount"),
+        ((str(mount.path), str(mount.path / "no-such-step")), "no such file on the mount"),
+    ):
         done = ckptfs_cli("sync", *args, check=False)
         assert done.returncode != 0 and len(done.stderr.splitlines()) == 1, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -32,7 +32,6 @@ def attrs(path: Path) -> tuple[int, int, int, int]:
     return st.st_mode, st.st_uid, st.st_gid, int(st.st_mtime)
 
 
-
 def test_mode_owner_and_mtime_survive_a_remount_and_show_on_a_second_mount(store, reachable, other_user):
     m = reachable[1]("--allow-other").start()
     mine, theirs, secret = m.path / "mine.pt", m.path / "theirs.pt", m.path / "private" / "inner.pt"
@@ -54,7 +53,12 @@ def test_mode_owner_and_mtime_survive_a_remount_and_show_on_a_second_mount(store
         assert attrs(path) == want, path
     m.sync()
     meta = stored(store, "mine.pt").metadata  # the conventions of s3fs-fuse and rclone
-    assert (meta["mode"], meta["uid"], meta["gid"], meta["mtime"]) == (str(stat.S_IFREG | 0o600), "0", "0", str(MTIME))
+    assert (meta["mode"], meta["uid"], meta["gid"], meta["mtime"]) == (
+        str(stat.S_IFREG | 0o600),
+        "0",
+        "0",
+        str(MTIME),
+    )
     m.stop()
 
     # Default --umask 0077 would show everything 0600 root: what is shown now is what was stored.
@@ -89,15 +93,21 @@ def test_chmod_of_a_durable_file_changes_only_its_metadata(store, mount_factory)
     after = {key: stored(store, key) for key in ("small.pt", "big.pt")}
     assert after["small.pt"].metadata["mode"] == str(stat.S_IFREG | 0o640)
     assert after["small.pt"].etag == before["small.pt"].etag  # the same bytes (S3: a copy in place)
-    assert (after["big.pt"].metadata["mode"], after["big.pt"].metadata["uid"],
-            after["big.pt"].metadata["gid"]) == (str(stat.S_IFREG | 0o604), "1234", "5678")
+    assert (
+        after["big.pt"].metadata["mode"],
+        after["big.pt"].metadata["uid"],
+        after["big.pt"].metadata["gid"],
+    ) == (str(stat.S_IFREG | 0o604), "1234", "5678")
     # What ckptfs keeps with the object (its checksums' upload id, its hash) is kept.
     kept = {k: v for k, v in before["big.pt"].metadata.items() if k not in ("mode", "uid", "gid", "mtime")}
     assert kept and {k: after["big.pt"].metadata.get(k) for k in kept} == kept
     m.stop()
 
     m.start()
-    assert stat.S_IMODE(big.stat().st_mode) == 0o604 and (big.stat().st_uid, big.stat().st_gid) == (1234, 5678)
+    assert stat.S_IMODE(big.stat().st_mode) == 0o604 and (big.stat().st_uid, big.stat().st_gid) == (
+        1234,
+        5678,
+    )
     assert big.read_bytes() == data  # still reads (and checks) as it was written
     m.stop()
 
@@ -141,6 +151,7 @@ def test_objects_without_attributes_keep_the_defaults(store, mount_factory):
 def test_a_stored_mtime_is_read_to_the_nanosecond():
     """s3fs 1.90 stores an mtime that utime gave with nanoseconds as "<seconds>.<nanoseconds>";
     read exactly (a float would lose the last digits). Anything unreadable keeps the default."""
+
     def shown(mtime: str) -> int:
         node = Node(2, "x", None, False, stat.S_IFREG | 0o600, 0, 0)
         node.mtime_ns = 7
@@ -167,7 +178,9 @@ def set_attrs(path: Path, mode: int, uid: int, gid: int, mtime: int) -> None:
     os.utime(path, (mtime, mtime))
 
 
-@pytest.mark.skipif(shutil.which("s3fs") is None, reason="s3fs-fuse is not installed (scripts/setup installs it)")
+@pytest.mark.skipif(
+    shutil.which("s3fs") is None, reason="s3fs-fuse is not installed (scripts/setup installs it)"
+)
 def test_attributes_round_trip_through_s3fs_on_the_same_bucket(s3_server, s3_bucket, tmp_path):
     """ckptfs -> store -> s3fs and s3fs -> store -> a fresh ckptfs mount: mode bits, uid, gid and
     mtime of a file and of a directory, each set to values no default could give."""
@@ -226,7 +239,10 @@ def test_attributes_round_trip_through_s3fs_on_the_same_bucket(s3_server, s3_buc
         assert os.stat(s3fs.path / "c_ns.pt").st_mtime_ns == MTIME * 10**9 + 987654321
         s3fs.stop()  # s3fs has uploaded all of it when its process is gone
         s3fs = None
-        assert raw("s_ns.pt")["mtime"] == f"{MTIME}.123456789" and raw("c_ns.pt")["mtime"] == f"{MTIME}.987654321"
+        assert (
+            raw("s_ns.pt")["mtime"] == f"{MTIME}.123456789"
+            and raw("c_ns.pt")["mtime"] == f"{MTIME}.987654321"
+        )
         fresh = fresh_cache(m)  # an empty cache dir: all from the store
         check(fresh.path, by_s3fs, "ckptfs")
         check(fresh.path, by_ckptfs, "ckptfs")

@@ -9,8 +9,8 @@ import time
 import pytest
 import trio
 
-from ckptfs import background
-from ckptfs.background import BackgroundThreads
+from ckptfs.util import background
+from ckptfs.util.background import BackgroundThreads
 from tests.harness import trio_test, wait_until_async
 
 

@@ -8,8 +8,15 @@ import random
 import pytest
 import xxhash
 
-from ckptfs.blocks import (block_length, blocks_touched, cached_xxh3, content_xxh3, decode_block_list,
-                           encode_block_list, n_blocks)
+from ckptfs.blocks import (
+    block_length,
+    blocks_touched,
+    cached_xxh3,
+    content_xxh3,
+    decode_block_list,
+    encode_block_list,
+    n_blocks,
+)
 
 BS = 8
 
@@ -48,7 +55,7 @@ def test_a_run_of_holes_is_one_number_and_old_lists_still_read():
 def _arena(data: bytes, holes: set[int]):
     """A stand-in cache: block i in slot (0, i), its bytes from ``data``; ``holes`` not cached."""
     blocks = [None if i in holes else (0, i) for i in range(n_blocks(len(data), BS))]
-    return (lambda ref, length: memoryview(data)[ref[1] * BS:ref[1] * BS + length]), blocks
+    return (lambda ref, length: memoryview(data)[ref[1] * BS : ref[1] * BS + length]), blocks
 
 
 def test_content_xxh3_is_the_whole_files_and_holes_read_as_zeros():
@@ -56,7 +63,7 @@ def test_content_xxh3_is_the_whole_files_and_holes_read_as_zeros():
     view, blocks = _arena(data, set())
     assert content_xxh3(view, len(data), blocks, BS) == xxhash.xxh3_64_hexdigest(data)
     view, blocks = _arena(data, {1})
-    zeroed = data[:BS] + bytes(BS) + data[2 * BS:]
+    zeroed = data[:BS] + bytes(BS) + data[2 * BS :]
     assert content_xxh3(view, len(data), blocks, BS) == xxhash.xxh3_64_hexdigest(zeroed)
 
 
@@ -67,6 +74,6 @@ def test_cached_xxh3_covers_which_blocks_are_cached_and_their_bytes():
     assert digest == cached_xxh3(view, len(data), list(blocks), BS)
     assert digest != cached_xxh3(view, len(data), [None, None, (0, 2)], BS)  # one block fewer
     assert digest != cached_xxh3(view, len(data), [None, (0, 2), (0, 1)], BS)  # same bytes, other places
-    changed = data[:BS] + bytes(BS) + data[2 * BS:]
+    changed = data[:BS] + bytes(BS) + data[2 * BS :]
     other_view, _ = _arena(changed, {0})
     assert digest != cached_xxh3(other_view, len(data), blocks, BS)

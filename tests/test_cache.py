@@ -7,7 +7,6 @@ reads; snapshots (committed Contents) must never change afterwards (copy on writ
 from __future__ import annotations
 
 import errno
-
 import os
 import random
 
@@ -15,7 +14,9 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.cache import DISK, RAM, Cache, Content, StagedFile
+from ckptfs.cache.arena import DISK, RAM
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.contents import Content, StagedFile
 from tests.harness import trio_test
 
 BS = 64 << 10  # block size: small, so files of a few blocks exercise every boundary
@@ -549,7 +550,8 @@ def test_the_latest_checkpoint_is_evicted_last(tmp_path):
 async def test_the_ram_slots_of_the_next_save_are_touched_ahead(tmp_path):
     """After a save of 2 blocks, the 2 free RAM slots the next allocations take get their pages
     in the background (and no more: a small save does not touch the whole budget)."""
-    from ckptfs.background import BackgroundThreads
+    from ckptfs.util.background import BackgroundThreads
+
     cache = make_cache(tmp_path, ram_blocks=6)
     ram = cache.tiers[RAM]
 

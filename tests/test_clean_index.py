@@ -14,9 +14,10 @@ import os
 
 import pytest
 
-from ckptfs import clean_index
-from ckptfs.cache import DISK, RAM, Cache
-from ckptfs.clean_index import CleanEntry, cached_digest
+from ckptfs.cache import clean_index
+from ckptfs.cache.arena import DISK, RAM
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.clean_index import CleanEntry, cached_digest
 from ckptfs.errors import MountError
 from tests.harness import blob
 
@@ -31,7 +32,7 @@ def cache_file(cache: Cache, data: bytes, tier: int) -> list:
     blocks = []
     for offset in range(0, len(data), BS):
         ref = cache.try_alloc(only=tier)
-        chunk = data[offset:offset + BS]
+        chunk = data[offset : offset + BS]
         cache.write(ref, 0, chunk)
         cache.fit(ref, len(chunk))
         blocks.append(ref)
@@ -43,8 +44,10 @@ def entry(cache: Cache, key: str, data: bytes, blocks: list) -> CleanEntry:
 
 
 def read_back(cache: Cache, size: int, blocks: list) -> bytes:
-    return b"".join(cache.read(ref, 0, min(BS, size - i * BS)) if ref is not None else bytes(min(BS, size - i * BS))
-                    for i, ref in enumerate(blocks))
+    return b"".join(
+        cache.read(ref, 0, min(BS, size - i * BS)) if ref is not None else bytes(min(BS, size - i * BS))
+        for i, ref in enumerate(blocks)
+    )
 
 
 @pytest.fixture
@@ -54,7 +57,10 @@ def saved(tmp_path):
     a, b = blob(2 * BS + 100, 1), blob(3 * BS, 2)
     a_blocks = cache_file(cache, a, RAM)
     a_blocks[1] = None  # block 1 evicted before the umount
-    entries = [entry(cache, "ckpt/a.bin", a, a_blocks), entry(cache, "ckpt/b.bin", b, cache_file(cache, b, DISK))]
+    entries = [
+        entry(cache, "ckpt/a.bin", a, a_blocks),
+        entry(cache, "ckpt/b.bin", b, cache_file(cache, b, DISK)),
+    ]
     index = tmp_path / "cache" / "clean.index"
     clean_index.save(index, cache, entries)
     cache.close()
@@ -77,7 +83,7 @@ def test_round_trip_adopts_the_blocks_and_removes_the_index(tmp_path, saved):
             expected = bytearray(data[key])
             for i, ref in enumerate(e.blocks):
                 if ref is None:
-                    expected[i * BS:(i + 1) * BS] = bytes(len(expected[i * BS:(i + 1) * BS]))
+                    expected[i * BS : (i + 1) * BS] = bytes(len(expected[i * BS : (i + 1) * BS]))
             assert read_back(cache, e.size, e.blocks) == expected
         assert cache.try_alloc(only=DISK) not in taken  # adopted slots are not handed out again
     finally:
@@ -107,7 +113,7 @@ def test_blocks_outside_the_arenas_or_claimed_twice_are_not_adopted(tmp_path, sa
     index, entries, _ = saved
     lines = index.read_text().splitlines()
     b = json.loads(lines[2])
-    outside = dict(b, key="ckpt/outside.bin", blocks=[[DISK, 10 ** 9]])
+    outside = dict(b, key="ckpt/outside.bin", blocks=[[DISK, 10**9]])
     twice = dict(b, key="ckpt/twice.bin")  # the same slots as b.bin
     bad_tier = dict(b, key="ckpt/tier.bin", blocks=[[7, 0]])
     index.write_text("\n".join([*lines, *map(json.dumps, (outside, twice, bad_tier))]) + "\n")
@@ -121,14 +127,22 @@ def test_blocks_outside_the_arenas_or_claimed_twice_are_not_adopted(tmp_path, sa
         cache.close()
 
 
-@pytest.mark.parametrize("text", ["not json at all\n", '{"ram": "x"}\n{"key": "k", "size": 1}\n',
-                                  '{"ram": "x"}\n[1, 2]\n', "\n\n", '{"ram": "x"}\n{"key": "k"'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json at all\n",
+        '{"ram": "x"}\n{"key": "k", "size": 1}\n',
+        '{"ram": "x"}\n[1, 2]\n',
+        "\n\n",
+        '{"ram": "x"}\n{"key": "k"',
+    ],
+)
 def test_a_damaged_index_is_an_empty_cache(tmp_path, saved, text, caplog):
     index, _, _ = saved
     index.write_text(text)
     cache = open_cache(tmp_path)
     try:
-        with caplog.at_level(logging.WARNING, logger="ckptfs.clean_index"):
+        with caplog.at_level(logging.WARNING, logger="ckptfs.cache.clean_index"):
             assert clean_index.load(index, cache, set()) == {}
         assert cache.refcounts == {} and not index.exists()
     finally:

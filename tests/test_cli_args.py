@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import cli, cli_support, mount_cli
+from ckptfs.cli import common as cli_common
+from ckptfs.cli import main as cli_main
+from ckptfs.cli import mount as cli_mount
 from ckptfs.config import MiB, MountConfig, default_cache_dir, default_store_dir
 from ckptfs.errors import UsageError
 from tests.harness import assert_one_line_error, run_cli
@@ -23,25 +25,28 @@ def empty_dir(tmp_path: Path) -> Path:
     return d
 
 
-@pytest.mark.parametrize("args, needle", [
-    ([], "required: COMMAND"),
-    (["bogus"], "invalid choice"),
-    (["mount"], "required: MOUNTPOINT"),
-    (["mount", "/nonexistent/ckptfs-mnt"], "does not exist"),
-    (["mount", "{empty}", "--ram-cache", "lots"], "'lots' is not a size"),
-    (["mount", "{empty}", "--cache-size=-1G"], "is not a size"),
-    (["mount", "s3://b", "{empty}", "--part-size", "1M"], "between 5 MiB and 5 GiB"),
-    (["mount", "ftp://x", "{empty}"], "unsupported store URL 'ftp://x'"),
-    (["mount", "file:///tmp/s", "{empty}", "--endpoint-url", "http://x"], "needs an s3:// store URL"),
-    (["mount", "{empty}", "--upload-concurrency", "0"], "not a positive integer"),
-    (["mount", "{empty}", "--list-ttl", "-1"], "not a number of seconds"),
-    (["mount", "{empty}", "--log-level", "loud"], "invalid choice"),
-    (["mount", "{empty}", "--umask", "0999"], "not an octal umask"),
-    (["mount", "{file}"], "is not a directory"),
-    (["mount", "{full}"], "is not empty"),
-    (["sync", "{empty}", "/etc/passwd"], "is not inside the ckptfs mount"),
-    (["sync", "{empty}", "--timeout", "soon"], "not a number of seconds"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ([], "required: COMMAND"),
+        (["bogus"], "invalid choice"),
+        (["mount"], "required: MOUNTPOINT"),
+        (["mount", "/nonexistent/ckptfs-mnt"], "does not exist"),
+        (["mount", "{empty}", "--ram-cache", "lots"], "'lots' is not a size"),
+        (["mount", "{empty}", "--cache-size=-1G"], "is not a size"),
+        (["mount", "s3://b", "{empty}", "--part-size", "1M"], "between 5 MiB and 5 GiB"),
+        (["mount", "ftp://x", "{empty}"], "unsupported store URL 'ftp://x'"),
+        (["mount", "file:///tmp/s", "{empty}", "--endpoint-url", "http://x"], "needs an s3:// store URL"),
+        (["mount", "{empty}", "--upload-concurrency", "0"], "not a positive integer"),
+        (["mount", "{empty}", "--list-ttl", "-1"], "not a number of seconds"),
+        (["mount", "{empty}", "--log-level", "loud"], "invalid choice"),
+        (["mount", "{empty}", "--umask", "0999"], "not an octal umask"),
+        (["mount", "{file}"], "is not a directory"),
+        (["mount", "{full}"], "is not empty"),
+        (["sync", "{empty}", "/etc/passwd"], "is not inside the ckptfs mount"),
+        (["sync", "{empty}", "--timeout", "soon"], "not a number of seconds"),
+    ],
+)
 def test_usage_errors(args, needle, tmp_path, empty_dir):
     (tmp_path / "file").write_text("x")
     (tmp_path / "full").mkdir()
@@ -51,8 +56,14 @@ def test_usage_errors(args, needle, tmp_path, empty_dir):
 
 
 def test_unreachable_endpoint(empty_dir):
-    done = run_cli("mount", "s3://b", str(empty_dir), "--endpoint-url", "http://127.0.0.1:1",
-                   env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    done = run_cli(
+        "mount",
+        "s3://b",
+        str(empty_dir),
+        "--endpoint-url",
+        "http://127.0.0.1:1",
+        env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"},
+    )
     assert_one_line_error(done, 1, "127.0.0.1:1")
 
 
@@ -62,80 +73,164 @@ def test_no_mount(cmd, empty_dir):
 
 
 def test_options_between_positionals():
-    args = cli.build_parser().parse_args(["mount", "s3://b/p", "--part-size", "16M", "/mnt/x", "--ram-cache", "4GiB"])
-    assert (args.store_url, args.mountpoint, args.part_size, args.ram_cache) == ("s3://b/p", "/mnt/x", 16 * MiB, 4 << 30)
-    args = cli.build_parser().parse_args(["sync", "/mnt/x", "a", "--timeout", "2.5", "b"])
+    args = cli_main.build_parser().parse_args(
+        ["mount", "s3://b/p", "--part-size", "16M", "/mnt/x", "--ram-cache", "4GiB"]
+    )
+    assert (args.store_url, args.mountpoint, args.part_size, args.ram_cache) == (
+        "s3://b/p",
+        "/mnt/x",
+        16 * MiB,
+        4 << 30,
+    )
+    args = cli_main.build_parser().parse_args(["sync", "/mnt/x", "a", "--timeout", "2.5", "b"])
     assert (args.mountpoint, args.paths, args.timeout) == ("/mnt/x", ["a", "b"], 2.5)
 
 
 def test_mount_config_defaults_and_round_trip(empty_dir):
-    config = cli.mount_config(cli.build_parser().parse_args(["mount", str(empty_dir)]))
+    config = cli_main.mount_config(cli_main.build_parser().parse_args(["mount", str(empty_dir)]))
     assert config.store_url == f"file://{default_store_dir()}"
     assert config.cache_dir == str(default_cache_dir(empty_dir))
-    assert (config.ram_cache, config.part_size, config.log_level) == (MountConfig.ram_cache, MountConfig.part_size, "INFO")
+    assert (config.ram_cache, config.part_size, config.log_level) == (
+        MountConfig.ram_cache,
+        MountConfig.part_size,
+        "INFO",
+    )
 
-    config = cli.mount_config(cli.build_parser().parse_args([
-        "mount", "s3://bucket/pre", str(empty_dir), "--cache-dir", "rel/cache", "--ram-cache", "512M",
-        "--cache-size", "3GiB", "--endpoint-url", "http://h:9", "--part-size", "8MiB",
-        "--upload-concurrency", "3", "--list-ttl", "0.5", "--write-timeout", "7.5", "--read-timeout", "9", "--log-level", "debug",
-        "--allow-other", "--umask", "022", "--keep-ram-cache", "--metrics-port", "9400", "--metrics-addr", "10.0.0.5"]))
+    config = cli_main.mount_config(
+        cli_main.build_parser().parse_args(
+            [
+                "mount",
+                "s3://bucket/pre",
+                str(empty_dir),
+                "--cache-dir",
+                "rel/cache",
+                "--ram-cache",
+                "512M",
+                "--cache-size",
+                "3GiB",
+                "--endpoint-url",
+                "http://h:9",
+                "--part-size",
+                "8MiB",
+                "--upload-concurrency",
+                "3",
+                "--list-ttl",
+                "0.5",
+                "--write-timeout",
+                "7.5",
+                "--read-timeout",
+                "9",
+                "--log-level",
+                "debug",
+                "--allow-other",
+                "--umask",
+                "022",
+                "--keep-ram-cache",
+                "--metrics-port",
+                "9400",
+                "--metrics-addr",
+                "10.0.0.5",
+            ]
+        )
+    )
     assert config.cache_dir == os.path.abspath("rel/cache") and config.ram_cache == 512 * MiB
     assert (config.allow_other, config.umask, config.keep_ram_cache) == (True, 0o022, True)
     assert config.list_ttl == 0.5 and config.write_timeout == 7.5 and config.read_timeout == 9
     assert (config.metrics_port, config.metrics_addr) == (9400, "10.0.0.5")
     # The detached daemon must rebuild exactly this config from its command line.
-    rebuilt = cli.mount_config(cli.build_parser().parse_args(cli.daemon_argv(config) + ["--ready-fd", "9"]))
+    rebuilt = cli_main.mount_config(
+        cli_main.build_parser().parse_args(cli_main.daemon_argv(config) + ["--ready-fd", "9"])
+    )
     assert rebuilt == config
 
 
 def test_sync_paths_are_relative(empty_dir):
-    assert cli._relative_paths(str(empty_dir), [str(empty_dir / "a" / "b"), str(empty_dir / "c")]) == ["a/b", "c"]
-    assert cli._relative_paths(str(empty_dir), [str(empty_dir / "a"), str(empty_dir)]) == []  # the whole mount
+    assert cli_common.relative_paths(str(empty_dir), [str(empty_dir / "a" / "b"), str(empty_dir / "c")]) == [
+        "a/b",
+        "c",
+    ]
+    assert (
+        cli_common.relative_paths(str(empty_dir), [str(empty_dir / "a"), str(empty_dir)]) == []
+    )  # the whole mount
     with pytest.raises(UsageError):
-        cli._relative_paths(str(empty_dir), [str(empty_dir) + "-sibling"])
+        cli_common.relative_paths(str(empty_dir), [str(empty_dir) + "-sibling"])
 
 
 def test_read_ready():
-    for written, expected in [(b"ok\n", "ok"), (b"error: no fuse\n", "error: no fuse"), (b"", ""), (b"partial", "partial")]:
+    for written, expected in [
+        (b"ok\n", "ok"),
+        (b"error: no fuse\n", "error: no fuse"),
+        (b"", ""),
+        (b"partial", "partial"),
+    ]:
         r, w = os.pipe()
         os.write(w, written)
         os.close(w)
-        assert cli.read_ready(r, 5) == expected
+        assert cli_main.read_ready(r, 5) == expected
         os.close(r)
     r, w = os.pipe()
-    assert cli.read_ready(r, 0.2) is None  # nothing, writer still open: timeout
+    assert cli_main.read_ready(r, 0.2) is None  # nothing, writer still open: timeout
     os.close(r)
     os.close(w)
 
 
 def test_umount_timeout_default_and_progress_lines_off_a_terminal(monkeypatch, capsys):
-    assert cli.build_parser().parse_args(["umount", "/m"]).timeout == cli.UMOUNT_TIMEOUT_S
-    assert cli.build_parser().parse_args(["umount", "/m", "--timeout", "2"]).timeout == 2
-    monkeypatch.setattr(cli_support, "PROGRESS_LINE_S", 0)
-    bar = cli.ProgressBar("drain")  # stderr is not a terminal here: lines instead of a bar
-    bar({"pending_files": 2, "pending_bytes": 3 * MiB, "total_bytes": 4 * MiB,
-         "store": "unreachable since 12:00:01 (35 s): UploadPart a.bin: cannot reach http://h:9: read timeout"})
+    assert cli_main.build_parser().parse_args(["umount", "/m"]).timeout == cli_main.UMOUNT_TIMEOUT_S
+    assert cli_main.build_parser().parse_args(["umount", "/m", "--timeout", "2"]).timeout == 2
+    monkeypatch.setattr(cli_common, "PROGRESS_LINE_S", 0)
+    bar = cli_main.ProgressBar("drain")  # stderr is not a terminal here: lines instead of a bar
+    bar(
+        {
+            "pending_files": 2,
+            "pending_bytes": 3 * MiB,
+            "total_bytes": 4 * MiB,
+            "store": "unreachable since 12:00:01 (35 s): UploadPart a.bin: cannot reach http://h:9: read timeout",
+        }
+    )
     bar.close()
     err = capsys.readouterr().err
-    assert "drain: 1 MiB of 4 MiB, 2 files left; store unreachable since 12:00:01" in err and "read timeout" in err, err
+    assert (
+        "drain: 1 MiB of 4 MiB, 2 files left; store unreachable since 12:00:01" in err
+        and "read timeout" in err
+    ), err
 
 
 def test_format_status_tolerates_anything():
-    full = {"mountpoint": "/mnt/c", "store": "s3://b/p", "cache_dir": "/c", "pid": 42, "uptime_s": 3725,
-            "part_size": 8 * MiB, "ram": {"used": MiB, "budget": 1 << 30}, "disk": {"used": 0, "budget": 16 << 30},
-            "clean_bytes": 5, "pending": {"files": 2, "bytes": 3 * MiB},
-            "uploading": {"parts_in_flight": 1, "bytes_in_flight": 8 * MiB}, "uploaded_bytes": 10 * MiB,
-            "durable_files": 7, "errors": [{"time": 0, "key": "a/b", "message": "503 Slow Down\nretrying"}],
-            "store_health": {"state": "unreachable", "since": 0, "reason": "PutObject: cannot reach h: timeout"}}
-    text = cli.format_status(full)
-    for needle in ["store state:", "unreachable since", "PutObject: cannot reach h: timeout", "s3://b/p", "1 hour, 2 minutes and 5 seconds", "1 MiB of 1 GiB", "2 files, 3 MiB",
-                   "errors:", "a/b: 503 Slow Down retrying"]:
+    full = {
+        "mountpoint": "/mnt/c",
+        "store": "s3://b/p",
+        "cache_dir": "/c",
+        "pid": 42,
+        "uptime_s": 3725,
+        "part_size": 8 * MiB,
+        "ram": {"used": MiB, "budget": 1 << 30},
+        "disk": {"used": 0, "budget": 16 << 30},
+        "clean_bytes": 5,
+        "pending": {"files": 2, "bytes": 3 * MiB},
+        "uploading": {"parts_in_flight": 1, "bytes_in_flight": 8 * MiB},
+        "uploaded_bytes": 10 * MiB,
+        "durable_files": 7,
+        "errors": [{"time": 0, "key": "a/b", "message": "503 Slow Down\nretrying"}],
+        "store_health": {"state": "unreachable", "since": 0, "reason": "PutObject: cannot reach h: timeout"},
+    }
+    text = cli_main.format_status(full)
+    for needle in [
+        "store state:",
+        "unreachable since",
+        "PutObject: cannot reach h: timeout",
+        "s3://b/p",
+        "1 hour, 2 minutes and 5 seconds",
+        "1 MiB of 1 GiB",
+        "2 files, 3 MiB",
+        "errors:",
+        "a/b: 503 Slow Down retrying",
+    ]:
         assert needle in text, text
-    assert cli.format_status({}) == ""
-    cli.format_status({"ram": None, "errors": ["x"], "pending": {}, "uptime_s": "?"})
+    assert cli_main.format_status({}) == ""
+    cli_main.format_status({"ram": None, "errors": ["x"], "pending": {}, "uptime_s": "?"})
 
 
-# --- the detached-daemon handshake, with a stand-in for ckptfs.daemon ----------------------
+# --- the detached-daemon handshake, with a stand-in for ckptfs.daemon.run ----------------------
 
 FAKE_DAEMON = textwrap.dedent("""
     import os, sys, time, types
@@ -153,9 +248,9 @@ FAKE_DAEMON = textwrap.dedent("""
                 os._exit(3)
             else:
                 time.sleep(60)
-        module = types.ModuleType("ckptfs.daemon")
+        module = types.ModuleType("ckptfs.daemon.run")
         module.run = run
-        sys.modules["ckptfs.daemon"] = module
+        sys.modules["ckptfs.daemon.run"] = module
 """)
 
 
@@ -169,8 +264,17 @@ def fake_daemon(tmp_path, monkeypatch):
 
     def mount(mode: str, mountpoint: Path) -> int:
         monkeypatch.setenv("CKPTFS_FAKE_DAEMON", mode)
-        return cli.main(["mount", f"file://{tmp_path}/store", str(mountpoint), "--cache-dir", str(tmp_path / "cache"),
-                         "--part-size", "16M"])
+        return cli_main.main(
+            [
+                "mount",
+                f"file://{tmp_path}/store",
+                str(mountpoint),
+                "--cache-dir",
+                str(tmp_path / "cache"),
+                "--part-size",
+                "16M",
+            ]
+        )
 
     return mount
 
@@ -183,13 +287,16 @@ def test_detached_mount_ready(fake_daemon, empty_dir, tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("mode, needle", [
-    ("fail", "ckptfs: fuse: device not found"),
-    ("crash", "ckptfs: the daemon exited during start-up; see {log}"),
-    ("hang", "ckptfs: the daemon did not finish mounting within 2 s (stopped it); see {log}"),
-])
+@pytest.mark.parametrize(
+    "mode, needle",
+    [
+        ("fail", "ckptfs: fuse: device not found"),
+        ("crash", "ckptfs: the daemon exited during start-up; see {log}"),
+        ("hang", "ckptfs: the daemon did not finish mounting within 2 s (stopped it); see {log}"),
+    ],
+)
 def test_detached_mount_failures(mode, needle, fake_daemon, empty_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(mount_cli, "READY_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(cli_mount, "READY_TIMEOUT_S", 2.0)
     assert fake_daemon(mode, empty_dir) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == [needle.format(log=tmp_path / "cache" / "ckptfs.log")]

@@ -59,14 +59,49 @@ BAD_PATHS = [
     ("file://{T}/store", "{T}/mnt", ["--cache-dir", "{T}/mnt/cache"], "is inside the mountpoint {T}/mnt"),
     ("file://{T}/store", "{T}/mnt", ["--cache-dir", "{T}/mnt"], "cache dir {T}/mnt is the mountpoint"),
     ("file://{T}/store", "{T}/mnt", ["--cache-dir", "{T}/link/cache"], "is inside the mountpoint {T}/mnt"),
-    ("file://{T}/store", "{T}/cache/mnt", ["--cache-dir", "{T}/cache"], "mountpoint {T}/cache/mnt is inside the cache dir"),
-    ("file://{T}/store", "{T}/mnt", ["--cache-dir", "{T}/c", "--shm-dir", "{T}/file"], "--shm-dir {T}/file is not a directory"),
-    ("file://{T}/store", "{T}/mnt", ["--cache-dir", "{T}/c", "--shm-dir", "{T}/none"], "--shm-dir {T}/none does not exist"),
-    ("file://{T}/store", "{T}/mnt", ["--cache-dir", "{T}/c", "--shm-dir", "{T}/mnt"], "--shm-dir {T}/mnt is the mountpoint"),
+    (
+        "file://{T}/store",
+        "{T}/cache/mnt",
+        ["--cache-dir", "{T}/cache"],
+        "mountpoint {T}/cache/mnt is inside the cache dir",
+    ),
+    (
+        "file://{T}/store",
+        "{T}/mnt",
+        ["--cache-dir", "{T}/c", "--shm-dir", "{T}/file"],
+        "--shm-dir {T}/file is not a directory",
+    ),
+    (
+        "file://{T}/store",
+        "{T}/mnt",
+        ["--cache-dir", "{T}/c", "--shm-dir", "{T}/none"],
+        "--shm-dir {T}/none does not exist",
+    ),
+    (
+        "file://{T}/store",
+        "{T}/mnt",
+        ["--cache-dir", "{T}/c", "--shm-dir", "{T}/mnt"],
+        "--shm-dir {T}/mnt is the mountpoint",
+    ),
     ("file://{T}/mnt", "{T}/mnt", ["--cache-dir", "{T}/c"], "local store {T}/mnt is the mountpoint"),
-    ("file://{T}/mnt/store", "{T}/mnt", ["--cache-dir", "{T}/c"], "local store {T}/mnt/store is inside the mountpoint"),
-    ("file://{T}/store", "{T}/store/mnt", ["--cache-dir", "{T}/c"], "mountpoint {T}/store/mnt is inside the local store"),
-    ("file://{T}/c/store", "{T}/mnt", ["--cache-dir", "{T}/c"], "cache dir {T}/c and the local store {T}/c/store overlap"),
+    (
+        "file://{T}/mnt/store",
+        "{T}/mnt",
+        ["--cache-dir", "{T}/c"],
+        "local store {T}/mnt/store is inside the mountpoint",
+    ),
+    (
+        "file://{T}/store",
+        "{T}/store/mnt",
+        ["--cache-dir", "{T}/c"],
+        "mountpoint {T}/store/mnt is inside the local store",
+    ),
+    (
+        "file://{T}/c/store",
+        "{T}/mnt",
+        ["--cache-dir", "{T}/c"],
+        "cache dir {T}/c and the local store {T}/c/store overlap",
+    ),
 ]
 
 
@@ -74,7 +109,9 @@ BAD_PATHS = [
 @pytest.mark.parametrize("store, mountpoint, extra, needle", BAD_PATHS)
 def test_bad_paths(store, mountpoint, extra, needle, foreground, layout):
     fill = lambda s: s.replace("{T}", str(layout["T"]))  # noqa: E731
-    argv = ["mount", fill(store), fill(mountpoint), *map(fill, extra)] + (["--foreground"] if foreground else [])
+    argv = ["mount", fill(store), fill(mountpoint), *map(fill, extra)] + (
+        ["--foreground"] if foreground else []
+    )
     try:
         done = run_cli(*argv)
     finally:
@@ -86,22 +123,35 @@ def test_the_daemon_checks_too(layout):
     """Anything calling daemon.run (the detached daemon, a foreground mount) refuses the same paths
     before it mounts."""
     t = layout["T"]
-    config = MountConfig(mountpoint=str(t / "mnt"), store_url=f"file://{t}/store", cache_dir=str(t / "mnt" / "cache"))
-    code = ("import sys; from ckptfs import daemon; from ckptfs.config import MountConfig; "
-            "daemon.run(MountConfig.from_json(sys.argv[1]))")
+    config = MountConfig(
+        mountpoint=str(t / "mnt"), store_url=f"file://{t}/store", cache_dir=str(t / "mnt" / "cache")
+    )
+    code = (
+        "import sys; from ckptfs.daemon import run; from ckptfs.config import MountConfig; "
+        "run.run(MountConfig.from_json(sys.argv[1]))"
+    )
     try:
-        done = subprocess.run([sys.executable, "-c", code, config.to_json()], capture_output=True, text=True,
-                              timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", code, config.to_json()], capture_output=True, text=True, timeout=60
+        )
     finally:
         assert_nothing_mounted(t / "mnt")
-    assert done.returncode != 0 and "UsageError: the cache dir" in done.stderr and "is inside the mountpoint" in done.stderr
+    assert (
+        done.returncode != 0
+        and "UsageError: the cache dir" in done.stderr
+        and "is inside the mountpoint" in done.stderr
+    )
 
 
 @pytest.fixture
 def read_only_dir(tmp_path: Path):
     ro = tmp_path / "ro"
     ro.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "ckptfs-test-ro", str(ro)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "ckptfs-test-ro", str(ro)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.strip()}")
     yield ro
@@ -111,7 +161,9 @@ def read_only_dir(tmp_path: Path):
 @pytest.mark.parametrize("cache", ["ro", "ro/cache"])
 def test_cache_dir_on_a_read_only_filesystem(cache, read_only_dir, tmp_path):
     (tmp_path / "mnt").mkdir()
-    done = run_cli("mount", f"file://{tmp_path}/store", str(tmp_path / "mnt"), "--cache-dir", str(tmp_path / cache))
+    done = run_cli(
+        "mount", f"file://{tmp_path}/store", str(tmp_path / "mnt"), "--cache-dir", str(tmp_path / cache)
+    )
     assert_one_line_error(done, 2, str(tmp_path / cache), "read-only filesystem")
     assert_nothing_mounted(tmp_path / "mnt")
 
@@ -120,23 +172,41 @@ def test_cache_dir_not_creatable_by_a_user(other_user, tmp_path):
     (tmp_path / "mnt").mkdir()
     (tmp_path / "private").mkdir(mode=0o700)  # root's
     other_user.reach(tmp_path / "mnt")
-    done = other_user.ckptfs("mount", f"file://{tmp_path}/store", str(tmp_path / "mnt"),
-                             "--cache-dir", str(tmp_path / "private" / "cache"))
-    assert_one_line_error(done, 2, f"{tmp_path}/private/cache cannot be created in {tmp_path}/private (permission denied)")
+    done = other_user.ckptfs(
+        "mount",
+        f"file://{tmp_path}/store",
+        str(tmp_path / "mnt"),
+        "--cache-dir",
+        str(tmp_path / "private" / "cache"),
+    )
+    assert_one_line_error(
+        done, 2, f"{tmp_path}/private/cache cannot be created in {tmp_path}/private (permission denied)"
+    )
     assert_nothing_mounted(tmp_path / "mnt")
 
 
-@pytest.mark.parametrize("args, code, needle", [
-    (["sync", "{T}", "--timeout", "1e308"], 2, "'1e308' seconds is more than a year"),
-    (["warmup", "{T}", "--timeout", "inf"], 2, "'inf' seconds is more than a year"),
-    (["mount", "{T}/mnt", "--list-ttl", "1e400"], 2, "more than a year"),
-    (["mount", "file:///tmp/a%00b", "{T}/mnt"], 2, "bad store URL"),
-    (["mount", ""], 2, "MOUNTPOINT is empty"),
-    (["mount", "{T}/mnt", "--cache-dir", ""], 2, "--cache-dir is empty"),
-    (["mount", "{T}/mnt", "--shm-dir", " "], 2, "--shm-dir is empty"),
-    (["mount", "file://{T}/store", "{T}/mnt", "--cache-dir", "/proc/ckptfs-test"], 2, "filesystem of /proc"),
-    (["mount", "file://{T}/store", "{T}/mnt", "--cache-dir", "{T}/" + "a" * 300], 1, "File name too long"),
-])
+@pytest.mark.parametrize(
+    "args, code, needle",
+    [
+        (["sync", "{T}", "--timeout", "1e308"], 2, "'1e308' seconds is more than a year"),
+        (["warmup", "{T}", "--timeout", "inf"], 2, "'inf' seconds is more than a year"),
+        (["mount", "{T}/mnt", "--list-ttl", "1e400"], 2, "more than a year"),
+        (["mount", "file:///tmp/a%00b", "{T}/mnt"], 2, "bad store URL"),
+        (["mount", ""], 2, "MOUNTPOINT is empty"),
+        (["mount", "{T}/mnt", "--cache-dir", ""], 2, "--cache-dir is empty"),
+        (["mount", "{T}/mnt", "--shm-dir", " "], 2, "--shm-dir is empty"),
+        (
+            ["mount", "file://{T}/store", "{T}/mnt", "--cache-dir", "/proc/ckptfs-test"],
+            2,
+            "filesystem of /proc",
+        ),
+        (
+            ["mount", "file://{T}/store", "{T}/mnt", "--cache-dir", "{T}/" + "a" * 300],
+            1,
+            "File name too long",
+        ),
+    ],
+)
 def test_odd_input(args, code, needle, tmp_path):
     (tmp_path / "mnt").mkdir()
     fill = lambda s: s.replace("{T}", str(tmp_path))  # noqa: E731
@@ -162,10 +232,18 @@ def test_another_users_mount_is_permission_denied(other_user, roots_mount):
     mnt = roots_mount.path
     other_user.reach(mnt)
     assert mount_owner(str(mnt)) == 0 and mount_owner(str(mnt.parent)) is None
-    for args in (["status", str(mnt)], ["sync", str(mnt)], ["warmup", str(mnt / "weights.pt")], ["umount", str(mnt)],
-                 ["umount", str(mnt), "--no-wait"], ["mount", str(mnt)]):
+    for args in (
+        ["status", str(mnt)],
+        ["sync", str(mnt)],
+        ["warmup", str(mnt / "weights.pt")],
+        ["umount", str(mnt)],
+        ["umount", str(mnt), "--no-wait"],
+        ["mount", str(mnt)],
+    ):
         done = other_user.ckptfs(*args)
-        needle = "is already a ckptfs mount" if args[0] == "mount" else "permission denied: the ckptfs mount at"
+        needle = (
+            "is already a ckptfs mount" if args[0] == "mount" else "permission denied: the ckptfs mount at"
+        )
         assert_one_line_error(done, 2 if args[0] == "mount" else 1, needle)
         assert "gone" not in done.stderr and "fusermount" not in done.stderr
     # Still up and served by the same daemon.
@@ -192,16 +270,21 @@ def test_paths_with_spaces_and_newlines(tmp_path):
             subprocess.run(["umount", "-l", str(m.path)], check=False)
 
 
-@pytest.mark.parametrize("mountpoint, needle", [
-    ("d", "cannot read mountpoint {mnt}: Permission denied"),  # d (0711): it can reach d, not list it
-    ("d/mnt", "cannot reach mountpoint {mnt}: Permission denied"),  # not "does not exist"
-])
+@pytest.mark.parametrize(
+    "mountpoint, needle",
+    [
+        ("d", "cannot read mountpoint {mnt}: Permission denied"),  # d (0711): it can reach d, not list it
+        ("d/mnt", "cannot reach mountpoint {mnt}: Permission denied"),  # not "does not exist"
+    ],
+)
 def test_a_mountpoint_the_user_cannot_read(mountpoint, needle, other_user, tmp_path):
     other_user.reach(tmp_path)
     (tmp_path / "d" / "mnt").mkdir(parents=True)
     (tmp_path / "d").chmod(0o711 if mountpoint == "d" else 0o700)
     mnt = tmp_path / mountpoint
-    done = other_user.ckptfs("mount", f"file://{tmp_path}/store", str(mnt), "--cache-dir", "/tmp/ckptfs-test-never-made")
+    done = other_user.ckptfs(
+        "mount", f"file://{tmp_path}/store", str(mnt), "--cache-dir", "/tmp/ckptfs-test-never-made"
+    )
     assert_one_line_error(done, 2, needle.format(mnt=mnt))
     assert str(mnt) not in ckptfs_mounts()
     assert not Path("/tmp/ckptfs-test-never-made").exists()
@@ -211,13 +294,17 @@ def test_root_does_not_unmount_another_users_mount_it_cannot_reach(roots_mount, 
     """Root finds a user's daemon by that user's socket; where it finds none it says so rather than
     taking the mount for a stale one and unmounting it (the user may have set XDG_RUNTIME_DIR).
     (No user here may mount FUSE: root's mount stands in, with its owner read as another uid.)"""
-    from ckptfs import cli, control
+    from ckptfs.cli import main as cli_main
+    from ckptfs.control import client
 
-    monkeypatch.setattr(control, "mount_owner", lambda mountpoint: 2**31 - 7)  # a uid with no runtime dir
+    monkeypatch.setattr(client, "mount_owner", lambda mountpoint: 2**31 - 7)  # a uid with no runtime dir
     for args in (["status"], ["umount"]):
-        assert cli.main([*args, str(roots_mount.path)]) == 1
+        assert cli_main.main([*args, str(roots_mount.path)]) == 1
         err = capsys.readouterr().err
-        assert err.startswith("ckptfs: cannot find the control socket of the ckptfs mount at") and err.count("\n") == 1, err
+        assert (
+            err.startswith("ckptfs: cannot find the control socket of the ckptfs mount at")
+            and err.count("\n") == 1
+        ), err
     monkeypatch.undo()
     assert str(roots_mount.path) in ckptfs_mounts()
     assert roots_mount.status()["pid"] == roots_mount.pid

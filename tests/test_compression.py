@@ -19,8 +19,8 @@ import numpy
 import pytest
 import zstandard
 
-from ckptfs import compression
-from ckptfs.integrity import Checksums, manifest_key
+from ckptfs.objects import compression
+from ckptfs.objects.integrity import Checksums, manifest_key
 from tests.faultproxy import Rule, corrupt_response_body
 from tests.harness import floats
 
@@ -80,8 +80,8 @@ def test_a_stream_is_seekable_format_that_zstd_restores():
     assert zstd_cli_decompress(obj) == b"".join(parts)
     assert compression.parse_seek_table(obj) == [(len(f), len(p)) for f, p in zip(frames, parts)]
     offset = len(frames[0])
-    assert compression.decode(obj[offset:offset + len(frames[1])], [stored[1]], [len(parts[1])]) == parts[1]
-    assert compression.decode(obj[:len(frames[0])], [stored[0]], [len(parts[0])]) == parts[0]
+    assert compression.decode(obj[offset : offset + len(frames[1])], [stored[1]], [len(parts[1])]) == parts[1]
+    assert compression.decode(obj[: len(frames[0])], [stored[0]], [len(parts[0])]) == parts[0]
 
 
 def test_a_grouped_frame_needs_its_recorded_group(tmp_path):
@@ -92,7 +92,7 @@ def test_a_grouped_frame_needs_its_recorded_group(tmp_path):
     assert zstandard.ZstdDecompressor().decompress(frame) == compression.group(data, 4)  # what zstd -d gives
     # By hand, from a downloaded object and its recorded groups:
     (tmp_path / "obj").write_bytes(frame + compression.seek_table([(len(frame), len(data))]))
-    tool = [sys.executable, "-m", "ckptfs.compression", str(tmp_path / "obj")]
+    tool = [sys.executable, "-m", "ckptfs.objects.compression", str(tmp_path / "obj")]
     assert subprocess.run([*tool, "--groups", "4"], capture_output=True, check=True).stdout == data
     bad = subprocess.run([*tool, "--groups", "4,4"], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--groups needs 1 value" in bad.stderr
@@ -108,7 +108,9 @@ def test_a_corrupted_frame_does_not_decode():
 
 
 def test_the_manifest_records_frames_and_checksums_of_uncompressed_bytes():
-    checks = Checksums(20 * MiB, PART, ["a", "b", "c"], "x", "j1", "manifest", ((6 * MiB, 4), (5 * MiB, 2), (100, 0)))
+    checks = Checksums(
+        20 * MiB, PART, ["a", "b", "c"], "x", "j1", "manifest", ((6 * MiB, 4), (5 * MiB, 2), (100, 0))
+    )
     assert Checksums.from_manifest(checks.to_manifest(), 20 * MiB) == checks
     assert checks.stored_range(PART, PART) == (6 * MiB, 5 * MiB, 1, 2)
     assert checks.stored_range(0, 20 * MiB) == (0, 11 * MiB + 100, 0, 3)
@@ -145,7 +147,9 @@ def stored(client, bucket: str, name: str) -> tuple[bytes, dict[str, str]]:
 
 
 def manifest_of(client, bucket: str, meta: dict[str, str]) -> bytes:
-    raw = client.get_object(Bucket=bucket, Key=f"{PREFIX}/{manifest_key(meta['ckptfs-upload'])}")["Body"].read()
+    raw = client.get_object(Bucket=bucket, Key=f"{PREFIX}/{manifest_key(meta['ckptfs-upload'])}")[
+        "Body"
+    ].read()
     return raw
 
 
@@ -176,18 +180,26 @@ def state_dict():
     return sd  # about 24 MiB: 3 parts and a tail
 
 
-def test_torch_save_load_mmap_and_another_mount_without_compress(s3_server, s3_bucket, client, s3_mounts, tmp_path):
+def test_torch_save_load_mmap_and_another_mount_without_compress(
+    s3_server, s3_bucket, client, s3_mounts, tmp_path
+):
     import torch
 
     w = s3_mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:3")
     sd = state_dict()
     torch.save(sd, w.path / "ckpt.pt")
-    notes = b"".join(b"step %d loss %.4f lr 3e-4\n" % (i, 1 / (i + 1)) for i in range(400_000))  # ~10 MiB text
+    notes = b"".join(
+        b"step %d loss %.4f lr 3e-4\n" % (i, 1 / (i + 1)) for i in range(400_000)
+    )  # ~10 MiB text
     (w.path / "train.log").write_bytes(notes)
     (w.path / "config.json").write_bytes(json.dumps({"layers": list(range(3000))}).encode())  # one PUT
     w.sync()
     plain = (w.path / "ckpt.pt").read_bytes()
-    for name, body in [("ckpt.pt", plain), ("train.log", notes), ("config.json", (w.path / "config.json").read_bytes())]:
+    for name, body in [
+        ("ckpt.pt", plain),
+        ("train.log", notes),
+        ("config.json", (w.path / "config.json").read_bytes()),
+    ]:
         data, meta = stored(client, s3_bucket, name)
         assert meta["ckptfs-format"] == "zstd-seekable", name
         assert len(data) < len(body), name  # it shrank
@@ -199,7 +211,10 @@ def test_torch_save_load_mmap_and_another_mount_without_compress(s3_server, s3_b
     r = s3_mounts(tmp_path / "r", s3_server.endpoint)  # no --compress: reads them all the same
     assert os.stat(r.path / "ckpt.pt").st_size == len(plain)
     assert {e.name: e.stat().st_size for e in os.scandir(r.path)} == {
-        "ckpt.pt": len(plain), "train.log": len(notes), "config.json": os.stat(w.path / "config.json").st_size}
+        "ckpt.pt": len(plain),
+        "train.log": len(notes),
+        "config.json": os.stat(w.path / "config.json").st_size,
+    }
     loaded = torch.load(r.path / "ckpt.pt", mmap=True, weights_only=True)
     assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
     r2 = s3_mounts(tmp_path / "r2", s3_server.endpoint, "--compress", "zstd")
@@ -212,7 +227,7 @@ def test_random_reads_at_frame_boundaries(s3_server, s3_bucket, s3_mounts, tmp_p
     w = s3_mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
     body = floats(3 * PART + 12345, numpy.float32, seed=1)
     half = bytearray(floats(2 * PART, numpy.float16, seed=2))
-    half[PART:PART + MiB] = os.urandom(MiB)  # one part partly incompressible
+    half[PART : PART + MiB] = os.urandom(MiB)  # one part partly incompressible
     (w.path / "a.bin").write_bytes(body)
     (w.path / "b.bin").write_bytes(bytes(half))
     w.stop()
@@ -225,11 +240,13 @@ def test_random_reads_at_frame_boundaries(s3_server, s3_bucket, s3_mounts, tmp_p
             for p in points:
                 if 0 <= p < len(data):
                     f.seek(p)
-                    assert f.read(4096) == data[p:p + 4096], (name, p)
+                    assert f.read(4096) == data[p : p + 4096], (name, p)
         assert (r.path / name).read_bytes() == data
 
 
-def test_a_cold_ranged_read_fetches_only_the_frames_it_needs(s3_server, s3_bucket, client, proxy, s3_mounts, tmp_path):
+def test_a_cold_ranged_read_fetches_only_the_frames_it_needs(
+    s3_server, s3_bucket, client, proxy, s3_mounts, tmp_path
+):
     w = s3_mounts(tmp_path / "w", s3_server.endpoint, "--compress", "zstd:1")
     body = floats(5 * PART, numpy.float32, seed=4)
     (w.path / "big.bin").write_bytes(body)
@@ -241,7 +258,7 @@ def test_a_cold_ranged_read_fetches_only_the_frames_it_needs(s3_server, s3_bucke
     proxy.reset_counts()
     with open(r.path / "big.bin", "rb", buffering=0) as f:
         f.seek(3 * PART + 100)
-        assert f.read(1000) == body[3 * PART + 100:3 * PART + 1100]
+        assert f.read(1000) == body[3 * PART + 100 : 3 * PART + 1100]
     gets = [req for req in proxy.requests if req.kind == "get" and req.path.endswith("/big.bin")]
     offset = sum(s for s, _ in frames[:3])
     assert [g.headers.get("range") for g in gets] == [f"bytes={offset}-{offset + frames[3][0] - 1}"]
@@ -272,7 +289,7 @@ def test_a_corrupted_frame_is_caught(s3_server, s3_bucket, client, proxy, s3_mou
     with open(c.path / "big.bin", "rb", buffering=0) as f:
         assert f.read(PART) == body[:PART]
         f.seek(2 * PART)
-        assert f.read(PART) == body[2 * PART:]
+        assert f.read(PART) == body[2 * PART :]
         f.seek(PART)
         with pytest.raises(OSError) as info:
             f.read(PART)
@@ -288,9 +305,14 @@ def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client
     # (--list-ttl 0: each writing mount then sees what the other made durable at once)
     plain_mount = s3_mounts(tmp_path / "p", s3_server.endpoint, "--list-ttl", "0")
     zmount = s3_mounts(tmp_path / "z", s3_server.endpoint, "--compress", "zstd", "--list-ttl", "0")
-    files = {"plain/big.bin": floats(2 * PART + 77, seed=6), "plain/small.bin": floats(100_000, seed=7),
-             "z/big.bin": floats(2 * PART + 99, seed=8), "z/small.bin": floats(200_000, seed=9),
-             "z/random.bin": os.urandom(PART + 5), "z/tiny.txt": b"hi\n"}
+    files = {
+        "plain/big.bin": floats(2 * PART + 77, seed=6),
+        "plain/small.bin": floats(100_000, seed=7),
+        "z/big.bin": floats(2 * PART + 99, seed=8),
+        "z/small.bin": floats(200_000, seed=9),
+        "z/random.bin": os.urandom(PART + 5),
+        "z/tiny.txt": b"hi\n",
+    }
     for name, body in files.items():
         m = zmount if name.startswith("z/") else plain_mount
         (m.path / name).parent.mkdir(exist_ok=True)
@@ -298,9 +320,17 @@ def test_compressed_and_plain_objects_in_one_bucket(s3_server, s3_bucket, client
     plain_mount.sync()
     zmount.sync()
     kinds = {name: stored(client, s3_bucket, name)[1].get("ckptfs-format") for name in files}
-    assert kinds == {"plain/big.bin": None, "plain/small.bin": None, "z/big.bin": "zstd-seekable",
-                     "z/small.bin": "zstd-seekable", "z/random.bin": "zstd-seekable", "z/tiny.txt": None}
-    assert len(stored(client, s3_bucket, "z/random.bin")[0]) < len(files["z/random.bin"]) * 1.001  # raw frames
+    assert kinds == {
+        "plain/big.bin": None,
+        "plain/small.bin": None,
+        "z/big.bin": "zstd-seekable",
+        "z/small.bin": "zstd-seekable",
+        "z/random.bin": "zstd-seekable",
+        "z/tiny.txt": None,
+    }
+    assert (
+        len(stored(client, s3_bucket, "z/random.bin")[0]) < len(files["z/random.bin"]) * 1.001
+    )  # raw frames
     for m in (plain_mount, zmount, s3_mounts(tmp_path / "third", s3_server.endpoint)):
         for name, body in files.items():
             assert os.stat(m.path / name).st_size == len(body), (m.path, name)
@@ -321,11 +351,11 @@ def test_streamed_renamed_and_remounted_on_either_store(mount_factory):
     body = floats(3 * PART + 4321, numpy.float16, seed=10)
     with open(m.path / "stream.bin", "wb") as f:
         for i in range(0, len(body), MiB):
-            f.write(body[i:i + MiB])
+            f.write(body[i : i + MiB])
     os.rename(m.path / "stream.bin", m.path / "moved.bin")
     (m.path / "over.bin").write_bytes(os.urandom(PART + 1))
-    (m.path / "over.bin").write_bytes(body[:PART + 99])
-    (m.path / "gone.bin").write_bytes(body[:2 * PART])
+    (m.path / "over.bin").write_bytes(body[: PART + 99])
+    (m.path / "gone.bin").write_bytes(body[: 2 * PART])
     m.sync()
     os.unlink(m.path / "gone.bin")
     m.stop()
@@ -333,5 +363,5 @@ def test_streamed_renamed_and_remounted_on_either_store(mount_factory):
     assert sorted(os.listdir(r.path)) == ["moved.bin", "over.bin"]
     assert os.stat(r.path / "moved.bin").st_size == len(body)
     assert (r.path / "moved.bin").read_bytes() == body
-    assert (r.path / "over.bin").read_bytes() == body[:PART + 99]
+    assert (r.path / "over.bin").read_bytes() == body[: PART + 99]
     assert r.status()["integrity_errors"] == []

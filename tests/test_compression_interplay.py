@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from ckptfs import compression, integrity
-from ckptfs.catalog import _Source, ls
-from ckptfs.logical_store import LogicalStore
+from ckptfs.admin.catalog import _Source, ls
+from ckptfs.admin.target import resolve
+from ckptfs.objects import compression, integrity
+from ckptfs.objects.logical_store import LogicalStore
 from ckptfs.store.s3 import S3Store
-from ckptfs.target import resolve
 from tests.harness import floats
 from tests.mounting import Mount
 
@@ -28,10 +28,17 @@ MiB = 1 << 20
 def written(s3_server, s3_bucket, tmp_path):
     """A compressed multipart file, a compressed one-PUT file and a DCP-like metadata file,
     written through a --compress mount that is then stopped."""
-    files = {"big.bin": floats(9 * MiB + 5, seed=1), "small.bin": floats(200_000, seed=2),
-             "notes.json": json.dumps({"layers": list(range(5000))}).encode()}
-    m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / "w", endpoint_url=s3_server.endpoint,
-              extra=("--compress", "zstd"))
+    files = {
+        "big.bin": floats(9 * MiB + 5, seed=1),
+        "small.bin": floats(200_000, seed=2),
+        "notes.json": json.dumps({"layers": list(range(5000))}).encode(),
+    }
+    m = Mount(
+        f"s3://{s3_bucket}/{PREFIX}",
+        tmp_path / "w",
+        endpoint_url=s3_server.endpoint,
+        extra=("--compress", "zstd"),
+    )
     try:
         m.start()
         for name, body in files.items():
@@ -68,8 +75,10 @@ def test_the_orphan_sweep_keeps_a_compressed_objects_manifest(s3_server, s3_buck
 
 def test_ls_and_reads_on_a_store_url_see_uncompressed_files(s3_server, s3_bucket, written):
     client = s3_server.client()
-    assert client.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/notes.json")["Metadata"].get(
-        "ckptfs-format") == "zstd-seekable"
+    assert (
+        client.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/notes.json")["Metadata"].get("ckptfs-format")
+        == "zstd-seekable"
+    )
     target = resolve(f"s3://{s3_bucket}/{PREFIX}", s3_server.endpoint)
     listed = {f.path: f for f in ls(target)}
     assert {path: f.size for path, f in listed.items()} == {name: len(body) for name, body in written.items()}
@@ -98,7 +107,9 @@ def test_crc32c_covers_the_frames_padding_and_seek_table_sent(verifying, tmp_pat
         assert proxy.refused_checksums == refused
         for name, body in files.items():
             head = client.head_object(Bucket=bucket, Key=f"run/{name}", ChecksumMode="ENABLED")
-            assert head["Metadata"].get("ckptfs-format") == "zstd-seekable" and head["ContentLength"] < len(body)
+            assert head["Metadata"].get("ckptfs-format") == "zstd-seekable" and head["ContentLength"] < len(
+                body
+            )
             assert head.get("ChecksumCRC32C"), name
         parts_sent = [r for r in proxy.requests if r.kind == "upload_part"]
         assert len(parts_sent) >= 3 and all("x-amz-checksum-crc32c" in r.headers for r in parts_sent)

@@ -9,9 +9,9 @@ import errno
 import pytest
 import trio
 
-from ckptfs import compression, integrity
-from ckptfs.logical_store import LogicalStore
-from ckptfs.namespace import ROOT_INODE
+from ckptfs.model.tree import ROOT_INODE
+from ckptfs.objects import compression, integrity
+from ckptfs.objects.logical_store import LogicalStore
 from tests.faults import FaultyStore
 from tests.harness import blob, trio_test
 from tests.inprocess import BS, GID, UID, WRITE, aerr, mounted, sync, write_blocks

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckptfs import control
-from ckptfs.control_server import ControlServer
+from ckptfs.control import client as control_client
+from ckptfs.control.server import ControlServer
 from ckptfs.errors import CkptfsError, ControlError
 from tests.harness import trio_test
 
@@ -64,15 +64,15 @@ def _with_server(sock_path: Path, handlers: dict, client) -> object:
 def test_commands_progress_and_errors(sock_path, caplog):
     def client(path):
         out = {}
-        out["echo"] = control.call_socket(path, "echo", {"value": [1, "x"]})
+        out["echo"] = control_client.call_socket(path, "echo", {"value": [1, "x"]})
         seen = []
-        out["stream"] = control.call_socket(path, "stream", on_progress=seen.append)
+        out["stream"] = control_client.call_socket(path, "stream", on_progress=seen.append)
         out["progress"] = seen
         for cmd in ("nope", "user_error", "bug"):
             with pytest.raises(ControlError) as e:
-                control.call_socket(path, cmd)
+                control_client.call_socket(path, cmd)
             out[cmd] = str(e.value)
-        out["after_bug"] = control.call_socket(path, "echo", {"value": 2}, timeout=5)
+        out["after_bug"] = control_client.call_socket(path, "echo", {"value": 2}, timeout=5)
         out["mode"] = stat.S_IMODE(os.stat(path).st_mode)
         out["dir_mode"] = stat.S_IMODE(os.stat(path.parent).st_mode)
         return out
@@ -96,7 +96,9 @@ def test_stale_socket_is_replaced(sock_path):
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(sock_path))
     stale.close()  # the file stays, nothing listens: what a killed daemon leaves
-    assert _with_server(sock_path, HANDLERS, lambda p: control.call_socket(p, "echo", {"value": 1})) == {"echo": 1}
+    assert _with_server(
+        sock_path, HANDLERS, lambda p: control_client.call_socket(p, "echo", {"value": 1})
+    ) == {"echo": 1}
 
 
 @trio_test
@@ -121,7 +123,7 @@ async def test_client_hangup_cancels_handler(sock_path):
     async with trio.open_nursery() as nursery:
         await nursery.start(ControlServer(sock_path, {"wait": wait_forever}).serve)
         with pytest.raises(ControlError, match="no answer"):
-            await trio.to_thread.run_sync(lambda: control.call_socket(sock_path, "wait", timeout=0.5))
+            await trio.to_thread.run_sync(lambda: control_client.call_socket(sock_path, "wait", timeout=0.5))
         with trio.fail_after(5):
             await cancelled.wait()
         nursery.cancel_scope.cancel()
@@ -159,15 +161,20 @@ def test_other_users_are_refused(sock_path):
         "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
         "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
         "s.connect(sys.argv[1])\n"
-        "s.sendall(b'{\"cmd\": \"echo\"}\\n')\n"
+        's.sendall(b\'{"cmd": "echo"}\\n\')\n'
         "print(s.makefile('rb').readline().decode())\n"
     )
 
     def client(path):
-        for d in (path.parent.parent, path.parent):  # let the other user reach the socket: SO_PEERCRED decides
+        for d in (
+            path.parent.parent,
+            path.parent,
+        ):  # let the other user reach the socket: SO_PEERCRED decides
             os.chmod(d, 0o755)
         os.chmod(path, 0o666)
-        done = subprocess.run([sys.executable, "-c", ask, str(path)], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-c", ask, str(path)], capture_output=True, text=True, timeout=30
+        )
         return done.stdout + done.stderr
 
     out = _with_server(sock_path, HANDLERS, client)
@@ -175,10 +182,10 @@ def test_other_users_are_refused(sock_path):
 
 
 def test_missing_socket(tmp_path):
-    with pytest.raises(control.NoDaemon, match=f"no ckptfs mount at {tmp_path}"):
-        control.call(tmp_path, "status")
-    with pytest.raises(control.NoDaemon, match="no ckptfs mount at /x"):
-        control.call_socket(tmp_path / "absent.sock", "status", name="/x")
+    with pytest.raises(control_client.NoDaemon, match=f"no ckptfs mount at {tmp_path}"):
+        control_client.call(tmp_path, "status")
+    with pytest.raises(control_client.NoDaemon, match="no ckptfs mount at /x"):
+        control_client.call_socket(tmp_path / "absent.sock", "status", name="/x")
 
 
 def test_a_large_answer_is_read_in_linear_time(tmp_path):
@@ -203,7 +210,7 @@ def test_a_large_answer_is_read_in_linear_time(tmp_path):
     threading.Thread(target=serve, daemon=True).start()
     started = time.monotonic()
     try:
-        result = control.call_socket(path, "catalog", {}, timeout=300)
+        result = control_client.call_socket(path, "catalog", {}, timeout=300)
     finally:
         server.close()
     elapsed = time.monotonic() - started

@@ -7,18 +7,28 @@ import os
 import trio
 
 from ckptfs.config import MountConfig
-from ckptfs.core import build_core
+from ckptfs.daemon.wiring import build_core
 from ckptfs.model.policy import CachePolicy
-from ckptfs.namespace import ROOT_INODE
+from ckptfs.model.tree import ROOT_INODE
 from ckptfs.store.local import LocalStore
 
 BS = 64 << 10
 
 
 def config(tmp_path) -> MountConfig:
-    return MountConfig(mountpoint=str(tmp_path / "mnt"), store_url=f"file://{tmp_path / 'store'}",
-                       cache_dir=str(tmp_path / "cache"), part_size=BS, ram_cache=16 * BS, cache_size=64 * BS,
-                       upload_concurrency=4, list_ttl=0.0, write_timeout=7.5, read_timeout=9.0, umask=0o022)
+    return MountConfig(
+        mountpoint=str(tmp_path / "mnt"),
+        store_url=f"file://{tmp_path / 'store'}",
+        cache_dir=str(tmp_path / "cache"),
+        part_size=BS,
+        ram_cache=16 * BS,
+        cache_size=64 * BS,
+        upload_concurrency=4,
+        list_ttl=0.0,
+        write_timeout=7.5,
+        read_timeout=9.0,
+        umask=0o022,
+    )
 
 
 def test_the_parts_share_one_policy_one_health_and_the_configured_timeouts(tmp_path):
@@ -30,7 +40,11 @@ def test_the_parts_share_one_policy_one_health_and_the_configured_timeouts(tmp_p
         assert core.namespace.policy.cache is core.cache and core.namespace.policy.uploader is core.uploader
         assert core.uploader.health is core.fetcher.health is core.namespace.health is core.health
         assert core.namespace.refresher.health is core.health
-        assert (core.cache.write_timeout, core.fetcher.read_timeout, core.namespace.list_ttl) == (7.5, 9.0, 0.0)
+        assert (core.cache.write_timeout, core.fetcher.read_timeout, core.namespace.list_ttl) == (
+            7.5,
+            9.0,
+            0.0,
+        )
         assert core.uploader.retained_ops() == []  # (the namespace's shadows: none yet)
     finally:
         core.close()

@@ -47,7 +47,7 @@ import pytest
 import xxhash
 
 from ckptfs.config import MountConfig
-from ckptfs.integrity import Checksums, IntegrityError, is_reserved, manifest_key
+from ckptfs.objects.integrity import Checksums, IntegrityError, is_reserved, manifest_key
 from tests import crash_writer
 from tests.harness import proc_state
 from tests.mounting import Mount, kill_daemon
@@ -79,10 +79,12 @@ class Store:
     def listing(self) -> dict[str, dict]:
         """key -> {"size", "etag"}, directory markers included (their keys end with /)."""
         out = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + "/"
+        ):
             for o in page.get("Contents", []):
-                if not is_reserved(o["Key"][len(self.prefix) + 1:]):  # (checksum manifests)
-                    out[o["Key"][len(self.prefix) + 1:]] = {"size": o["Size"], "etag": o["ETag"]}
+                if not is_reserved(o["Key"][len(self.prefix) + 1 :]):  # (checksum manifests)
+                    out[o["Key"][len(self.prefix) + 1 :]] = {"size": o["Size"], "etag": o["ETag"]}
         return out
 
     def get(self, key: str) -> tuple[bytes, dict] | None:
@@ -103,7 +105,7 @@ class Store:
 
     def multipart_uploads(self) -> list[tuple[str, str]]:
         r = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix + "/")
-        return [(u["Key"][len(self.prefix) + 1:], u["UploadId"]) for u in r.get("Uploads", [])]
+        return [(u["Key"][len(self.prefix) + 1 :], u["UploadId"]) for u in r.get("Uploads", [])]
 
     def abort(self, key: str, upload_id: str) -> None:
         self.client.abort_multipart_upload(Bucket=self.bucket, Key=f"{self.prefix}/{key}", UploadId=upload_id)
@@ -125,8 +127,15 @@ def mount_tree(root: Path) -> tuple[dict[str, int], set[str]]:
 class Trial:
     """What one trial may and must leave, and the checks."""
 
-    def __init__(self, trial: int, store: Store, known: dict[str, dict], known_latest: bytes | None,
-                 scratch: Path, context: str):
+    def __init__(
+        self,
+        trial: int,
+        store: Store,
+        known: dict[str, dict],
+        known_latest: bytes | None,
+        scratch: Path,
+        context: str,
+    ):
         self.plan = crash_writer.plan(trial)
         self.store = store
         self.known = known  # the store after the previous trial's sync: key -> {"size", "etag"}
@@ -173,10 +182,14 @@ class Trial:
                 continue  # deleted since the listing (a move or a replace going on)
             data, meta = got
             if xxh(data) not in allowed:
-                self.fail(f"{phase}: {key!r} in the store is torn or wrong: {len(data)} bytes, "
-                          f"xxh3 {xxh(data)}, expected one of {allowed}")
+                self.fail(
+                    f"{phase}: {key!r} in the store is torn or wrong: {len(data)} bytes, "
+                    f"xxh3 {xxh(data)}, expected one of {allowed}"
+                )
             if meta.get("xxh3") not in (None, xxh(data)):
-                self.fail(f"{phase}: {key!r} carries xxh3 metadata {meta.get('xxh3')} but its bytes hash to {xxh(data)}")
+                self.fail(
+                    f"{phase}: {key!r} carries xxh3 metadata {meta.get('xxh3')} but its bytes hash to {xxh(data)}"
+                )
             if meta.get("ckptfs-manifest"):  # a visible multipart object has its part checksums
                 manifest = self.store.get(manifest_key(meta["ckptfs-upload"]))
                 if manifest is None and self.store.exists(key):
@@ -207,8 +220,10 @@ class Trial:
             named = got[0].decode().split("\n")[1:]
             missing = [k for k in named if k and not self.store.exists(k)]
             if missing:
-                self.fail(f"{phase}: ordered publish broken: {pointer!r} is in the store but "
-                          f"{missing} it names are not")
+                self.fail(
+                    f"{phase}: ordered publish broken: {pointer!r} is in the store but "
+                    f"{missing} it names are not"
+                )
 
     # -- the mount ---------------------------------------------------------------------------------
     def read_mounted(self, path: Path) -> bytes:
@@ -228,8 +243,10 @@ class Trial:
         final, temp = root / p.dir, root / p.write_dir
         renamed = not p.temp_dir or final.exists()
         if p.temp_dir and final.exists() and temp.exists():
-            self.fail(f"{phase}: directory rename not atomic: both {p.write_dir}/ and {p.dir}/ exist: "
-                      f"{sorted(os.listdir(temp))} / {sorted(os.listdir(final))}")
+            self.fail(
+                f"{phase}: directory rename not atomic: both {p.write_dir}/ and {p.dir}/ exist: "
+                f"{sorted(os.listdir(temp))} / {sorted(os.listdir(final))}"
+            )
         if "renamed " + p.dir in self.confirmed and not renamed:
             self.fail(f"{phase}: rename of {p.write_dir} returned but {p.dir}/ is not there")
         where = final if renamed else temp
@@ -237,7 +254,9 @@ class Trial:
             for name in os.listdir(where):
                 data = self.read_mounted(where / name)
                 if name not in self.expected or xxh(data) != self.hashes[name]:
-                    self.fail(f"{phase}: {where.name}/{name} on the mount is torn or unexpected ({len(data)} bytes)")
+                    self.fail(
+                        f"{phase}: {where.name}/{name} on the mount is torn or unexpected ({len(data)} bytes)"
+                    )
         for line in self.confirmed:
             if not line.startswith(f"closed {p.write_dir}/"):
                 continue
@@ -250,7 +269,9 @@ class Trial:
         if "closed latest.tmp" in self.confirmed and latest != self.latest:
             tmp = (root / "latest.tmp").read_bytes() if (root / "latest.tmp").exists() else None
             if tmp != self.latest:
-                self.fail(f"{phase}: latest.tmp was closed before the kill but neither it nor latest holds it")
+                self.fail(
+                    f"{phase}: latest.tmp was closed before the kill but neither it nor latest holds it"
+                )
         if latest not in (self.latest, self.known_latest):
             self.fail(f"{phase}: `latest` on the mount is torn: {latest!r}")
         return renamed
@@ -264,25 +285,32 @@ class Trial:
             if line.startswith(f"closed {p.write_dir}/"):
                 key = f"{where}/{line.rsplit('/', 1)[1]}"
                 got = store.get(key)
-                if got is None or xxh(got[0]) != self.hashes[key.rsplit('/', 1)[1]]:
-                    self.fail(f"after sync: {key!r} was closed before the kill but the store has "
-                              f"{'nothing' if got is None else f'{len(got[0])} other bytes'}")
+                if got is None or xxh(got[0]) != self.hashes[key.rsplit("/", 1)[1]]:
+                    self.fail(
+                        f"after sync: {key!r} was closed before the kill but the store has "
+                        f"{'nothing' if got is None else f'{len(got[0])} other bytes'}"
+                    )
         if "closed latest" in self.confirmed and (store.get("latest") or (b"",))[0] != self.latest:
             self.fail("after sync: `latest` was closed before the kill but the store's differs")
         # The mounted view equals the store: names and sizes everywhere, bytes for this trial.
         files, dirs = mount_tree(root)
         store_files = {k: v["size"] for k, v in listing.items() if not k.endswith("/")}
         if files != store_files:
-            diff = {k: (files.get(k), store_files.get(k)) for k in set(files) | set(store_files)
-                    if files.get(k) != store_files.get(k)}
+            diff = {
+                k: (files.get(k), store_files.get(k))
+                for k in set(files) | set(store_files)
+                if files.get(k) != store_files.get(k)
+            }
             self.fail(f"after sync: the mount and the store differ (mount size, store size): {diff}")
         store_dirs = {k.rstrip("/") for k in listing if k.endswith("/")}
         for key in listing:
             parts = key.rstrip("/").split("/")
             store_dirs |= {"/".join(parts[:i]) for i in range(1, len(parts))}
         if dirs != store_dirs:
-            self.fail(f"after sync: directories differ: only on the mount {sorted(dirs - store_dirs)}, "
-                      f"only in the store {sorted(store_dirs - dirs)}")
+            self.fail(
+                f"after sync: directories differ: only on the mount {sorted(dirs - store_dirs)}, "
+                f"only in the store {sorted(store_dirs - dirs)}"
+            )
         for key in files:
             if key.startswith((p.dir + "/", p.write_dir + "/")) or key in ("latest", "latest.tmp"):
                 mounted, stored = self.read_mounted(root / key), store.get(key)[0]
@@ -334,9 +362,14 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
     rng = random.Random(seed)
     store = Store(s3_server.client(), s3_bucket, PREFIX)
     ram_cache, cache_size = CACHES[cache]
-    m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / "m", endpoint_url=s3_server.endpoint,
-              ram_cache=ram_cache, cache_size=cache_size,
-              extra=("--upload-concurrency", "3"))  # uploads last a little longer: more kills land in them
+    m = Mount(
+        f"s3://{s3_bucket}/{PREFIX}",
+        tmp_path / "m",
+        endpoint_url=s3_server.endpoint,
+        ram_cache=ram_cache,
+        cache_size=cache_size,
+        extra=("--upload-concurrency", "3"),
+    )  # uploads last a little longer: more kills land in them
     logs = tmp_path / "logs"
     logs.mkdir()
     known: dict[str, dict] = {}
@@ -347,12 +380,21 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
     try:
         m.start()
         for trial in range(TRIALS):
-            t = Trial(trial, store, known, known_latest, tmp_path / "scratch",
-                      f"trial {trial} (seed {seed}, plan {crash_writer.plan(trial)})")
+            t = Trial(
+                trial,
+                store,
+                known,
+                known_latest,
+                tmp_path / "scratch",
+                f"trial {trial} (seed {seed}, plan {crash_writer.plan(trial)})",
+            )
             log = logs / f"trial-{trial:03d}.log"
             with open(logs / f"trial-{trial:03d}.out", "wb") as out:
-                writer = subprocess.Popen([sys.executable, str(WRITER), str(m.path), str(trial), str(log)],
-                                          stdout=out, stderr=subprocess.STDOUT)
+                writer = subprocess.Popen(
+                    [sys.executable, str(WRITER), str(m.path), str(trial), str(log)],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
             deadline = time.monotonic() + 60
             while not _read_log(log):
                 if writer.poll() is not None or time.monotonic() > deadline:
@@ -384,12 +426,16 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
                 keys = [f"{t.plan.dir}/{e.name}" for e in t.plan.entries] + ["latest"]
                 everything = all(store.exists(k) for k in keys)
                 stats["killed after all was durable" if everything else "killed during uploads"] += 1
-                phase = f"{killed_at - events[-1][1]:.3f} s after the writer's last close, " + \
-                    ("everything durable" if everything else "uploads pending")
+                phase = f"{killed_at - events[-1][1]:.3f} s after the writer's last close, " + (
+                    "everything durable" if everything else "uploads pending"
+                )
             if VERBOSE:
                 with capsys.disabled():
-                    print(f"\ntrial {trial}: kill at {killed_at - ready_at:.3f} s, {phase}; "
-                          f"writes took {events[-1][1] - ready_at:.3f} s", end="")
+                    print(
+                        f"\ntrial {trial}: kill at {killed_at - ready_at:.3f} s, {phase}; "
+                        f"writes took {events[-1][1] - ready_at:.3f} s",
+                        end="",
+                    )
             m.start()
             if rng.random() < 0.25:  # crash again during the recovery
                 time.sleep(rng.uniform(0, 0.5))
@@ -413,15 +459,17 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
         m.cleanup()
     summary = ", ".join(f"{v} {k}" for k, v in sorted(stats.items()))
     with capsys.disabled():
-        print(f"\ncrash torture ({cache} cache): {TRIALS} trials in {time.monotonic() - started:.0f} s, "
-              f"seed {seed}: {summary}")
+        print(
+            f"\ncrash torture ({cache} cache): {TRIALS} trials in {time.monotonic() - started:.0f} s, "
+            f"seed {seed}: {summary}"
+        )
 
 
 # -- minimal reproductions of bugs the torture found ----------------------------------------------
 
 
 def test_mount_right_after_sigkill_clears_the_stale_mount(tmp_path):
-    from ckptfs.paths import prepare_mountpoint
+    from ckptfs.daemon.mount_paths import prepare_mountpoint
     from ckptfs.errors import CkptfsError
 
     m = Mount(f"file://{tmp_path / 'store'}", tmp_path / "m")
@@ -455,7 +503,9 @@ def test_renamed_directory_does_not_come_back_after_a_crash(s3_server, s3_bucket
         m.sync()  # durable: the rename below is a server-side move
         (m.path / "big.bin").write_bytes(os.urandom(256 << 20))  # keeps the publisher busy a while
         os.rename(m.path / "ckpt.tmp", m.path / "ckpt")  # HF Trainer's temp dir + rename
-        assert os.getxattr(m.path / "big.bin", "user.ckptfs.state") == b"pending"  # rename not yet in the store
+        assert (
+            os.getxattr(m.path / "big.bin", "user.ckptfs.state") == b"pending"
+        )  # rename not yet in the store
         kill_daemon(m)
         m.start()
         assert (m.path / "ckpt" / "shard.bin").read_bytes() == b"x" * 1000
@@ -529,12 +579,16 @@ def test_rename_while_the_multipart_upload_is_being_created(s3_server, s3_bucket
             assert time.monotonic() - started < 15, "the upload stalled"
             client = s3_server.client()
             assert client.get_object(Bucket=s3_bucket, Key="run/ckpt")["Body"].read() == data
-            keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
-                    if not is_reserved(o["Key"].removeprefix("run/"))]  # (checksum manifests)
+            keys = [
+                o["Key"]
+                for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
+                if not is_reserved(o["Key"].removeprefix("run/"))
+            ]  # (checksum manifests)
             assert keys == ["run/ckpt"]
             deadline = time.monotonic() + 10  # aborts run in the background
-            while (uploads := client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])) \
-                    and time.monotonic() < deadline:
+            while (
+                uploads := client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+            ) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert uploads == [], f"leaked multipart uploads: {[u['Key'] for u in uploads]}"
             assert m.status()["errors"] == []
@@ -546,7 +600,9 @@ def test_rename_while_the_multipart_upload_is_being_created(s3_server, s3_bucket
 def _open_uploads(client, bucket: str, wait_s: float = 10) -> list[str]:
     """Keys of in-progress multipart uploads, once those being aborted in the background are gone."""
     deadline = time.monotonic() + wait_s
-    while (uploads := client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) and time.monotonic() < deadline:
+    while (
+        uploads := client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    ) and time.monotonic() < deadline:
         time.sleep(0.2)
     return [u["Key"] for u in uploads]
 
@@ -587,7 +643,9 @@ def test_lost_create_multipart_answer_leaks_no_upload(s3_server, s3_bucket, tmp_
         m = Mount(f"s3://{s3_bucket}/run", tmp_path / "m", endpoint_url=proxy.url)
         try:
             m.start()
-            proxy.add_rule(Rule(drop_response(), kind="create_multipart", count=1))  # the store acts, the answer is lost
+            proxy.add_rule(
+                Rule(drop_response(), kind="create_multipart", count=1)
+            )  # the store acts, the answer is lost
             (m.path / "shard.bin").write_bytes(data)
             m.sync(timeout=60)
             assert client.get_object(Bucket=s3_bucket, Key="run/shard.bin")["Body"].read() == data

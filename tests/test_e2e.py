@@ -44,8 +44,11 @@ def test_many_small_files_odd_names_and_empty_file(store, mount_factory):
         data = os.urandom(64 << 10)
         (shards / f"__{i}_0.distcp").write_bytes(data)
         expected[f"shards/__{i}_0.distcp"] = data
-    for name, data in [("empty.bin", b""), ("name with spaces.pt", b"spaces" * 1000),
-                       ("ünïcødé-😀.bin", b"unicode" * 1000)]:
+    for name, data in [
+        ("empty.bin", b""),
+        ("name with spaces.pt", b"spaces" * 1000),
+        ("ünïcødé-😀.bin", b"unicode" * 1000),
+    ]:
         (m.path / name).write_bytes(data)
         expected[name] = data
     m.sync()
@@ -53,7 +56,9 @@ def test_many_small_files_odd_names_and_empty_file(store, mount_factory):
     for key, data in expected.items():
         assert store.read(key) == data
         assert (m.path / key).read_bytes() == data
-    assert sorted(os.listdir(m.path)) == sorted(["empty.bin", "name with spaces.pt", "shards", "ünïcødé-😀.bin"])
+    assert sorted(os.listdir(m.path)) == sorted(
+        ["empty.bin", "name with spaces.pt", "shards", "ünïcødé-😀.bin"]
+    )
     m.stop()
 
 
@@ -321,8 +326,10 @@ def test_writers_larger_than_the_cache_flow_at_the_upload_rate(store, mount_fact
         sampler.join()
     for key, digest in expected.items():
         assert xxhash.xxh3_64(store.read(key)).hexdigest() == digest, key
-    print(f"\nbackpressure: 4 x {each} MiB through {ram} MiB RAM + {disk} MiB disk: "
-          f"peak daemon RSS {peak[0]:.0f} MiB")
+    print(
+        f"\nbackpressure: 4 x {each} MiB through {ram} MiB RAM + {disk} MiB disk: "
+        f"peak daemon RSS {peak[0]:.0f} MiB"
+    )
     assert peak[0] < ram + 200, f"daemon RSS peaked at {peak[0]:.0f} MiB"
     assert m.status()["errors"] == []
     m.stop()

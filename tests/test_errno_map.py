@@ -20,14 +20,15 @@ import pyfuse3
 import pytest
 import trio
 
-from ckptfs.errors import STORE_ERRNOS_KEPT, FsError, to_errno
-from ckptfs.fuse_ops import Operations, _errno_boundary, _no_reply_boundary
-from ckptfs.store.base import NotFound, StoreError
+from ckptfs.errors import STORE_ERRNOS_KEPT, FsError, NotFound, StoreError, to_errno
+from ckptfs.fuse.ops import Operations, _errno_boundary, _no_reply_boundary
 from tests.harness import trio_test
 
 
-@pytest.mark.parametrize("number", [errno.ENOENT, errno.ENOSPC, errno.ENAMETOOLONG, errno.EROFS, errno.EIO,
-                                    errno.EBUSY, pyfuse3.ENOATTR])
+@pytest.mark.parametrize(
+    "number",
+    [errno.ENOENT, errno.ENOSPC, errno.ENAMETOOLONG, errno.EROFS, errno.EIO, errno.EBUSY, pyfuse3.ENOATTR],
+)
 def test_fs_error_keeps_its_errno(number):
     assert to_errno(FsError(number, "why")) == number
 
@@ -44,18 +45,31 @@ def test_store_error_keeps_what_a_disk_would_say(number):
     assert to_errno(StoreError("store says so", errno_=number)) == number
 
 
-@pytest.mark.parametrize("exc", [NotFound("object gone"),
-                                 StoreError("throttled", transient=True, errno_=errno.EAGAIN),
-                                 StoreError("AccessDenied", errno_=errno.EACCES),
-                                 StoreError("timed out", transient=True, errno_=errno.ETIMEDOUT),
-                                 StoreError("bad request", errno_=errno.EINVAL),
-                                 StoreError("unknown")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        NotFound("object gone"),
+        StoreError("throttled", transient=True, errno_=errno.EAGAIN),
+        StoreError("AccessDenied", errno_=errno.EACCES),
+        StoreError("timed out", transient=True, errno_=errno.ETIMEDOUT),
+        StoreError("bad request", errno_=errno.EINVAL),
+        StoreError("unknown"),
+    ],
+)
 def test_any_other_store_error_is_eio(exc):
     assert to_errno(exc) == errno.EIO
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("bug"), KeyError("k"), AssertionError("broken invariant"),
-                                 ValueError("v"), ExceptionGroup("many", [FsError(errno.ENOSPC)])])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("bug"),
+        KeyError("k"),
+        AssertionError("broken invariant"),
+        ValueError("v"),
+        ExceptionGroup("many", [FsError(errno.ENOSPC)]),
+    ],
+)
 def test_anything_else_is_eio(exc):
     assert to_errno(exc) == errno.EIO
 
@@ -80,8 +94,10 @@ async def test_cancellation_is_raised_again():
 
 # -- the boundary ----------------------------------------------------------------------------
 
+
 def answer(exc: BaseException) -> int:
     """The errno a handler raising ``exc`` answers the kernel with."""
+
     @_errno_boundary
     async def handler():
         raise exc
@@ -91,8 +107,17 @@ def answer(exc: BaseException) -> int:
     return raised.value.errno
 
 
-@pytest.mark.parametrize("exc", [FsError(errno.ENOSPC), OSError(errno.EROFS, "ro"), OSError("none"),
-                                 NotFound("gone"), StoreError("full", errno_=errno.ENOSPC), RuntimeError("bug")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        FsError(errno.ENOSPC),
+        OSError(errno.EROFS, "ro"),
+        OSError("none"),
+        NotFound("gone"),
+        StoreError("full", errno_=errno.ENOSPC),
+        RuntimeError("bug"),
+    ],
+)
 def test_the_boundary_answers_to_errno(exc):
     assert answer(exc) == to_errno(exc)
 
@@ -102,19 +127,19 @@ def test_fuse_error_passes_through():
 
 
 def test_a_bug_is_logged_once_with_its_traceback_at_debug(caplog):
-    with caplog.at_level(logging.INFO, logger="ckptfs.fuse_ops"):
+    with caplog.at_level(logging.INFO, logger="ckptfs.fuse.ops"):
         assert answer(RuntimeError("bug")) == errno.EIO
     assert [(r.levelno, bool(r.exc_info)) for r in caplog.records] == [(logging.ERROR, False)]
     assert "handler failed unexpectedly: RuntimeError: bug" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="ckptfs.fuse_ops"):
+    with caplog.at_level(logging.DEBUG, logger="ckptfs.fuse.ops"):
         assert answer(RuntimeError("bug")) == errno.EIO
     assert len(caplog.records) == 1 and caplog.records[0].exc_info
     assert "Traceback" in caplog.text
 
 
 def test_expected_refusals_are_not_logged_and_store_errors_are(caplog):
-    with caplog.at_level(logging.DEBUG, logger="ckptfs.fuse_ops"):
+    with caplog.at_level(logging.DEBUG, logger="ckptfs.fuse.ops"):
         answer(FsError(errno.ENOENT))
         answer(FsError(pyfuse3.ENOATTR))
         assert not caplog.records
@@ -159,7 +184,7 @@ def test_forget_never_raises(caplog):
 
     ops = Operations.__new__(Operations)
     ops.ns = Namespace()
-    with caplog.at_level(logging.ERROR, logger="ckptfs.fuse_ops"):
+    with caplog.at_level(logging.ERROR, logger="ckptfs.fuse.ops"):
         assert trio.run(ops.forget, [(1, 1), (2, 1)]) is None
         assert trio.run(ops.forget, [(3, 1)]) is None
     assert ops.ns.forgotten == [1, 3]
@@ -173,8 +198,11 @@ def test_forget_never_raises(caplog):
 
 
 def test_every_request_handler_is_behind_a_boundary():
-    handlers = {name: fn for name, fn in vars(Operations).items()
-                if callable(fn) and not name.startswith("_") and hasattr(pyfuse3.Operations, name)}
+    handlers = {
+        name: fn
+        for name, fn in vars(Operations).items()
+        if callable(fn) and not name.startswith("_") and hasattr(pyfuse3.Operations, name)
+    }
     assert len(handlers) > 20
     assert {name for name, fn in handlers.items() if not hasattr(fn, "__wrapped__")} == set()
     assert {"forget", "releasedir", "fsyncdir", "setxattr", "removexattr"} <= handlers.keys()

@@ -57,7 +57,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
-from ckptfs import control
+from ckptfs.control import client
 from tests.harness import blob
 from tests.mounting import Mount
 
@@ -104,12 +104,13 @@ class MFile:
             return  # writes nothing, extends nothing
         if offset > len(self.working):
             self.working.extend(bytes(offset - len(self.working)))
-        self.working[offset:offset + len(data)] = data
+        self.working[offset : offset + len(data)] = data
         self.dirty = True
 
 
 class Desc:
     """An open file description: one open(); dup and fork share it (and its offset)."""
+
     _ids = iter(range(1 << 62))
 
     def __init__(self, name: str, node: MFile, mode: str):
@@ -122,8 +123,15 @@ class Desc:
         self.fds: list[int] = []
 
 
-MODES = {"rw": os.O_RDWR, "r": os.O_RDONLY, "w": os.O_WRONLY, "a": os.O_WRONLY | os.O_APPEND,
-         "ra": os.O_RDWR | os.O_APPEND, "wt": os.O_WRONLY | os.O_TRUNC, "rwt": os.O_RDWR | os.O_TRUNC}
+MODES = {
+    "rw": os.O_RDWR,
+    "r": os.O_RDONLY,
+    "w": os.O_WRONLY,
+    "a": os.O_WRONLY | os.O_APPEND,
+    "ra": os.O_RDWR | os.O_APPEND,
+    "wt": os.O_WRONLY | os.O_TRUNC,
+    "rwt": os.O_RDWR | os.O_TRUNC,
+}
 
 sizes = st.one_of(st.integers(0, 64), st.integers(0, 40 * KiB), st.integers(0, 300 * KiB))
 seeds = st.integers(0, 2**32 - 1)
@@ -138,6 +146,7 @@ def content(size: int, seed: int) -> bytes:
 def guarded(rule_fn):
     """A rule that raises marks the example failed: its teardown then skips the end checks
     (they would hide the first failure)."""
+
     @functools.wraps(rule_fn)
     def wrapper(self, *args, **kwargs):
         try:
@@ -145,6 +154,7 @@ def guarded(rule_fn):
         except BaseException:
             self.failed = True
             raise
+
     return wrapper
 
 
@@ -179,7 +189,14 @@ class Exerciser(RuleBasedStateMachine):
     def fds(self, readable=False, writable=False, rdwr=False) -> list[int]:
         out = []
         for fd, d in sorted(self.fd_desc.items()):
-            if readable and not d.readable or writable and not d.writable or rdwr and not (d.readable and d.writable):
+            if (
+                readable
+                and not d.readable
+                or writable
+                and not d.writable
+                or rdwr
+                and not (d.readable and d.writable)
+            ):
                 continue
             out.append(fd)
         return out
@@ -191,8 +208,13 @@ class Exerciser(RuleBasedStateMachine):
         back through any mapped writable handle of the file)."""
         fds = self.fds(rdwr=True)
         if KNOWN_BUGS["mapped pages written back through an O_APPEND handle are appended"]:
-            fds = [fd for fd in fds if not any(d.append and d.readable and d.node is self.fd_desc[fd].node
-                                               for d in self.descs.values())]
+            fds = [
+                fd
+                for fd in fds
+                if not any(
+                    d.append and d.readable and d.node is self.fd_desc[fd].node for d in self.descs.values()
+                )
+            ]
         return fds
 
     def open_writer(self, node: MFile, d: Desc, truncate: bool) -> None:
@@ -247,10 +269,14 @@ class Exerciser(RuleBasedStateMachine):
             got = os.fstat(fd).st_size
             assert got == want, f"fstat of fd {fd} ({d.name}, {d.mode}): {got}, the model says {want}"
             pos = os.lseek(fd, 0, os.SEEK_CUR)
-            assert pos == d.pos, f"lseek(SEEK_CUR) of fd {fd} ({d.name}, {d.mode}): {pos}, the model says {d.pos}"
+            assert pos == d.pos, (
+                f"lseek(SEEK_CUR) of fd {fd} ({d.name}, {d.mode}): {pos}, the model says {d.pos}"
+            )
             end = os.lseek(fd, 0, os.SEEK_END)
             os.lseek(fd, pos, os.SEEK_SET)
-            assert end == want, f"lseek(SEEK_END) of fd {fd} ({d.name}, {d.mode}): {end}, the model says {want}"
+            assert end == want, (
+                f"lseek(SEEK_END) of fd {fd} ({d.name}, {d.mode}): {end}, the model says {want}"
+            )
         names = sorted(os.listdir(self.dir))
         assert names == sorted(self.files), f"listing {names}, the model has {sorted(self.files)}"
         for name, node in self.files.items():
@@ -272,8 +298,7 @@ class Exerciser(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------------------
     @precondition(lambda self: len(self.fd_desc) < MAX_FDS)
-    @rule(name=st.sampled_from(NAMES), size=sizes, seed=seeds, keep_open=st.booleans(),
-          rdwr=st.booleans())
+    @rule(name=st.sampled_from(NAMES), size=sizes, seed=seeds, keep_open=st.booleans(), rdwr=st.booleans())
     @guarded
     def create(self, name, size, seed, keep_open, rdwr):
         """open(O_CREAT|O_TRUNC), write, then close or keep the descriptor."""
@@ -367,8 +392,9 @@ class Exerciser(RuleBasedStateMachine):
         want = d.node.visible()
         offset %= len(want) + 20 * KiB + 1
         got = os.pread(fd, size, offset)
-        assert got == want[offset:offset + size], \
-            f"pread({size} at {offset}) of {d.name} through fd {fd} ({d.mode}) reads {describe(got, want[offset:offset + size])}"
+        assert got == want[offset : offset + size], (
+            f"pread({size} at {offset}) of {d.name} through fd {fd} ({d.mode}) reads {describe(got, want[offset : offset + size])}"
+        )
         self.check()
 
     @precondition(lambda self: self.fds(readable=True))
@@ -379,9 +405,11 @@ class Exerciser(RuleBasedStateMachine):
         self.op("read")
         fd = self.pick(self.fds(readable=True), i)
         d = self.fd_desc[fd]
-        want = d.node.visible()[d.pos:d.pos + size]
+        want = d.node.visible()[d.pos : d.pos + size]
         got = os.read(fd, size)
-        assert got == want, f"read({size}) at {d.pos} of {d.name} through fd {fd} ({d.mode}) reads {describe(got, want)}"
+        assert got == want, (
+            f"read({size}) at {d.pos} of {d.name} through fd {fd} ({d.mode}) reads {describe(got, want)}"
+        )
         d.pos += len(got)
         self.check()
 
@@ -471,8 +499,10 @@ class Exerciser(RuleBasedStateMachine):
         mapped = mmap.mmap(fd, len(working), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             got = mapped[:]
-            assert got == bytes(working), f"a shared map of {d.name} (fd {fd}, {d.mode}) shows {describe(got, bytes(working))}"
-            mapped[at:at + len(data)] = data
+            assert got == bytes(working), (
+                f"a shared map of {d.name} (fd {fd}, {d.mode}) shows {describe(got, bytes(working))}"
+            )
+            mapped[at : at + len(data)] = data
             if sync:
                 mapped.flush()  # msync
         finally:
@@ -481,8 +511,13 @@ class Exerciser(RuleBasedStateMachine):
         self.check(d.name)
 
     @precondition(lambda self: self.fds(writable=True))
-    @rule(i=picks, action=st.sampled_from(["pwrite", "write", "ftruncate", "close"]), offset=offsets,
-          size=sizes, seed=seeds)
+    @rule(
+        i=picks,
+        action=st.sampled_from(["pwrite", "write", "ftruncate", "close"]),
+        offset=offsets,
+        size=sizes,
+        seed=seeds,
+    )
     @guarded
     def fork(self, i, action, offset, size, seed):
         """A forked child acts on an inherited descriptor and exits (os._exit): its exit closes
@@ -540,7 +575,7 @@ class Exerciser(RuleBasedStateMachine):
         for name, node in self.files.items():
             assert node.working is None and node.committed is not None
             self.check_bytes(name)
-        control.call(self.mount.path, "sync", {"paths": [], "timeout": 120}, timeout=150)
+        client.call(self.mount.path, "sync", {"paths": [], "timeout": 120}, timeout=150)
         stored = {}
         root = self.store_root / self.rel
         for dirpath, _, filenames in os.walk(root):
@@ -548,7 +583,9 @@ class Exerciser(RuleBasedStateMachine):
                 if not f.startswith(".ckptfs-"):
                     stored[os.path.relpath(os.path.join(dirpath, f), root)] = Path(dirpath, f).read_bytes()
         expected = {name: node.committed for name, node in self.files.items()}
-        assert stored.keys() == expected.keys(), f"the store holds {sorted(stored)}, the model {sorted(expected)}"
+        assert stored.keys() == expected.keys(), (
+            f"the store holds {sorted(stored)}, the model {sorted(expected)}"
+        )
         for name, data in expected.items():
             assert stored[name] == data, f"the store's {self.rel}/{name}: {describe(stored[name], data)}"
         CHECKS["store checks"] += 1
@@ -559,15 +596,20 @@ def describe(got: bytes, want: bytes) -> str:
     if got == want:
         return f"{len(got)} bytes, as expected"
     first = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    zeros = " (zeros there)" if first < len(got) and not any(got[first:first + 64]) else ""
+    zeros = " (zeros there)" if first < len(got) and not any(got[first : first + 64]) else ""
     return f"{len(got)} bytes, {len(want)} expected, first difference at {first}{zeros}"
 
 
 @pytest.fixture
 def one_mount(tmp_path):
     store = tmp_path / "store"
-    m = Mount(f"file://{store}", tmp_path / "m", ram_cache=str(64 * PART), cache_size="1GiB",
-              extra=("--part-size", str(PART)))
+    m = Mount(
+        f"file://{store}",
+        tmp_path / "m",
+        ram_cache=str(64 * PART),
+        cache_size="1GiB",
+        extra=("--part-size", str(PART)),
+    )
     m.start()
     yield m, store
     m.cleanup()
@@ -579,23 +621,34 @@ def test_exerciser(one_mount, with_mmap, capsys):
     m, store = one_mount
     DONE.clear()
     CHECKS.clear()
-    machine = type("ExerciserRun", (Exerciser,), {"mount": m, "store_root": store, "with_mmap": with_mmap,
-                                                  "examples": 0})
+    machine = type(
+        "ExerciserRun", (Exerciser,), {"mount": m, "store_root": store, "with_mmap": with_mmap, "examples": 0}
+    )
     started = time.monotonic()
     while sum(DONE.values()) < OPS:
         left = OPS - sum(DONE.values())
-        run_state_machine_as_test(machine, settings=settings(
-            max_examples=max(5, left // STEPS + 1), stateful_step_count=STEPS, deadline=None,
-            database=None, suppress_health_check=list(HealthCheck), print_blob=True,
-            report_multiple_bugs=False))
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=max(5, left // STEPS + 1),
+                stateful_step_count=STEPS,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+                print_blob=True,
+                report_multiple_bugs=False,
+            ),
+        )
     seconds = time.monotonic() - started
     total = sum(DONE.values())
     ops = ", ".join(f"{v} {k}" for k, v in sorted(DONE.items(), key=lambda kv: -kv[1]))
     with capsys.disabled():
-        print(f"\nexerciser ({'with' if with_mmap else 'without'} mmap): {total} operations in "
-              f"{machine.examples} examples, {seconds:.0f} s ({total / seconds:.0f} ops/s); "
-              f"{CHECKS['steps']} checks, {CHECKS['fresh reads']} fresh reads, {CHECKS['store checks']} store checks; "
-              f"{ops}")
+        print(
+            f"\nexerciser ({'with' if with_mmap else 'without'} mmap): {total} operations in "
+            f"{machine.examples} examples, {seconds:.0f} s ({total / seconds:.0f} ops/s); "
+            f"{CHECKS['steps']} checks, {CHECKS['fresh reads']} fresh reads, {CHECKS['store checks']} store checks; "
+            f"{ops}"
+        )
     assert m.status()["errors"] == []
 
 

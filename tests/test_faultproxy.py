@@ -34,7 +34,9 @@ def _client(s3_server, proxy, **config):
     from tests.swift import S3Endpoint
 
     config.setdefault("retries", NO_RETRIES)
-    return S3Endpoint(proxy.url, s3_server.access_key, s3_server.secret_key, s3_server.region).client(**config)
+    return S3Endpoint(proxy.url, s3_server.access_key, s3_server.secret_key, s3_server.region).client(
+        **config
+    )
 
 
 def test_classify():
@@ -61,10 +63,18 @@ def test_passes_requests_through_and_counts_them(s3_server, s3_bucket, proxy):
     # multipart: two parts over one keep-alive connection pool
     parts_data = [os.urandom(5 << 20), os.urandom(1 << 20)]
     up = client.create_multipart_upload(Bucket=s3_bucket, Key="big")["UploadId"]
-    parts = [{"PartNumber": n, "ETag": client.upload_part(Bucket=s3_bucket, Key="big", UploadId=up, PartNumber=n,
-                                                           Body=data)["ETag"]}
-             for n, data in enumerate(parts_data, start=1)]
-    client.complete_multipart_upload(Bucket=s3_bucket, Key="big", UploadId=up, MultipartUpload={"Parts": parts})
+    parts = [
+        {
+            "PartNumber": n,
+            "ETag": client.upload_part(Bucket=s3_bucket, Key="big", UploadId=up, PartNumber=n, Body=data)[
+                "ETag"
+            ],
+        }
+        for n, data in enumerate(parts_data, start=1)
+    ]
+    client.complete_multipart_upload(
+        Bucket=s3_bucket, Key="big", UploadId=up, MultipartUpload={"Parts": parts}
+    )
     got = client.get_object(Bucket=s3_bucket, Key="big", Range="bytes=100-5242979")["Body"].read()
     assert got == b"".join(parts_data)[100:5242980]
     assert sorted(o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"]) == ["big", "small"]
@@ -81,15 +91,21 @@ def test_chunked_request_body_passes(s3_server, s3_bucket, proxy):
     trailing checksums over https), then a second request on the same keep-alive connection."""
     host, port = "127.0.0.1", int(proxy.url.rsplit(":", 1)[1])
     conn = http.client.HTTPConnection(host, port, timeout=30)
-    conn.request("GET", "/auth/v1.0", headers={"X-Auth-User": s3_server.access_key,
-                                               "X-Auth-Key": s3_server.secret_key})
+    conn.request(
+        "GET", "/auth/v1.0", headers={"X-Auth-User": s3_server.access_key, "X-Auth-Key": s3_server.secret_key}
+    )
     auth = conn.getresponse()
     auth.read()
     token, account = auth.getheader("X-Auth-Token"), urlsplit(auth.getheader("X-Storage-Url")).path
     data = os.urandom(700 << 10)
-    pieces = (data[i:i + 100_000] for i in range(0, len(data), 100_000))
-    conn.request("PUT", f"{account}/{s3_bucket}/chunked", body=pieces, encode_chunked=True,
-                 headers={"X-Auth-Token": token, "Transfer-Encoding": "chunked"})
+    pieces = (data[i : i + 100_000] for i in range(0, len(data), 100_000))
+    conn.request(
+        "PUT",
+        f"{account}/{s3_bucket}/chunked",
+        body=pieces,
+        encode_chunked=True,
+        headers={"X-Auth-Token": token, "Transfer-Encoding": "chunked"},
+    )
     put = conn.getresponse()
     put.read()
     assert put.status == 201
@@ -229,12 +245,17 @@ def test_keep_alive_and_concurrent_connections(s3_server, s3_bucket, proxy):
     assert errors == []
     assert proxy.count(kind="put") == 30 and proxy.count(kind="get") == 30
     # a raw keep-alive connection: two requests, one socket
-    with socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))) as s, s.makefile("rb") as f:
+    with (
+        socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))) as s,
+        s.makefile("rb") as f,
+    ):
         for _ in range(2):
             s.sendall(b"GET /healthcheck HTTP/1.1\r\nHost: x\r\n\r\n")
             assert f.readline().startswith(b"HTTP/1.1 200")
             head = list(iter(f.readline, b"\r\n"))
-            length = next(int(line.split(b":")[1]) for line in head if line.lower().startswith(b"content-length:"))
+            length = next(
+                int(line.split(b":")[1]) for line in head if line.lower().startswith(b"content-length:")
+            )
             assert f.read(length) == b"OK"
 
 

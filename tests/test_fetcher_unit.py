@@ -14,12 +14,14 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs import integrity
-from ckptfs.cache import Cache, Content
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.contents import Content
 from ckptfs.errors import FsError
-from ckptfs.fetcher import READ_ATTEMPTS, VERIFY_ATTEMPTS, Fetcher
-from ckptfs.integrity import Checksums
+from ckptfs.objects import integrity
+from ckptfs.objects.integrity import Checksums
 from ckptfs.store.local import LocalStore
+from ckptfs.transfer.fetch_checks import VERIFY_ATTEMPTS
+from ckptfs.transfer.fetcher import READ_ATTEMPTS, Fetcher
 from tests.faults import FaultyStore
 from tests.harness import blob, run_trio, trio_test
 
@@ -66,10 +68,12 @@ def put_one(object_store, key: str, data: bytes) -> None:
 
 def put_with_manifest(object_store, key: str, data: bytes, part_size: int, upload: str = "u1") -> None:
     """As a multipart upload writes it: part checksums in a manifest the object's metadata names."""
-    parts = [integrity.part_hash(data[i:i + part_size]) for i in range(0, len(data), part_size)]
+    parts = [integrity.part_hash(data[i : i + part_size]) for i in range(0, len(data), part_size)]
     manifest = Checksums(len(data), part_size, parts, integrity.part_hash(data), upload, "manifest")
     object_store.inner.put(integrity.manifest_key(upload), manifest.to_manifest())
-    object_store.inner.put(key, data, {integrity.MANIFEST_META: integrity.ALGORITHM, integrity.UPLOAD_META: upload})
+    object_store.inner.put(
+        key, data, {integrity.MANIFEST_META: integrity.ALGORITHM, integrity.UPLOAD_META: upload}
+    )
 
 
 def cached(content: Content) -> list[int]:
@@ -87,8 +91,8 @@ async def test_a_block_and_the_short_last_block_read_back_exactly(cache, object_
     assert cached(c) == [1]
     await fetcher.fill(c, [3])
     assert cached(c) == [1, 3]
-    assert c.read(BS, BS) == data[BS:2 * BS]
-    assert c.read(3 * BS, 2 * BS) == data[3 * BS:]
+    assert c.read(BS, BS) == data[BS : 2 * BS]
+    assert c.read(3 * BS, 2 * BS) == data[3 * BS :]
     assert object_store.count("get_range") == 2 and fetcher.unverified_reads == 2
     assert c.missing(0, len(data)) == [0, 2]
 
@@ -106,7 +110,9 @@ async def test_a_one_put_object_is_fetched_whole_and_checked(cache, object_store
     assert object_store.count("get_range") == gets
     assert cached(c) == [0, 1, 2, 3]
     assert c.read(0, len(data)) == data
-    assert c.checksums.source == "metadata" and fetcher.unverified_reads == 0 and fetcher.integrity_retries == 0
+    assert (
+        c.checksums.source == "metadata" and fetcher.unverified_reads == 0 and fetcher.integrity_retries == 0
+    )
 
 
 @trio_test
@@ -120,7 +126,7 @@ async def test_a_multipart_object_is_fetched_in_whole_parts_from_its_manifest(ca
     assert cached(c) == [2, 3]
     await fetcher.fill(c, [5])  # the last part: block 4 and the short block 5
     assert cached(c) == [2, 3, 4, 5]
-    assert c.read(2 * BS, 2 * BS) == data[2 * BS:4 * BS] and c.read(4 * BS, 2 * BS) == data[4 * BS:]
+    assert c.read(2 * BS, 2 * BS) == data[2 * BS : 4 * BS] and c.read(4 * BS, 2 * BS) == data[4 * BS :]
     assert c.checksums.source == "manifest" and c.checksums.upload == "u1"
     assert object_store.count("get_range", integrity.manifest_key("u1")) == 1  # the manifest is read once
 
@@ -222,6 +228,7 @@ def test_read_timeout_gives_up_with_eio_while_the_store_is_in_trouble(cache, obj
             nursery.start_soon(reader)
             await gate.entered()
             fetcher.health.failed("write", "other.bin", "EIO: injected outage")  # the store is down
+
     try:
         run_trio(main)
     finally:

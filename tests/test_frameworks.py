@@ -46,9 +46,15 @@ def offline(monkeypatch):
     """No hub, no telemetry, no tokenizer threads: nothing leaves the machine. The environment
     is put back afterwards (Lightning and torch set variables of their own in os.environ)."""
     saved = dict(os.environ)
-    for name, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                        "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
-                        "WANDB_DISABLED": "true", "WANDB_MODE": "disabled"}.items():
+    for name, value in {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_DISABLED": "true",
+        "WANDB_MODE": "disabled",
+    }.items():
         monkeypatch.setenv(name, value)
     yield
     for name in os.environ.keys() - saved.keys():
@@ -101,8 +107,14 @@ def ckptfs_json(*args: str) -> dict:
     return json.loads(ckptfs(*args, "--json").stdout)
 
 
-def checkpoints_then_gc(m: Mount, store, directory: str, restart_step: str, older: set[str] = frozenset(),
-                        others: set[str] = frozenset()) -> None:
+def checkpoints_then_gc(
+    m: Mount,
+    store,
+    directory: str,
+    restart_step: str,
+    older: set[str] = frozenset(),
+    others: set[str] = frozenset(),
+) -> None:
     """After a framework's save and `ckptfs sync`, the admin commands as a user runs them:
     `ckptfs checkpoints` on the mount finds the series in ``directory``: its steps are
     ``restart_step`` (the restart), ``older`` and ``others`` (unnumbered: last.ckpt, DCP
@@ -126,7 +138,9 @@ def checkpoints_then_gc(m: Mount, store, directory: str, restart_step: str, olde
     assert {s["path"] for s in dry["steps"] if s["action"] == "delete"} == older, dry
     assert store.keys() == before and all((m.path / step).exists() for step in older)
     done = ckptfs_json("gc", str(m.path), "--keep-last", "1")
-    assert {s["path"] for s in done["steps"] if s["action"] == "delete"} == older and not done["failures"], done
+    assert {s["path"] for s in done["steps"] if s["action"] == "delete"} == older and not done["failures"], (
+        done
+    )
     assert not any((m.path / step).exists() for step in older)
     m.sync()
     gone = {k for k in before if any(k == step or k.startswith(step + "/") for step in older)}
@@ -145,16 +159,29 @@ class Ranks:
     "saved", and load when told to. A context manager: whatever happens, none is left running."""
 
     def __init__(self, root: Path, logs: Path, world: int = 2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-               "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(world),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
         self.logs = [logs / f"rank{rank}.err" for rank in range(world)]
         self.procs = []
         for rank, log in enumerate(self.logs):
             with open(log, "w") as err:  # a file, not a pipe: a chatty rank cannot block on it
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tests.frameworks_dcp", str(root)], cwd=REPO, text=True,
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.frameworks_dcp", str(root)],
+                        cwd=REPO,
+                        text=True,
+                        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                    )
+                )
 
     def __enter__(self) -> Ranks:
         return self
@@ -170,8 +197,9 @@ class Ranks:
         for rank, p in enumerate(self.procs):
             ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise AssertionError(f"dcp rank {rank} did not save within {timeout} s:\n"
-                                     f"{self.logs[rank].read_text()[-3000:]}")
+                raise AssertionError(
+                    f"dcp rank {rank} did not save within {timeout} s:\n{self.logs[rank].read_text()[-3000:]}"
+                )
             if p.stdout.readline().strip() != "saved":  # "" if it died
                 self.check_exits()
 
@@ -185,11 +213,14 @@ class Ranks:
         """Wait for every rank; AssertionError with its stderr unless each exited 0."""
         for rank, p in enumerate(self.procs):
             p.communicate(timeout=180)
-            assert p.returncode == 0, f"dcp rank {rank} exited {p.returncode}:\n{self.logs[rank].read_text()[-3000:]}"
+            assert p.returncode == 0, (
+                f"dcp rank {rank} exited {p.returncode}:\n{self.logs[rank].read_text()[-3000:]}"
+            )
 
 
-def test_torch_distributed_checkpoint_two_ranks_save_async_save_and_resharded_load(store, mount_factory, restart,
-                                                                                    tmp_path):
+def test_torch_distributed_checkpoint_two_ranks_save_async_save_and_resharded_load(
+    store, mount_factory, restart, tmp_path
+):
     import torch.distributed.checkpoint as dcp
 
     from tests.frameworks_dcp import expected
@@ -213,8 +244,11 @@ def test_torch_distributed_checkpoint_two_ranks_save_async_save_and_resharded_lo
     with quiet("torch.distributed.checkpoint"):
         for seed, name in ((1, "dcp-sync"), (2, "dcp-async")):  # one process, no process group, full tensors
             want = expected(seed)
-            state = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}, "step": 0,
-                     "extra": {"lr": 0.0, "tags": []}}
+            state = {
+                "model": {k: torch.zeros_like(v) for k, v in want["model"].items()},
+                "step": 0,
+                "extra": {"lr": 0.0, "tags": []},
+            }
             dcp.load(state, checkpoint_id=fresh.path / name, no_dist=True)
             assert_same_tensors(state["model"], want["model"])
             assert state["step"] == want["step"] and state["extra"] == want["extra"]
@@ -301,8 +335,16 @@ def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: runs repeat exactly
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )  # no dropout: runs repeat exactly
     return GPT2LMHeadModel(config)
 
 
@@ -344,22 +386,36 @@ def _trainer(output_dir: Path, max_steps: int, save: bool = True):
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 8), generator=gen)]
     args = TrainingArguments(
-        output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=4, seed=0,
-        save_strategy="steps" if save else "no", save_steps=2, save_total_limit=2,
-        learning_rate=1e-2, lr_scheduler_type="constant", use_cpu=True, report_to=[],
-        disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0)
+        output_dir=str(output_dir),
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        seed=0,
+        save_strategy="steps" if save else "no",
+        save_steps=2,
+        save_total_limit=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        logging_strategy="no",
+        dataloader_num_workers=0,
+    )
     return Trainer(model=_tiny_gpt2(), args=args, train_dataset=data, callbacks=[CountSteps]), CountSteps
 
 
 def _checkpoint_dirs(store, prefix: str) -> set[str]:
     """The checkpoint-N names under ``prefix`` in the bucket, directory markers included."""
     listed = store.client.list_objects_v2(Bucket=store.bucket, Prefix=f"{store.prefix}/{prefix}/")
-    names = {o["Key"][len(store.prefix) + len(prefix) + 2:].split("/")[0] for o in listed.get("Contents", [])}
+    names = {
+        o["Key"][len(store.prefix) + len(prefix) + 2 :].split("/")[0] for o in listed.get("Contents", [])
+    }
     return names - {""}  # the marker of ``prefix`` itself
 
 
-def test_transformers_trainer_save_steps_rotation_and_resume(store, mount_factory, restart, tmp_path, hf_quiet,
-                                                             fresh_accelerate_state):
+def test_transformers_trainer_save_steps_rotation_and_resume(
+    store, mount_factory, restart, tmp_path, hf_quiet, fresh_accelerate_state
+):
     reference, _ = _trainer(tmp_path / "reference", max_steps=8, save=False)  # 8 steps without a break
     reference.train()
 
@@ -368,7 +424,10 @@ def test_transformers_trainer_save_steps_rotation_and_resume(store, mount_factor
     first.train()
     assert sorted(os.listdir(m.path / "run")) == ["checkpoint-4", "checkpoint-6"]
     m.sync()
-    assert _checkpoint_dirs(store, "run") == {"checkpoint-4", "checkpoint-6"}  # checkpoint-2 gone from the store
+    assert _checkpoint_dirs(store, "run") == {
+        "checkpoint-4",
+        "checkpoint-6",
+    }  # checkpoint-2 gone from the store
     saved = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"}
     assert {f"run/checkpoint-6/{f}" for f in saved} <= store.keys()
     checkpoints_then_gc(m, store, "run", "run/checkpoint-6", older={"run/checkpoint-4"})
@@ -424,18 +483,37 @@ def _lightning_run(max_epochs: int, dirpath: Path | None, save_last, ckpt_path: 
             Record.batches += 1
 
     gen = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=gen), torch.randn(16, 2, generator=gen))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(16, 4, generator=gen), torch.randn(16, 2, generator=gen)
+    )
     callbacks, checkpoint = [Record()], None
     if dirpath is not None:  # every epoch; keep the 2 newest (monitor the step, highest best) and last.ckpt
-        checkpoint = ModelCheckpoint(dirpath=dirpath, filename="{epoch}-{step}", monitor="step", mode="max",
-                                     save_top_k=2, save_last=save_last)
+        checkpoint = ModelCheckpoint(
+            dirpath=dirpath,
+            filename="{epoch}-{step}",
+            monitor="step",
+            mode="max",
+            save_top_k=2,
+            save_last=save_last,
+        )
         callbacks.append(checkpoint)
-    trainer = pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=dirpath is not None, callbacks=callbacks,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=dirpath is not None,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     model = Tiny()
-    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4),
-                ckpt_path=str(ckpt_path) if ckpt_path else None)
+    trainer.fit(
+        model,
+        torch.utils.data.DataLoader(data, batch_size=4),
+        ckpt_path=str(ckpt_path) if ckpt_path else None,
+    )
     return model, trainer, checkpoint, Record
 
 
@@ -452,16 +530,23 @@ def test_lightning_model_checkpoint_top_k_last_and_resume(store, mount_factory, 
         assert store.read("ckpts/last.ckpt") == (m.path / "ckpts" / "last.ckpt").read_bytes()
         # last.ckpt, saved after the newest top-k file, is what Lightning resumes from; gc keeps it
         # (no step number) and the newest numbered file.
-        checkpoints_then_gc(m, store, "ckpts", "ckpts/last.ckpt", older={"ckpts/epoch=2-step=12.ckpt"},
-                            others={"ckpts/epoch=3-step=16.ckpt"})
+        checkpoints_then_gc(
+            m,
+            store,
+            "ckpts",
+            "ckpts/last.ckpt",
+            older={"ckpts/epoch=2-step=12.ckpt"},
+            others={"ckpts/epoch=3-step=16.ckpt"},
+        )
         m.stop()
 
         fresh = restart(m)
         saved = torch.load(fresh.path / "ckpts" / "last.ckpt", weights_only=False)
         assert saved["global_step"] == 16 and saved["epoch"] == 3
         assert_same_tensors(saved["state_dict"], first.state_dict())
-        resumed, trainer, _, record = _lightning_run(6, fresh.path / "ckpts", True,
-                                                     ckpt_path=fresh.path / "ckpts" / "last.ckpt")
+        resumed, trainer, _, record = _lightning_run(
+            6, fresh.path / "ckpts", True, ckpt_path=fresh.path / "ckpts" / "last.ckpt"
+        )
         assert record.start_epoch == 4 and record.batches == 8 and trainer.global_step == 24
         assert_same_tensors(resumed.state_dict(), reference.state_dict())  # as if it never stopped
         fresh.sync()  # the callback's state came back with the checkpoint: it rotates the old files out
@@ -504,8 +589,12 @@ def _accelerate_job(project_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(
-        project_dir=str(project_dir), automatic_checkpoint_naming=True, total_limit=2))
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=str(project_dir), automatic_checkpoint_naming=True, total_limit=2
+        ),
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -530,8 +619,13 @@ def test_accelerate_save_state_and_load_state(store, mount_factory, restart, fre
         m.sync()
         files = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}
         assert store.keys() == {f"project/checkpoints/checkpoint_{n}/{f}" for n in (1, 2) for f in files}
-        checkpoints_then_gc(m, store, "project/checkpoints", "project/checkpoints/checkpoint_2",
-                            older={"project/checkpoints/checkpoint_1"})
+        checkpoints_then_gc(
+            m,
+            store,
+            "project/checkpoints",
+            "project/checkpoints/checkpoint_2",
+            older={"project/checkpoints/checkpoint_1"},
+        )
         m.stop()
 
         AcceleratorState._reset_state(True)  # a new job

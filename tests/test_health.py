@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ckptfs.health import StoreHealth, describe
+from ckptfs.store.health import StoreHealth, describe
 
 
 def test_failed_attempts_show_at_once_and_the_first_answer_clears_them():

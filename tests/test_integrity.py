@@ -10,7 +10,7 @@ import os
 import pytest
 import xxhash
 
-from ckptfs.integrity import Checksums, IntegrityError, manifest_key
+from ckptfs.objects.integrity import Checksums, IntegrityError, manifest_key
 from tests.faultproxy import Rule, corrupt_request_body, corrupt_response_body
 from tests.mounting import ckptfs
 
@@ -47,31 +47,38 @@ def manifests(client, bucket: str) -> dict[str, bytes]:
     out = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for o in page.get("Contents", []):
-            out[o["Key"][len(prefix):]] = client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+            out[o["Key"][len(prefix) :]] = client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
     return out
 
 
 def assert_matches_its_manifest(client, bucket: str, key: str) -> Checksums:
     obj = client.get_object(Bucket=bucket, Key=f"{PREFIX}/{key}")
     data, meta = obj["Body"].read(), obj["Metadata"]
-    raw = client.get_object(Bucket=bucket, Key=f"{PREFIX}/{manifest_key(meta['ckptfs-upload'])}")["Body"].read()
+    raw = client.get_object(Bucket=bucket, Key=f"{PREFIX}/{manifest_key(meta['ckptfs-upload'])}")[
+        "Body"
+    ].read()
     checks = Checksums.from_manifest(raw, len(data))
     checks.check(0, data)
     assert checks.xxh3 == xxhash.xxh3_64_hexdigest(data)
     return checks
 
 
-def test_flipped_bytes_in_get_bodies_are_fetched_again_on_another_mount(s3_server, s3_bucket, proxy, client,
-                                                                        s3_mounts, tmp_path):
+def test_flipped_bytes_in_get_bodies_are_fetched_again_on_another_mount(
+    s3_server, s3_bucket, proxy, client, s3_mounts, tmp_path
+):
     """A cold read on a mount that did not write the files (the checksums come from the store:
     the manifest, the metadata): each GET whose body was bent is fetched again; right bytes."""
     data = files()
     save(s3_mounts, tmp_path / "w", s3_server.endpoint, data)
     assert len(manifests(client, s3_bucket)) == 1  # big.bin's; small.bin carries its xxh3 itself
     r = s3_mounts(tmp_path / "r", proxy.url)
-    rules = {name: proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=rf"/{name}$", count=2))
-             for name in data}
-    rules["manifest"] = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"/\.ckptfs-manifest/", count=1))
+    rules = {
+        name: proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=rf"/{name}$", count=2))
+        for name in data
+    }
+    rules["manifest"] = proxy.add_rule(
+        Rule(corrupt_response_body(), kind="get", path=r"/\.ckptfs-manifest/", count=1)
+    )
     for name, body in data.items():
         assert (r.path / name).read_bytes() == body
     assert [rule.hits for rule in rules.values()] == [2, 2, 1]
@@ -101,8 +108,9 @@ def test_flipped_bytes_in_get_bodies_are_fetched_again_on_the_writing_mount(prox
     assert status["fetched_bytes"] >= 16 * MiB
 
 
-def test_every_get_body_bent_fails_the_read_with_eio_never_wrong_bytes(s3_server, s3_bucket, proxy, client,
-                                                                       s3_mounts, tmp_path):
+def test_every_get_body_bent_fails_the_read_with_eio_never_wrong_bytes(
+    s3_server, s3_bucket, proxy, client, s3_mounts, tmp_path
+):
     data = files()
     save(s3_mounts, tmp_path / "w", s3_server.endpoint, data)
     r = s3_mounts(tmp_path / "r", proxy.url)
@@ -141,8 +149,9 @@ def test_an_object_damaged_in_the_store_reads_as_eio(s3_server, s3_bucket, clien
         assert f.read(MiB) == data["big.bin"][:MiB]
 
 
-def test_an_object_put_by_another_tool_reads_fine_and_says_unverified(s3_server, s3_bucket, client, s3_mounts,
-                                                                      tmp_path):
+def test_an_object_put_by_another_tool_reads_fine_and_says_unverified(
+    s3_server, s3_bucket, client, s3_mounts, tmp_path
+):
     foreign = {"foreign-big.bin": os.urandom(20 * MiB), "foreign-small.bin": os.urandom(1000)}
     for name, body in foreign.items():
         client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/{name}", Body=body)
@@ -161,8 +170,9 @@ def test_an_object_put_by_another_tool_reads_fine_and_says_unverified(s3_server,
     assert status["unverified_reads"] >= 2 and status["integrity_errors"] == []
 
 
-def test_a_part_bent_on_upload_is_sent_again_and_the_object_matches_its_manifest(s3_server, s3_bucket, proxy,
-                                                                                 client, s3_mounts, tmp_path):
+def test_a_part_bent_on_upload_is_sent_again_and_the_object_matches_its_manifest(
+    s3_server, s3_bucket, proxy, client, s3_mounts, tmp_path
+):
     """SigV4 (plain http) makes the server refuse the bent part; the manifest, written from the
     bytes before they left, matches what the store finally holds."""
     m = s3_mounts(tmp_path / "w", proxy.url)
@@ -223,7 +233,9 @@ def test_request_cost_per_file(s3_server, s3_bucket, proxy, s3_mounts, tmp_path)
     for name, body in data.items():
         (w.path / name).write_bytes(body)
     w.sync()
-    puts = [r for r in proxy.requests if r.kind == "put" and "manifest-sweep" not in r.path]  # (the daily sweep's stamp)
+    puts = [
+        r for r in proxy.requests if r.kind == "put" and "manifest-sweep" not in r.path
+    ]  # (the daily sweep's stamp)
     assert len(puts) == 2  # small.bin and big.bin's manifest
     assert len([r for r in proxy.requests if r.kind == "put" and "ckptfs-manifest" in r.path]) == 1
     assert proxy.count(kind="upload_part") == 4 and proxy.count(kind="complete_multipart") == 1
@@ -234,10 +246,17 @@ def test_request_cost_per_file(s3_server, s3_bucket, proxy, s3_mounts, tmp_path)
         assert (r.path / name).read_bytes() == body
     gets = [req.path for req in proxy.requests if req.kind == "get"]
     assert len([p for p in gets if "ckptfs-manifest" in p]) == 1  # big.bin's, once
-    assert len([p for p in gets if p.endswith("/big.bin")]) == 4 and len([p for p in gets if p.endswith("/small.bin")]) == 1
+    assert (
+        len([p for p in gets if p.endswith("/big.bin")]) == 4
+        and len([p for p in gets if p.endswith("/small.bin")]) == 1
+    )
     # One HEAD per file, the attribute read before its first lookup answers (docs/architecture.md,
     # "Where attributes live"); the checksums themselves cost none.
-    heads = sorted(req.path.rsplit("/", 1)[1] for req in proxy.requests if req.kind == "head" and req.path.endswith(".bin"))
+    heads = sorted(
+        req.path.rsplit("/", 1)[1]
+        for req in proxy.requests
+        if req.kind == "head" and req.path.endswith(".bin")
+    )
     assert heads == ["big.bin", "small.bin"], heads
 
     proxy.reset_counts()
@@ -251,7 +270,9 @@ def test_request_cost_per_file(s3_server, s3_bucket, proxy, s3_mounts, tmp_path)
     os.unlink(w.path / "small.bin")
     w.sync()
     heads = [req.path for req in proxy.requests if req.kind == "head" and req.path.endswith(".bin")]
-    assert heads == [f"/{s3_bucket}/{PREFIX}/moved.bin"]  # (small.bin is known to be too small for a manifest)
+    assert heads == [
+        f"/{s3_bucket}/{PREFIX}/moved.bin"
+    ]  # (small.bin is known to be too small for a manifest)
     deletes = [req.path for req in proxy.requests if req.kind == "delete"]
     assert len(deletes) == 3 and len([p for p in deletes if "ckptfs-manifest" in p]) == 1
 
@@ -260,7 +281,7 @@ def test_checksums_cover_whole_parts():
     """Unit: which range a block's check needs, and what a check refuses."""
     part = 8
     data = bytes(range(20))
-    hashes = [xxhash.xxh3_64_hexdigest(data[i:i + part]) for i in range(0, len(data), part)]
+    hashes = [xxhash.xxh3_64_hexdigest(data[i : i + part]) for i in range(0, len(data), part)]
     checks = Checksums(len(data), part, hashes, xxhash.xxh3_64_hexdigest(data), "j-1", "manifest")
     assert checks.span(8, 8) == (8, 8) and checks.span(16, 4) == (16, 4)  # block = part
     assert checks.span(4, 4) == (0, 8) and checks.span(6, 4) == (0, 16)  # smaller blocks: whole parts
@@ -277,4 +298,7 @@ def test_checksums_cover_whole_parts():
     whole = Checksums.whole_file(len(data), xxhash.xxh3_64_hexdigest(data))
     assert whole.span(8, 8) == (0, 20)
     whole.check(0, data)
-    assert not Checksums.unverified(20, "none").verified and Checksums.unverified(20, "none").span(8, 8) == (8, 8)
+    assert not Checksums.unverified(20, "none").verified and Checksums.unverified(20, "none").span(8, 8) == (
+        8,
+        8,
+    )

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from ckptfs.cache import DISK, RAM
-from ckptfs.journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
+from ckptfs.cache.arena import DISK, RAM
+from ckptfs.cache.journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
 
 ARENA = "arena-1"
 

@@ -29,17 +29,35 @@ PACKAGE = ROOT / "ckptfs"
 
 # Bottom first. A module may import modules of lower layers only (never its own layer or above).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves: no ckptfs imports", {"errors", "config", "background", "stats", "dcpmeta", "blocks",
-                                   "store.localfs", "single_flight", "model"}),
+    (
+        "leaves: no ckptfs imports",
+        {
+            "errors",
+            "config",
+            "background",
+            "stats",
+            "dcpmeta",
+            "blocks",
+            "store.localfs",
+            "single_flight",
+            "model",
+        },
+    ),
     ("the store interface", {"store.base"}),
-    ("files, figures, local-store files, the S3 connection", {"private", "logs", "limits", "health", "series",
-                                                            "metrics", "store.local_tree", "store.s3_client"}),
+    (
+        "files, figures, local-store files, the S3 connection",
+        {"private", "logs", "limits", "health", "series", "metrics", "store.local_tree", "store.s3_client"},
+    ),
     ("local-store and S3 uploads, cache arenas", {"store.local_multipart", "store.s3_multipart", "arena"}),
-    ("stores, part encoding, retry policies, cached contents", {"store.local", "store.s3", "compression", "retry",
-                                                                "contents"}),
+    (
+        "stores, part encoding, retry policies, cached contents",
+        {"store.local", "store.s3", "compression", "retry", "contents"},
+    ),
     ("store choice, the cache, checksums", {"store", "cache", "integrity"}),
-    ("cache users, admin targets and client", {"journal", "clean_index", "target", "control",
-                                                  "logical_store"}),
+    (
+        "cache users, admin targets and client",
+        {"journal", "clean_index", "target", "control", "logical_store"},
+    ),
     ("uploads' records, fetched ranges' checks", {"upload_tasks", "fetch_checks"}),
     ("uploads' parts and encoding", {"upload_parts", "upload_encoding"}),
     ("transfer", {"uploader", "fetcher", "prefill", "openers", "verify"}),
@@ -100,8 +118,10 @@ def imports(name: str) -> tuple[set[str], set[str]]:
                     outside.add(alias.name.split(".")[0])
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - (node.level - 1)]
-                ours_from(base + (node.module.split(".") if node.module else []), [a.name for a in node.names])
+                base = package[: len(package) - (node.level - 1)]
+                ours_from(
+                    base + (node.module.split(".") if node.module else []), [a.name for a in node.names]
+                )
             elif node.module == "ckptfs" or node.module.startswith("ckptfs."):
                 ours_from(node.module.split(".")[1:], [a.name for a in node.names])
             else:
@@ -116,14 +136,18 @@ def test_the_parser_sees_known_imports():
     assert {"namespace", "openers", "errors"} <= imports("fuse_ops")[0]
     assert "pyfuse3" in imports("fuse_ops")[1] and "boto3" in imports("store.s3_client")[1]
     assert {"store.s3_client", "store.s3_multipart"} <= imports("store.s3")[0]
-    assert {"control", "limits", "logs", "private", "store", "daemon"} <= imports("mount_cli")[0] | imports("control_cli")[0]
+    assert {"control", "limits", "logs", "private", "store", "daemon"} <= imports("mount_cli")[0] | imports(
+        "control_cli"
+    )[0]
     assert {"mount_cli", "control_cli", "catalog_cli", "verify_cli"} <= imports("cli")[0]
     assert {"store.local", "store.s3", "store.base"} <= imports("store")[0]
 
 
 def test_only_the_fuse_glue_and_the_daemon_import_pyfuse3():
     users = {name for name in MODULES if "pyfuse3" in imports(name)[1]}
-    assert users <= PYFUSE3_ALLOWED, f"pyfuse3 imported outside fuse_ops/daemon: {sorted(users - PYFUSE3_ALLOWED)}"
+    assert users <= PYFUSE3_ALLOWED, (
+        f"pyfuse3 imported outside fuse_ops/daemon: {sorted(users - PYFUSE3_ALLOWED)}"
+    )
 
 
 def test_only_the_s3_store_imports_boto3():
@@ -134,13 +158,16 @@ def test_only_the_s3_store_imports_boto3():
 def test_the_package_and_the_lower_layers_load_neither_at_import():
     """In a fresh interpreter: `import ckptfs`, the CLI and every module below the FUSE glue
     (bar the S3 store) load neither pyfuse3 nor an S3 library."""
-    light = sorted(name for name in MODULES
-                   if name and name != "__main__" and name not in S3_ALLOWED | PYFUSE3_ALLOWED)
-    code = ("import importlib, sys\n"
-            "import ckptfs\n"
-            f"for name in {light!r}:\n"
-            "    importlib.import_module('ckptfs.' + name)\n"
-            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(S3_LIBRARIES | {'pyfuse3'})!r})))\n")
+    light = sorted(
+        name for name in MODULES if name and name != "__main__" and name not in S3_ALLOWED | PYFUSE3_ALLOWED
+    )
+    code = (
+        "import importlib, sys\n"
+        "import ckptfs\n"
+        f"for name in {light!r}:\n"
+        "    importlib.import_module('ckptfs.' + name)\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(S3_LIBRARIES | {'pyfuse3'})!r})))\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"loaded at import: {done.stdout.strip()}"
@@ -148,22 +175,28 @@ def test_the_package_and_the_lower_layers_load_neither_at_import():
 
 def test_every_module_has_a_layer():
     unplaced = sorted(name for name in MODULES if name and name not in RANK)
-    assert not unplaced, (f"place {unplaced} in a layer of tests/test_layering.py LAYERS "
-                          "(and in docs/architecture.md's diagram)")
+    assert not unplaced, (
+        f"place {unplaced} in a layer of tests/test_layering.py LAYERS "
+        "(and in docs/architecture.md's diagram)"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(name for name in MODULES if name in RANK))
 def test_imports_go_down_the_layers(name):
     upward = sorted(target for target in imports(name)[0] if target in RANK and RANK[target] >= RANK[name])
-    assert not upward, (f"ckptfs/{name.replace('.', '/')} ({LAYERS[RANK[name]][0]}) imports "
-                        + ", ".join(f"{t} ({LAYERS[RANK[t]][0]})" for t in upward)
-                        + ": only lower layers may be imported")
+    assert not upward, (
+        f"ckptfs/{name.replace('.', '/')} ({LAYERS[RANK[name]][0]}) imports "
+        + ", ".join(f"{t} ({LAYERS[RANK[t]][0]})" for t in upward)
+        + ": only lower layers may be imported"
+    )
 
 
 def test_the_command_line_starts_without_trio_or_numpy():
-    """Every `ckptfs` command pays for what `import ckptfs.cli` loads (the tests call it hundreds
+    """Every `ckptfs` command pays for what `import ckptfs.cli.main` loads (the tests call it hundreds
     of times): the event loop and numpy load only in the commands that use them."""
-    code = "import sys, ckptfs.cli\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'trio', 'numpy'}))\n"
+    code = (
+        "import sys, ckptfs.cli\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'trio', 'numpy'}))\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"loaded by the CLI at import: {done.stdout.strip()}"

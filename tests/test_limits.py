@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import limits
-from ckptfs.cache import DISK, RAM, Cache
+from ckptfs.cache.arena import DISK, RAM
+from ckptfs.cache.cache import Cache
 from ckptfs.config import MiB, MountConfig
+from ckptfs.daemon import limits
 from tests.conftest import LocalStoreView
 from tests.harness import assert_one_line_error, run_cli
 from tests.mounting import Mount
@@ -128,7 +129,8 @@ def test_a_full_tmpfs_is_an_errno_not_a_signal(tmp_path, small_shm, caplog):
         assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
             f"the RAM tier's filesystem ({ram.path.parent}) cannot hold more (No space left on device): RAM tier "
             "shrunk from 32 MiB to 16 MiB for this mount; the rest goes to the disk tier (free space there, "
-            "or remount with a smaller --ram-cache or another --shm-dir)"]
+            "or remount with a smaller --ram-cache or another --shm-dir)"
+        ]
         for ref in (first, second, third):
             c.decref(ref)
         assert sorted(ram.free) == sorted([first[1], ahead])  # the backed slots stay in use
@@ -151,23 +153,33 @@ def test_no_ram_tier(tmp_path, own_shm, mount_factory):
 # -- flags checked against the machine -------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags, needles", [
-    (["--cache-size", "0"], ["--cache-size 0 bytes", "cannot hold one part"]),
-    (["--ram-cache", "1MiB"], ["--ram-cache 1 MiB", "cannot hold one part", "0 for no RAM tier"]),
-    (["--ram-cache", "1PiB"], ["--ram-cache 1 PiB", "more than this machine's RAM"]),
-    (["--cache-size", "1EiB"], ["--cache-size 1 EiB", "more than the whole filesystem"]),
-    (["--upload-concurrency", "100000"], ["--upload-concurrency 100000 is too many", "at most 64"]),
-    (["--part-size", "6GiB"], ["--part-size 6 GiB is out of range"]),
-    (["--part-size", "1KiB"], ["--part-size 1 KiB is out of range"]),
-    (["--part-size", "5GiB", "--upload-concurrency", "64", "--ram-cache", "5GiB"],
-     ["--upload-concurrency 64 x --part-size 5 GiB = 320 GiB", "lower --part-size or --upload-concurrency"]),
-    (["--shm-dir", "/nonexistent/shm"], ["--shm-dir /nonexistent/shm does not exist"]),
-])
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--cache-size", "0"], ["--cache-size 0 bytes", "cannot hold one part"]),
+        (["--ram-cache", "1MiB"], ["--ram-cache 1 MiB", "cannot hold one part", "0 for no RAM tier"]),
+        (["--ram-cache", "1PiB"], ["--ram-cache 1 PiB", "more than this machine's RAM"]),
+        (["--cache-size", "1EiB"], ["--cache-size 1 EiB", "more than the whole filesystem"]),
+        (["--upload-concurrency", "100000"], ["--upload-concurrency 100000 is too many", "at most 64"]),
+        (["--part-size", "6GiB"], ["--part-size 6 GiB is out of range"]),
+        (["--part-size", "1KiB"], ["--part-size 1 KiB is out of range"]),
+        (
+            ["--part-size", "5GiB", "--upload-concurrency", "64", "--ram-cache", "5GiB"],
+            [
+                "--upload-concurrency 64 x --part-size 5 GiB = 320 GiB",
+                "lower --part-size or --upload-concurrency",
+            ],
+        ),
+        (["--shm-dir", "/nonexistent/shm"], ["--shm-dir /nonexistent/shm does not exist"]),
+    ],
+)
 def test_flag_limits(flags, needles, tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     started = time.monotonic()
-    done = run_cli("mount", f"file://{tmp_path / 'store'}", str(mnt), "--cache-dir", str(tmp_path / "cache"), *flags)
+    done = run_cli(
+        "mount", f"file://{tmp_path / 'store'}", str(mnt), "--cache-dir", str(tmp_path / "cache"), *flags
+    )
     assert_one_line_error(done, 2, *needles)
     assert time.monotonic() - started < 60  # refused by the command itself, not a daemon start-up timeout
     assert not (tmp_path / "cache").exists()  # no daemon was started
@@ -175,8 +187,14 @@ def test_flag_limits(flags, needles, tmp_path):
 
 def test_limits_scale_with_the_machine(monkeypatch, tmp_path):
     """The same flags pass or fail with the machine's RAM (a container's cgroup limit, say)."""
-    config = MountConfig(mountpoint=str(tmp_path), store_url="file:///x", cache_dir=str(tmp_path / "c"),
-                         ram_cache=2 << 30, part_size=64 * MiB, upload_concurrency=16)
+    config = MountConfig(
+        mountpoint=str(tmp_path),
+        store_url="file:///x",
+        cache_dir=str(tmp_path / "c"),
+        ram_cache=2 << 30,
+        part_size=64 * MiB,
+        upload_concurrency=16,
+    )
     monkeypatch.setattr(limits, "machine_memory", lambda: 64 << 30)
     limits.check(config)
     monkeypatch.setattr(limits, "machine_memory", lambda: 3 << 30)  # 1 GiB of bodies > 3 GiB / 4
@@ -195,17 +213,26 @@ def test_rss_stays_under_the_formula(tmp_path, own_shm, mount_factory):
     """Writing four times the RAM budget (and reading it back) keeps the daemon's peak RSS under
     --ram-cache + (2 x concurrency + 4) x part size + the fixed overhead (docs/architecture.md)."""
     ram, part, concurrency = 32 * MiB, 4 * MiB, 4
-    m = mount_factory("m", ram_cache=str(ram), cache_size="1GiB",
-                    extra=("--part-size", str(part), "--upload-concurrency", str(concurrency),
-                           "--shm-dir", str(own_shm))).start()
+    m = mount_factory(
+        "m",
+        ram_cache=str(ram),
+        cache_size="1GiB",
+        extra=("--part-size", str(part), "--upload-concurrency", str(concurrency), "--shm-dir", str(own_shm)),
+    ).start()
     data = os.urandom(4 * ram)
     for name in ("a", "b"):
         (m.path / name).write_bytes(data)
     m.sync()
     for name in ("a", "b"):
         assert (m.path / name).read_bytes() == data
-    config = MountConfig(mountpoint="", store_url="", cache_dir="", ram_cache=ram, part_size=part,
-                         upload_concurrency=concurrency)
+    config = MountConfig(
+        mountpoint="",
+        store_url="",
+        cache_dir="",
+        ram_cache=ram,
+        part_size=part,
+        upload_concurrency=concurrency,
+    )
     peak = vm(m.pid, "VmHWM")
     assert peak <= limits.memory_bound(config), (peak, limits.memory_bound(config))
 
@@ -213,9 +240,11 @@ def test_rss_stays_under_the_formula(tmp_path, own_shm, mount_factory):
 def test_idle_rss_is_not_concurrency_times_part_size(tmp_path, own_shm, mount_factory):
     """Part buffers are made when first needed: 8 x 256 MiB would be 2 GiB of zeros up front."""
     part, concurrency = 256 * MiB, 8
-    m = mount_factory("m", ram_cache=str(part),
-                    extra=("--part-size", str(part), "--upload-concurrency", str(concurrency),
-                           "--shm-dir", str(own_shm))).start()
+    m = mount_factory(
+        "m",
+        ram_cache=str(part),
+        extra=("--part-size", str(part), "--upload-concurrency", str(concurrency), "--shm-dir", str(own_shm)),
+    ).start()
     (m.path / "small").write_bytes(b"x" * 4096)  # a small file: no part buffer
     m.sync()
     # (RssShmem is the RAM tier: the populate thread gives the next save's slot its pages.)

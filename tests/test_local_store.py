@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import logging
 import fcntl
+import logging
 import os
 import random
 import shutil
@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.store import NotFound, PartInfo, StoreError
+from ckptfs.errors import NotFound, StoreError
 from ckptfs.store import localfs
-from ckptfs.store.local import TMP_DIR, LocalStore
+from ckptfs.store.base import PartInfo
+from ckptfs.store.local import LocalStore
+from ckptfs.store.local_tree import TMP_DIR
 from tests.harness import blob
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -55,7 +57,9 @@ def _upload_dir(object_store: LocalStore, uid: str) -> Path:
     return object_store.root / TMP_DIR / "uploads" / uid
 
 
-def _upload(object_store: LocalStore, key: str, uid: str, blobs: dict[int, bytes], order, threads: int = 1) -> dict:
+def _upload(
+    object_store: LocalStore, key: str, uid: str, blobs: dict[int, bytes], order, threads: int = 1
+) -> dict:
     with ThreadPoolExecutor(threads) as pool:
         return dict(zip(order, pool.map(lambda n: object_store.upload_part(key, uid, n, blobs[n]), order)))
 
@@ -137,6 +141,7 @@ def test_failed_completion_wipes_the_parts_it_left_out(object_store):
     _complete(object_store, key, uid, infos)
     assert object_store.get_range(key, 0, 4 * MiB) == blobs[1] + blobs[2] + blobs[3]
 
+
 def test_identical_retry_writes_nothing(object_store, monkeypatch):
     uid = object_store.create_multipart("r.bin")
     first = object_store.upload_part("r.bin", uid, 1, blob(MiB, 1))
@@ -204,7 +209,10 @@ def test_failed_reupload_leaves_no_record_over_changed_bytes(object_store, monke
 def test_torn_record_reads_as_not_uploaded(object_store):
     key = "torn.bin"
     uid = object_store.create_multipart(key)
-    i1, i2 = object_store.upload_part(key, uid, 1, blob(MiB, 1)), object_store.upload_part(key, uid, 2, b"end")
+    i1, i2 = (
+        object_store.upload_part(key, uid, 1, blob(MiB, 1)),
+        object_store.upload_part(key, uid, 2, b"end"),
+    )
     with open(_upload_dir(object_store, uid) / "index", "r+b") as index:
         index.seek(2 * 64 + 9)
         index.write(b"\xff\x00")  # a record half written when the machine went down
@@ -232,9 +240,13 @@ def test_killed_mid_upload_completes_later_or_aborts(tmp_path, kill_after):
     writer = LocalStore(tmp_path / "store")
     writer.check()
     uid = writer.create_multipart(key)
-    child = subprocess.Popen([sys.executable, "-c", _WRITER, str(writer.root), key, uid],
-                             stdout=subprocess.PIPE, text=True, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(writer.root), key, uid],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     stored = {}
     try:
         for line in child.stdout:
@@ -253,8 +265,7 @@ def test_killed_mid_upload_completes_later_or_aborts(tmp_path, kill_after):
     blobs[41] = b"tail"
     infos = {n: later.upload_part(key, uid, n, blobs[n]) for n in blobs if n not in stored}
     assert all(infos[n].token for n in infos)
-    parts = sorted([*infos.values(), *(PartInfo(n, t) for n, t in stored.items())],
-                   key=lambda p: p.number)
+    parts = sorted([*infos.values(), *(PartInfo(n, t) for n, t in stored.items())], key=lambda p: p.number)
     if kill_after == 7:
         later.abort_multipart(key, uid)
         assert later.list_multipart() == [] and os.listdir(later.root / TMP_DIR / "uploads") == []
@@ -378,8 +389,10 @@ def test_listings_skip_links_with_one_warning_each(object_store, planted, caplog
         assert object_store.list_dir("sub/").dirs == [] and object_store.list_dir("sub/").files == []
     warned = [r.getMessage() for r in caplog.records if "symbolic link" in r.getMessage()]
     root = object_store.root
-    assert sorted(warned) == sorted(f"local store {root}: {key!r} is a symbolic link: not shown, never followed"
-                                    for key in ("secret.bin", "outdir", "sub/parent"))
+    assert sorted(warned) == sorted(
+        f"local store {root}: {key!r} is a symbolic link: not shown, never followed"
+        for key in ("secret.bin", "outdir", "sub/parent")
+    )
 
 
 def test_writes_never_land_outside(object_store, planted):
@@ -406,7 +419,9 @@ def test_writes_never_land_outside(object_store, planted):
     assert object_store.get_range("secret.bin", 0, 10) == b"mine"
     uid = object_store.create_multipart("secret2.bin")
     os.symlink(planted / "secret.bin", object_store.root / "secret2.bin")
-    object_store.complete_multipart("secret2.bin", uid, [object_store.upload_part("secret2.bin", uid, 1, b"mine too")])
+    object_store.complete_multipart(
+        "secret2.bin", uid, [object_store.upload_part("secret2.bin", uid, 1, b"mine too")]
+    )
     assert object_store.get_range("secret2.bin", 0, 10) == b"mine too"
     _outside_untouched(planted)
 
@@ -446,8 +461,11 @@ def test_a_linked_temp_dir_is_refused(object_store, planted):
     with pytest.raises(StoreError, match="symbolic link") as exc:
         fresh.check()
     assert exc.value.errno == errno.ELOOP
-    for call in (lambda: fresh.put("a.bin", b"x"), lambda: fresh.create_multipart("a.bin"),
-                 lambda: fresh.copy("ok.bin", "b.bin")):
+    for call in (
+        lambda: fresh.put("a.bin", b"x"),
+        lambda: fresh.create_multipart("a.bin"),
+        lambda: fresh.copy("ok.bin", "b.bin"),
+    ):
         with pytest.raises(StoreError):
             call()
     assert fresh.list_multipart() == []

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ckptfs import integrity
+from ckptfs.objects import integrity
 from ckptfs.store.s3 import S3Store
 from tests.mounting import Mount
 
@@ -53,26 +53,38 @@ def manifest_names(client, bucket: str) -> set[str]:
 
 
 def test_orphans_are_collected_and_live_manifests_kept(s3_bucket, client, object_store, written):
-    ups = {name: upload_of(client, s3_bucket, name) for name in ("kept.bin", "overwritten.bin", "deleted.bin",
-                                                                 "renamed.bin")}
+    ups = {
+        name: upload_of(client, s3_bucket, name)
+        for name in ("kept.bin", "overwritten.bin", "deleted.bin", "renamed.bin")
+    }
     assert set(ups.values()) <= manifest_names(client, s3_bucket)
     # Behind ckptfs's back: an overwrite by another tool, a delete, a rename by server-side copy
     # (the copy keeps the metadata naming the manifest), and a leftover checksum probe.
     client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/overwritten.bin", Body=os.urandom(9 * MiB))
     client.delete_object(Bucket=s3_bucket, Key=f"{PREFIX}/deleted.bin")
-    client.copy_object(Bucket=s3_bucket, Key=f"{PREFIX}/a-new-name.bin",
-                       CopySource={"Bucket": s3_bucket, "Key": f"{PREFIX}/renamed.bin"}, MetadataDirective="COPY")
+    client.copy_object(
+        Bucket=s3_bucket,
+        Key=f"{PREFIX}/a-new-name.bin",
+        CopySource={"Bucket": s3_bucket, "Key": f"{PREFIX}/renamed.bin"},
+        MetadataDirective="COPY",
+    )
     client.delete_object(Bucket=s3_bucket, Key=f"{PREFIX}/renamed.bin")
-    client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/{integrity.MANIFEST_PREFIX}{integrity.PROBE_NAME}x", Body=b"")
+    client.put_object(
+        Bucket=s3_bucket, Key=f"{PREFIX}/{integrity.MANIFEST_PREFIX}{integrity.PROBE_NAME}x", Body=b""
+    )
 
     # Young manifests are never judged.
     assert integrity.orphan_manifests(object_store, time.time(), min_age=3600) == []
     # A sweep judges at most `limit` manifests (a random sample of the old ones).
     assert len(integrity.orphan_manifests(object_store, time.time() + 1, min_age=0, limit=1)) <= 1
     found = integrity.orphan_manifests(object_store, time.time() + 1, min_age=0)
-    assert sorted(found) == sorted([integrity.manifest_key(ups["overwritten.bin"]),
-                                    integrity.manifest_key(ups["deleted.bin"]),
-                                    integrity.MANIFEST_PREFIX + integrity.PROBE_NAME + "x"])
+    assert sorted(found) == sorted(
+        [
+            integrity.manifest_key(ups["overwritten.bin"]),
+            integrity.manifest_key(ups["deleted.bin"]),
+            integrity.MANIFEST_PREFIX + integrity.PROBE_NAME + "x",
+        ]
+    )
 
 
 def test_the_manifest_of_an_upload_that_may_still_complete_is_kept(s3_bucket, client, object_store, written):
@@ -85,7 +97,9 @@ def test_the_manifest_of_an_upload_that_may_still_complete_is_kept(s3_bucket, cl
     time.sleep(1.1)  # (deleted.bin's manifest, just written by the mount, is then older than the upload)
     upload = client.create_multipart_upload(Bucket=s3_bucket, Key=f"{PREFIX}/other-mount.bin")["UploadId"]
     time.sleep(1.1)  # (the server's times have one-second resolution)
-    object_store.put(orphan, integrity.Checksums(9 * MiB, 8 * MiB, ["0", "1"], "", "u", "manifest").to_manifest())
+    object_store.put(
+        orphan, integrity.Checksums(9 * MiB, 8 * MiB, ["0", "1"], "", "u", "manifest").to_manifest()
+    )
     deleted = integrity.manifest_key(upload_of_gone)
     # Kept while that upload may complete; deleted.bin's, written before the upload started, goes.
     assert integrity.orphan_manifests(object_store, time.time() + 1, min_age=0) == [deleted]
@@ -95,8 +109,9 @@ def test_the_manifest_of_an_upload_that_may_still_complete_is_kept(s3_bucket, cl
     assert len(found) == 2  # and deleted.bin's
 
 
-def test_a_mount_sweeps_at_most_once_a_day_over_all_mounts(s3_server, s3_bucket, client, object_store, written,
-                                                           tmp_path):
+def test_a_mount_sweeps_at_most_once_a_day_over_all_mounts(
+    s3_server, s3_bucket, client, object_store, written, tmp_path
+):
     """The mount in ``written`` swept at its start (the stamp is there); a second mount within the
     day does not, and the sweep never deleted a live manifest."""
     stamp = client.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{integrity.SWEEP_STAMP}")

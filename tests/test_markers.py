@@ -11,12 +11,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PLUGIN = '''
+PLUGIN = """
 def pytest_collection_finish(session):
     for item in session.items:
         marks = sorted(m for m in ("unit", "store", "e2e", "slow") if item.get_closest_marker(m))
         print("LAYERS", item.nodeid, ",".join(marks))
-'''
+"""
 
 EXPECTED = {
     "tests/test_store.py::test_put_get_head_with_metadata[local]": "unit",
@@ -38,12 +38,31 @@ EXPECTED = {
 def test_layers_are_assigned_from_what_each_test_reaches(tmp_path):
     (tmp_path / "layers_probe.py").write_text(PLUGIN)
     files = sorted({nodeid.split("::")[0] for nodeid in EXPECTED})
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "layers_probe",
-                           "--collect-only", *files], cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**_env(), "PYTHONPATH": str(tmp_path)})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "layers_probe",
+            "--collect-only",
+            *files,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**_env(), "PYTHONPATH": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    got = dict(line.removeprefix("LAYERS ").rsplit(" ", 1) for line in done.stdout.splitlines()
-               if line.startswith("LAYERS "))
+    got = dict(
+        line.removeprefix("LAYERS ").rsplit(" ", 1)
+        for line in done.stdout.splitlines()
+        if line.startswith("LAYERS ")
+    )
     assert {nodeid: got.get(nodeid) for nodeid in EXPECTED} == EXPECTED
     for nodeid, marks in got.items():  # a layer each; unit never with another layer
         layers = set(marks.split(",")) - {"slow"}

@@ -58,7 +58,14 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, reject, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from tests.harness import blob, proc_state
 from tests.mounting import CKPTFS, Mount, is_mounted, kill_daemon
@@ -109,8 +116,9 @@ class Spawner:
     holds the file (ckptfs/openers.py), a heuristic the model keeps out of its way."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _SPAWNER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SPAWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
 
     def run(self, argv: list[str], timeout: float) -> dict:
         self.proc.stdin.write(json.dumps({"argv": argv, "timeout": timeout}) + "\n")
@@ -165,8 +173,12 @@ class SpawnedMount(Mount):
     def cleanup(self) -> None:
         # A daemon that crashed may still be writing its traceback: let it finish first.
         deadline = time.monotonic() + 5
-        while self.pid is not None and is_mounted(self.path) is False and \
-                proc_state(self.pid) not in (None, "Z") and time.monotonic() < deadline:
+        while (
+            self.pid is not None
+            and is_mounted(self.path) is False
+            and proc_state(self.pid) not in (None, "Z")
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         if self.pid is not None and proc_state(self.pid) is None:
             self.pid = None  # gone (and reaped): its pid may be someone else's by now
@@ -222,11 +234,19 @@ blobs = st.builds(blob, sizes, st.integers(0, 2**32 - 1))
 
 def guarded(rule_fn):
     """A failure after the daemon died says so, with its log; a known crash discards the example."""
+
     @functools.wraps(rule_fn)
     def wrapper(self, *args, **kwargs):
-        self.trace.append(rule_fn.__name__ + "(" + ", ".join(
-            f"{k}={len(v)} bytes" if isinstance(v, bytes) else f"{k}={v!r}" for k, v in kwargs.items()
-            if k != "data") + ")")
+        self.trace.append(
+            rule_fn.__name__
+            + "("
+            + ", ".join(
+                f"{k}={len(v)} bytes" if isinstance(v, bytes) else f"{k}={v!r}"
+                for k, v in kwargs.items()
+                if k != "data"
+            )
+            + ")"
+        )
         try:
             return rule_fn(self, *args, **kwargs)
         except (AssertionError, OSError) as exc:
@@ -234,13 +254,22 @@ def guarded(rule_fn):
             if why is None:
                 # (a failure hypothesis may not replay: timing. Say what led to it, and what the daemon logged)
                 log = self.m.cache_dir / "ckptfs.log" if self.m is not None else None
-                tail = log.read_text(errors="replace").splitlines()[-40:] if log is not None and log.exists() else []
-                raise type(exc)(f"{exc}\nthe machine's last steps:\n  " + "\n  ".join(self.trace) +
-                                "\nthe daemon's log ends with:\n" + "\n".join(tail)) from exc
+                tail = (
+                    log.read_text(errors="replace").splitlines()[-40:]
+                    if log is not None and log.exists()
+                    else []
+                )
+                raise type(exc)(
+                    f"{exc}\nthe machine's last steps:\n  "
+                    + "\n  ".join(self.trace)
+                    + "\nthe daemon's log ends with:\n"
+                    + "\n".join(tail)
+                ) from exc
             if KNOWN_CRASH in why and TOLERATE["daemon crash on a cancelled multipart upload"]:
                 SEEN["daemon crash on a cancelled multipart upload"] += 1
                 reject()
             raise AssertionError(f"the ckptfs daemon died; its log ends with:\n{why}") from exc
+
     return wrapper
 
 
@@ -262,12 +291,20 @@ class ModelMachine(RuleBasedStateMachine):
         self.m: SpawnedMount | None = None
 
     # -- set-up and tear-down --------------------------------------------------------------------
-    @initialize(part_size=st.sampled_from([16 * KiB, 64 * KiB, 1024 * KiB]), ram_slots=st.sampled_from([4, 512]))
+    @initialize(
+        part_size=st.sampled_from([16 * KiB, 64 * KiB, 1024 * KiB]), ram_slots=st.sampled_from([4, 512])
+    )
     def mount(self, part_size, ram_slots):
         store = self.workdir / "store"
         self.store_root = store
-        self.m = SpawnedMount(self.spawner, f"file://{store}", self.workdir, ram_cache=str(part_size * ram_slots),
-                              cache_size="1GiB", extra=("--part-size", str(part_size)))
+        self.m = SpawnedMount(
+            self.spawner,
+            f"file://{store}",
+            self.workdir,
+            ram_cache=str(part_size * ram_slots),
+            cache_size="1GiB",
+            extra=("--part-size", str(part_size)),
+        )
         self.m.start()
 
     def teardown(self):
@@ -320,7 +357,9 @@ class ModelMachine(RuleBasedStateMachine):
                 self.detach(child)
 
     def commit(self, node: MFile, data: bytes) -> None:
-        self.trace.append(f"  commits {'/'.join(next((p for p, n in self.files() if n is node), ('?',)))}: {len(data)} bytes")
+        self.trace.append(
+            f"  commits {'/'.join(next((p for p, n in self.files() if n is node), ('?',)))}: {len(data)} bytes"
+        )
         node.committed = bytes(data)
         node.commit_event = next(self.events)
         node.history.append(node.committed)
@@ -330,7 +369,9 @@ class ModelMachine(RuleBasedStateMachine):
         try:
             result = fn(*args)
         except OSError as exc:
-            assert exc.errno == errno_, f"{fn.__name__}{args}: expected {errno.errorcode.get(errno_, 'success')}, got {exc!r}"
+            assert exc.errno == errno_, (
+                f"{fn.__name__}{args}: expected {errno.errorcode.get(errno_, 'success')}, got {exc!r}"
+            )
             return None
         assert errno_ is None, f"{fn.__name__}{args}: expected {errno.errorcode[errno_]}, it succeeded"
         return result
@@ -376,16 +417,24 @@ class ModelMachine(RuleBasedStateMachine):
             return
         self.step()
         path, node = data.draw(st.sampled_from(files), label="file")
-        flags = {"w": os.O_WRONLY, "rw": os.O_RDWR, "append": os.O_WRONLY | os.O_APPEND,
-                 "trunc": os.O_WRONLY | os.O_TRUNC}[mode]
+        flags = {
+            "w": os.O_WRONLY,
+            "rw": os.O_RDWR,
+            "append": os.O_WRONLY | os.O_APPEND,
+            "trunc": os.O_WRONLY | os.O_TRUNC,
+        }[mode]
         fd = os.open(self.real(path), flags)
         h = MHandle(next(self.hids), fd, node, append=mode == "append", readable=mode == "rw")
         self.handles[h.id] = h
         node.open_writer(h.id, mode == "trunc", self.working_ids)
 
     @precondition(lambda self: self.handles)
-    @rule(data=st.data(), op=st.sampled_from(["write", "close", "fsync", "write", "ftruncate", "read_handle", "write",
-                                              "mmap_write"]))
+    @rule(
+        data=st.data(),
+        op=st.sampled_from(
+            ["write", "close", "fsync", "write", "ftruncate", "read_handle", "write", "mmap_write"]
+        ),
+    )
     @guarded
     def handle_op(self, data, op):
         """One operation on an open handle (one rule, so handles get as much use as names)."""
@@ -406,7 +455,7 @@ class ModelMachine(RuleBasedStateMachine):
             offset = len(working)
         if offset > len(working):
             working.extend(bytes(offset - len(working)))
-        working[offset:offset + len(content)] = content
+        working[offset : offset + len(content)] = content
         h.node.dirty = True
 
     def read_handle(self, data):
@@ -417,8 +466,9 @@ class ModelMachine(RuleBasedStateMachine):
         offset = data.draw(st.integers(0, len(working) + 10), label="offset")
         size = data.draw(st.integers(0, 300 * KiB), label="size")
         got = os.pread(h.fd, size, offset)
-        assert got == bytes(working[offset:offset + size]), \
+        assert got == bytes(working[offset : offset + size]), (
             f"pread({size} at {offset}) through a writer reads {len(got)} bytes that differ from the working copy"
+        )
 
     def mmap_write(self, data):
         """Through a MAP_SHARED map of a read-write descriptor: bytes written into the map and
@@ -438,12 +488,14 @@ class ModelMachine(RuleBasedStateMachine):
         os.pread(h.fd, len(working), 0)
         mapped = mmap.mmap(h.fd, len(working), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
-            assert mapped[:] == bytes(working), "a shared map of a writer shows other bytes than the working copy"
-            mapped[offset:offset + len(content)] = content
+            assert mapped[:] == bytes(working), (
+                "a shared map of a writer shows other bytes than the working copy"
+            )
+            mapped[offset : offset + len(content)] = content
             mapped.flush()  # msync
         finally:
             mapped.close()
-        working[offset:offset + len(content)] = content
+        working[offset : offset + len(content)] = content
         node = h.node
         node.dirty = True
         if not node.unlinked:  # (as the fsync rule)
@@ -518,15 +570,17 @@ class ModelMachine(RuleBasedStateMachine):
             return
         self.step()
         src = data.draw(st.sampled_from(entries), label="src")
-        dst_parent = data.draw(st.sampled_from([d for d in self.dirs() if len(d) <= MAX_DEPTH]), label="dst parent")
+        dst_parent = data.draw(
+            st.sampled_from([d for d in self.dirs() if len(d) <= MAX_DEPTH]), label="dst parent"
+        )
         dst = dst_parent + (data.draw(st.sampled_from(NAMES), label="dst name"),)
         node, target = self.lookup(src), self.lookup(dst)
         is_dir = isinstance(node, dict)
         if src == dst:
             expected = None
-        elif dst[:len(src)] == src:  # into itself
+        elif dst[: len(src)] == src:  # into itself
             expected = errno.EINVAL
-        elif src[:len(dst)] == dst:  # onto an ancestor (not empty: it holds src)
+        elif src[: len(dst)] == dst:  # onto an ancestor (not empty: it holds src)
             expected = errno.ENOTEMPTY
         elif target is None:
             expected = None
@@ -606,8 +660,9 @@ class ModelMachine(RuleBasedStateMachine):
         allowed = {}
         for path, node in self.files():
             node.working, node.dirty, node.writers = None, False, set()
-            versions = ([(node.commit_event, node.committed)] if node.committed is not None else []) + \
-                sorted(node.snapshots.values())
+            versions = ([(node.commit_event, node.committed)] if node.committed is not None else []) + sorted(
+                node.snapshots.values()
+            )
             if not versions:
                 del self.parent(path)[path[-1]]  # created, never committed nor fsynced
                 continue
@@ -621,8 +676,10 @@ class ModelMachine(RuleBasedStateMachine):
             if got != newest and got in stale and TOLERATE["fsync snapshot overrides a later commit"]:
                 SEEN["fsync snapshot overrides a later commit"] += 1
             else:
-                assert got == newest, (f"after a {'kill' if kill else 'clean remount'}, {'/'.join(path)} reads "
-                                       f"{len(got)} bytes, expected its last commit or fsync ({len(newest)} bytes)")
+                assert got == newest, (
+                    f"after a {'kill' if kill else 'clean remount'}, {'/'.join(path)} reads "
+                    f"{len(got)} bytes, expected its last commit or fsync ({len(newest)} bytes)"
+                )
             node.committed, node.commit_event, node.snapshots = got, next(self.events), {}
             node.history.append(got)
         self.adopt_ghosts(kill)
@@ -635,11 +692,15 @@ class ModelMachine(RuleBasedStateMachine):
             rel = Path(dirpath).relative_to(self.m.path).parts
             for f in filenames:
                 path, key = rel + (f,), "/".join(rel + (f,))
-                if self.lookup(path) is not None or not TOLERATE["a file replaced by a never-committed one comes back"]:
+                if (
+                    self.lookup(path) is not None
+                    or not TOLERATE["a file replaced by a never-committed one comes back"]
+                ):
                     continue
                 got = self.read_file(path)[1]
-                assert got in self.ghosts.get(key, ()), \
+                assert got in self.ghosts.get(key, ()), (
                     f"after a {'kill' if kill else 'clean remount'}, {key} appeared ({len(got)} bytes)"
+                )
                 SEEN["a file replaced by a never-committed one comes back"] += 1
                 parent = self.tree
                 for name in rel:  # its directories come back with it if they were gone
@@ -662,10 +723,14 @@ class ModelMachine(RuleBasedStateMachine):
                 stored[key] = Path(dirpath, f).read_bytes()
         expected = {"/".join(p): n.committed for p, n in self.files() if n.committed is not None}
         for key in stored.keys() - expected.keys():
-            if stored[key] in self.ghosts.get(key, ()) and TOLERATE["a file replaced by a never-committed one comes back"]:
+            if (
+                stored[key] in self.ghosts.get(key, ())
+                and TOLERATE["a file replaced by a never-committed one comes back"]
+            ):
                 expected[key] = stored[key]
-        assert stored.keys() == expected.keys(), \
+        assert stored.keys() == expected.keys(), (
             f"store keys: only in the store {sorted(stored.keys() - expected.keys())}, missing {sorted(expected.keys() - stored.keys())}"
+        )
         for key, data in expected.items():
             assert stored[key] == data, f"the store's {key} differs from the committed content"
 
@@ -686,7 +751,11 @@ class ModelMachine(RuleBasedStateMachine):
                     chunks.append(chunk)
                 return size, b"".join(chunks)
             except OSError as exc:
-                if exc.errno != errno.EIO or attempt == 2 or not TOLERATE["EIO from a read racing the move of a rename"]:
+                if (
+                    exc.errno != errno.EIO
+                    or attempt == 2
+                    or not TOLERATE["EIO from a read racing the move of a rename"]
+                ):
                     raise
                 SEEN["EIO from a read racing the move of a rename"] += 1
                 time.sleep(0.5)
@@ -701,23 +770,37 @@ class ModelMachine(RuleBasedStateMachine):
             seen_files |= {rel + (f,) for f in filenames}
         want_dirs = {p for p in self.dirs() if p}
         want_files = {p for p, _ in self.files()}
-        assert seen_dirs == want_dirs, f"directories: extra {sorted(seen_dirs - want_dirs)}, missing {sorted(want_dirs - seen_dirs)}"
-        assert seen_files == want_files, f"files: extra {sorted(seen_files - want_files)}, missing {sorted(want_files - seen_files)}"
+        assert seen_dirs == want_dirs, (
+            f"directories: extra {sorted(seen_dirs - want_dirs)}, missing {sorted(want_dirs - seen_dirs)}"
+        )
+        assert seen_files == want_files, (
+            f"files: extra {sorted(seen_files - want_files)}, missing {sorted(want_files - seen_files)}"
+        )
         for path, node in self.files():
             want = node.visible()
             what = "working copy" if node.working is not None else "committed version"
             size, got = self.read_file(path)
-            assert got == want, (f"{'/'.join(path)}: a fresh reader gets {len(got)} bytes, the {what} "
-                                 f"has {len(want)}" + (" (they differ)" if len(got) == len(want) else ""))
+            assert got == want, (
+                f"{'/'.join(path)}: a fresh reader gets {len(got)} bytes, the {what} "
+                f"has {len(want)}" + (" (they differ)" if len(got) == len(want) else "")
+            )
             assert size == len(want), f"{'/'.join(path)}: st_size {size}, the {what} has {len(want)}"
         for h in self.handles.values():  # the size through every open descriptor
             want = len(h.node.visible())
-            assert os.fstat(h.fd).st_size == want, f"fstat through an open writer: {os.fstat(h.fd).st_size}, want {want}"
+            assert os.fstat(h.fd).st_size == want, (
+                f"fstat through an open writer: {os.fstat(h.fd).st_size}, want {want}"
+            )
             assert os.lseek(h.fd, 0, os.SEEK_END) == want, "lseek(SEEK_END) through an open writer"
 
 
-SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
-                    suppress_health_check=list(HealthCheck), print_blob=True)
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
 
 
 @pytest.mark.timeout(3600 if LONG else 900)
@@ -736,8 +819,10 @@ def test_model(tmp_path, capsys):
     known = ", ".join(f"{k}: {v}" for k, v in SEEN.items()) or "none"
     ops = ", ".join(f"{v} {k}" for k, v in DONE.most_common())
     with capsys.disabled():
-        print(f"\nmodel: {next(runs)} runs of up to {STEPS} steps in {time.monotonic() - started:.0f} s ({ops}); "
-              f"known-bug symptoms tolerated: {known}")
+        print(
+            f"\nmodel: {next(runs)} runs of up to {STEPS} steps in {time.monotonic() - started:.0f} s ({ops}); "
+            f"known-bug symptoms tolerated: {known}"
+        )
 
 
 # -- minimal reproductions of bugs the machine found ------------------------------------------------

@@ -16,16 +16,34 @@ import time
 import pytest
 import trio
 
-from ckptfs import retry
-from ckptfs.cache import DISK, RAM
-from ckptfs.model.tree import Tree
-from ckptfs.namespace import RENAME_NOREPLACE, ROOT_INODE, Namespace
+from ckptfs.cache.arena import DISK, RAM
+from ckptfs.model.namespace import Namespace
+from ckptfs.model.tree import RENAME_NOREPLACE, ROOT_INODE, Tree
 from ckptfs.store.base import ObjectInfo
+from ckptfs.transfer import retry
 from tests.faults import FaultyStore
 from tests.harness import blob, trio_test
-from tests.inprocess import (BS, GID, RDWR, UID, WRITE, aerr, assert_xxh3, create, err, ino, mkdirs, mounted, names,
-                             read_all, read_in_pieces, store_files, store_keys, sync, write_blocks)
-
+from tests.inprocess import (
+    BS,
+    GID,
+    RDWR,
+    UID,
+    WRITE,
+    aerr,
+    assert_xxh3,
+    create,
+    err,
+    ino,
+    mkdirs,
+    mounted,
+    names,
+    read_all,
+    read_in_pieces,
+    store_files,
+    store_keys,
+    sync,
+    write_blocks,
+)
 
 # -- commit on flush --------------------------------------------------------------------------------------
 
@@ -234,17 +252,22 @@ async def test_rename_of_a_pending_file_retargets_its_upload(tmp_path, local):
     assert_xxh3(local, "big.bin", big)
 
 
-@pytest.mark.parametrize("durable, first_rename, expected", [
-    # a pending move of another file to the name: it was published after the retargeted put
-    # and left the other file under the name
-    ("y", ("y", "a"), {"a": "x"}),
-    # a pending move of the file that had the name away (the model run's "committed file
-    # missing from the store"): published after the retargeted put, it took the new file along
-    ("a", ("a", "z"), {"a": "x", "z": "durable"}),
-], ids=["a-move-there", "a-move-away"])
+@pytest.mark.parametrize(
+    "durable, first_rename, expected",
+    [
+        # a pending move of another file to the name: it was published after the retargeted put
+        # and left the other file under the name
+        ("y", ("y", "a"), {"a": "x"}),
+        # a pending move of the file that had the name away (the model run's "committed file
+        # missing from the store"): published after the retargeted put, it took the new file along
+        ("a", ("a", "z"), {"a": "x", "z": "durable"}),
+    ],
+    ids=["a-move-there", "a-move-away"],
+)
 @trio_test
-async def test_rename_of_a_pending_file_to_a_name_a_later_pending_move_touches(tmp_path, local, durable,
-                                                                              first_rename, expected):
+async def test_rename_of_a_pending_file_to_a_name_a_later_pending_move_touches(
+    tmp_path, local, durable, first_rename, expected
+):
     """Was a bug (found reading the code after the long model run): the pending put was
     retargeted to a key that a later pending op writes or moves away."""
     store = FaultyStore(local)
@@ -445,8 +468,16 @@ def test_load_builds_the_tree_and_hides_unsafe_keys(tmp_path, local):
     for key, data in files.items():
         local.put(key, data)
     local.put("empty/nested/", b"")  # directory markers
-    unsafe = ["../x", "/abs", "a//b", "a/./b", "p/" + "z" * 300, ".ckptfs-tmp/junk", "ok/../../etc",
-              "q" * 1025]
+    unsafe = [
+        "../x",
+        "/abs",
+        "a//b",
+        "a/./b",
+        "p/" + "z" * 300,
+        ".ckptfs-tmp/junk",
+        "ok/../../etc",
+        "q" * 1025,
+    ]
     listing = list(local.list(""))
     listing += [ObjectInfo(k, 1, 0.0) for k in unsafe]
     listing += [ObjectInfo("top.bin/inside", 5, 0.0)]  # clashes with the file top.bin
@@ -543,8 +574,13 @@ def test_replay_of_pending_ops_over_the_listing(tmp_path, local):
             assert await read_all(ns, "moved.bin") == old
 
     trio.run(second_life)
-    assert store_files(local) == {"new.bin": new, "moved.bin": old, "nd/inner.bin": inner,
-                                  "final.bin": b"final", "keep/k.bin": b"k"}
+    assert store_files(local) == {
+        "new.bin": new,
+        "moved.bin": old,
+        "nd/inner.bin": inner,
+        "final.bin": b"final",
+        "keep/k.bin": b"k",
+    }
     assert "nd/empty/" in store_keys(local)
     assert_xxh3(local, "new.bin", new)
     assert local.list_multipart() == []
@@ -659,8 +695,11 @@ async def test_overwrites_while_uploads_stream_leave_the_last_version(tmp_path, 
     async with mounted(tmp_path, store) as m:
         for i in range(20):
             data = blob(3 * BS + i, i)
-            handle, *_ = await m.ns.open(ino(m.ns, "latest.pt"), WRITE | os.O_TRUNC) if i else \
-                (m.ns.create(ROOT_INODE, "latest.pt", 0o644, WRITE, UID, GID)[0],)
+            handle, *_ = (
+                await m.ns.open(ino(m.ns, "latest.pt"), WRITE | os.O_TRUNC)
+                if i
+                else (m.ns.create(ROOT_INODE, "latest.pt", 0o644, WRITE, UID, GID)[0],)
+            )
             await write_blocks(m.ns, handle.fh, data)
             m.ns.flush(handle.fh)
             m.ns.release(handle.fh)
@@ -698,7 +737,9 @@ async def test_writers_larger_than_the_cache_flow_at_the_upload_rate(tmp_path, l
             m.ns.flush(handle.fh)
             m.ns.release(handle.fh)
         for name, data in files.items():  # readers wait for the evicted parts to be in the store
-            assert await read_in_pieces(m.ns, name) == data  # (as the kernel reads: a file larger than the cache)
+            assert (
+                await read_in_pieces(m.ns, name) == data
+            )  # (as the kernel reads: a file larger than the cache)
         await sync(m)
         assert store_files(store) == files
         assert local.list_multipart() == []

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckptfs.openers import INLINE_FDS, Openers
+from ckptfs.fuse.openers import INLINE_FDS, Openers
 
 
 def mountpoint_of(path: Path) -> str:
@@ -135,7 +135,7 @@ def test_a_mountpoint_not_mounted_commits_and_warns_once(tmp_path, target, caplo
     openers = Openers(str(tmp_path / "not-a-mount"))
     fd = os.open(target, os.O_WRONLY)
     try:
-        with caplog.at_level(logging.WARNING, logger="ckptfs.openers"):
+        with caplog.at_level(logging.WARNING, logger="ckptfs.fuse.openers"):
             for fh in (1, 2):
                 openers.opened(fh, target.stat().st_ino, os.getpid(), os.O_WRONLY)
                 assert may_commit(openers, fh)

@@ -53,11 +53,15 @@ def test_umount_with_the_store_down_gives_up_after_its_timeout_and_loses_nothing
     assert done.returncode != 0
     assert took < 4 + 15, f"umount --timeout 4 took {took:.1f} s"
     message = done.stderr.strip()
-    print(f"\numount --timeout 4 with the store blackholed: exit {done.returncode} after {took:.1f} s: {message}")
+    print(
+        f"\numount --timeout 4 with the store blackholed: exit {done.returncode} after {took:.1f} s: {message}"
+    )
     assert len(message.splitlines()) == 1 and "Traceback" not in message, message
     assert "gave up after 4 s" in message and "2 files" in message, message
     assert "--no-wait" in message and "resume at the next mount" in message, message
-    assert "store: not answering" in message or "store: unreachable" in message or "store: ok" in message, message
+    assert "store: not answering" in message or "store: unreachable" in message or "store: ok" in message, (
+        message
+    )
     assert is_mounted(m.path) and m.status()["pending"]["files"] == 2  # still serving: the caller decides
 
     started = time.monotonic()
@@ -180,7 +184,9 @@ def test_status_shows_store_trouble_from_the_first_failed_call(proxy, mount_fact
     state = wait_until(lambda: (s := m.status()["store_health"])["state"] != "ok" and s, 25)
     # "not answering": the upload's attempt has no answer for 10 s; "unreachable": the create's
     # lookup of hang.txt went to the store first (its listing had expired) and got no answer.
-    assert state and state["state"] in ("not answering", "unreachable") and "hang.txt" in state["reason"], state
+    assert state and state["state"] in ("not answering", "unreachable") and "hang.txt" in state["reason"], (
+        state
+    )
     print(f"\nblackholed call shown as {state['state']!r} after {time.monotonic() - first:.1f} s")
     proxy.remove_rule(rule)
 

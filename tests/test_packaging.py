@@ -51,7 +51,9 @@ def bin_dir(tmp_path) -> Path:
     directory = tmp_path / "bin"
     directory.mkdir()
     wrapper = directory / "ckptfs"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m ckptfs "$@"\n')
+    wrapper.write_text(
+        f'#!/bin/sh\nPYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m ckptfs "$@"\n'
+    )
     wrapper.chmod(0o755)
     return directory
 
@@ -68,8 +70,10 @@ def place(s3_bucket, proxy, tmp_path):
         source = f"s3://{s3_bucket}/{PREFIX}"
         mountpoint = mnt
         cache_dir = tmp_path / "cache"
-        options = (f"_netdev,nofail,cache_dir={tmp_path / 'cache'},ram_cache=64MiB,cache_size=512MiB,"
-                   f"endpoint_url={proxy.url},shm_dir={shm}")
+        options = (
+            f"_netdev,nofail,cache_dir={tmp_path / 'cache'},ram_cache=64MiB,cache_size=512MiB,"
+            f"endpoint_url={proxy.url},shm_dir={shm}"
+        )
 
     yield Place
     proxy.clear()
@@ -99,27 +103,52 @@ def check_mounted(place, bucket_read) -> None:
 
 
 def test_the_helper_called_as_mount8_calls_it(place, bin_dir, bucket_read):
-    done = subprocess.run([str(HELPER), place.source, str(place.mountpoint), "-o", "rw," + place.options],
-                          env=helper_env(bin_dir), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(HELPER), place.source, str(place.mountpoint), "-o", "rw," + place.options],
+        env=helper_env(bin_dir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     check_mounted(place, bucket_read)
     ckptfs("umount", str(place.mountpoint), timeout=120)
     assert not is_mounted(place.mountpoint)
 
     # Bad options: ckptfs's own one-line errors, passed through.
-    done = subprocess.run([str(HELPER), place.source, str(place.mountpoint), "-o", "ram_cache=lots"],
-                          env=helper_env(bin_dir), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [str(HELPER), place.source, str(place.mountpoint), "-o", "ram_cache=lots"],
+        env=helper_env(bin_dir),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "'lots' is not a size" in done.stderr and "Traceback" not in done.stderr
     # No ckptfs command to be found (mount(8) gives helpers no PATH): one line, not a traceback.
     env = {k: v for k, v in os.environ.items() if k not in ("PATH", "CKPTFS_COMMAND")}
-    done = subprocess.run([sys.executable, str(HELPER), place.source, str(place.mountpoint)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(HELPER), place.source, str(place.mountpoint)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if shutil.which("ckptfs", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin") is None:
-        assert done.returncode == 1 and done.stderr.startswith("mount.ckptfs: no ckptfs command in"), done.stderr
+        assert done.returncode == 1 and done.stderr.startswith("mount.ckptfs: no ckptfs command in"), (
+            done.stderr
+        )
         assert len(done.stderr.splitlines()) == 1
-    done = subprocess.run([sys.executable, str(HELPER), place.source, str(place.mountpoint)],
-                          env={**env, "CKPTFS_COMMAND": "/nonexistent/ckptfs"}, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and done.stderr == "mount.ckptfs: cannot run /nonexistent/ckptfs: No such file or directory\n"
+    done = subprocess.run(
+        [sys.executable, str(HELPER), place.source, str(place.mountpoint)],
+        env={**env, "CKPTFS_COMMAND": "/nonexistent/ckptfs"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        done.returncode == 1
+        and done.stderr == "mount.ckptfs: cannot run /nonexistent/ckptfs: No such file or directory\n"
+    )
 
 
 @pytest.fixture
@@ -139,8 +168,13 @@ def sbin_helper():
 
 def test_mount_t_ckptfs_and_an_fstab_line(place, sbin_helper, bin_dir, bucket_read, tmp_path):
     env = helper_env(bin_dir)
-    done = subprocess.run(["mount", "-t", "ckptfs", place.source, str(place.mountpoint), "-o", place.options],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["mount", "-t", "ckptfs", place.source, str(place.mountpoint), "-o", place.options],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     check_mounted(place, bucket_read)
     ckptfs("umount", str(place.mountpoint), timeout=120)
@@ -148,17 +182,26 @@ def test_mount_t_ckptfs_and_an_fstab_line(place, sbin_helper, bin_dir, bucket_re
     # The fstab line, with this test's bucket, paths and sizes.
     fstab = tmp_path / "fstab"
     fstab.write_text(f"# scratch fstab\n{place.source} {place.mountpoint} ckptfs {place.options} 0 0\n")
-    done = subprocess.run(["mount", "-T", str(fstab), str(place.mountpoint)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        ["mount", "-T", str(fstab), str(place.mountpoint)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     check_mounted(place, bucket_read)
     ckptfs("umount", str(place.mountpoint), timeout=120)
 
-    done = subprocess.run(["mount", "-a", "-T", str(fstab)], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["mount", "-a", "-T", str(fstab)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     check_mounted(place, bucket_read)
     # Mounted already: mount -a leaves it alone (the mount table's source is the store URL).
-    done = subprocess.run(["mount", "-a", "-T", str(fstab)], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["mount", "-a", "-T", str(fstab)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     ckptfs("umount", str(place.mountpoint), timeout=120)
     assert not is_mounted(place.mountpoint)
@@ -201,8 +244,11 @@ class Unit:
         self.env_file = env_dir / Path(env_file).name  # (a scratch directory, not /etc/ckptfs)
 
     def specifiers(self, text: str) -> str:
-        return re.sub(r"%[%if]", lambda m: {"%%": "%", "%i": self.instance,
-                                            "%f": systemd_unescape_path(self.instance)}[m[0]], text)
+        return re.sub(
+            r"%[%if]",
+            lambda m: {"%%": "%", "%i": self.instance, "%f": systemd_unescape_path(self.instance)}[m[0]],
+            text,
+        )
 
     def environment(self) -> dict[str, str]:
         env = {}
@@ -254,25 +300,33 @@ class Unit:
         argv, _ = self.command("ExecStart")
         self.journal = self.env_file.with_suffix(".journal")  # what systemd's journal would get
         with open(self.journal, "ab") as journal:
-            main = subprocess.Popen(argv, env=self.process_env(), stdout=journal, stderr=journal,
-                                    start_new_session=True)
+            main = subprocess.Popen(
+                argv, env=self.process_env(), stdout=journal, stderr=journal, start_new_session=True
+            )
         self.mains.append(main)
         deadline = time.monotonic() + 120
         while not (is_mounted(mountpoint) and ckptfs("status", str(mountpoint), check=False).returncode == 0):
-            assert main.poll() is None, f"ExecStart exited {main.returncode}: {self.journal.read_text()[-2000:]}"
+            assert main.poll() is None, (
+                f"ExecStart exited {main.returncode}: {self.journal.read_text()[-2000:]}"
+            )
             assert time.monotonic() < deadline, "the unit did not mount in 120 s"
             time.sleep(0.2)
         return main
 
 
-def test_the_systemd_unit_starts_drains_on_stop_and_resumes_after_a_crash(place, proxy, bin_dir, bucket_read,
-                                                                          tmp_path, request):
+def test_the_systemd_unit_starts_drains_on_stop_and_resumes_after_a_crash(
+    place, proxy, bin_dir, bucket_read, tmp_path, request
+):
     unit = Unit(UNIT, place.mountpoint, tmp_path, bin_dir)
     request.addfinalizer(unit.stop_mains)  # (what systemd does to a unit's processes when stop fails)
     assert unit.service["Type"] == "simple" and unit.service["Restart"] == "on-failure"
-    opts = (f"--endpoint-url {proxy.url} --cache-dir {place.cache_dir} --ram-cache 64MiB --cache-size 512MiB "
-            f"--shm-dir {place.options.rsplit('shm_dir=', 1)[1]}")
-    unit.env_file.write_text(f"# /etc/ckptfs/{unit.instance}.env\nCKPTFS_STORE={place.source}\nCKPTFS_OPTS={opts}\n")
+    opts = (
+        f"--endpoint-url {proxy.url} --cache-dir {place.cache_dir} --ram-cache 64MiB --cache-size 512MiB "
+        f"--shm-dir {place.options.rsplit('shm_dir=', 1)[1]}"
+    )
+    unit.env_file.write_text(
+        f"# /etc/ckptfs/{unit.instance}.env\nCKPTFS_STORE={place.source}\nCKPTFS_OPTS={opts}\n"
+    )
 
     # Starts; stop drains: uploads held back by a slow store are in it when ExecStop returns.
     main = unit.start(place.mountpoint)

@@ -16,14 +16,19 @@ import zipfile
 import numpy as np
 import pytest
 
-from ckptfs.fuse_ops import ENTRY_TIMEOUT
+from ckptfs.fuse.ops import ENTRY_TIMEOUT
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def stat_in_another_process(path) -> int:
-    done = subprocess.run([sys.executable, "-c", "import os, sys; print(os.stat(sys.argv[1]).st_size)", str(path)],
-                          capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os, sys; print(os.stat(sys.argv[1]).st_size)", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return int(done.stdout)
 
 
@@ -72,7 +77,10 @@ def test_a_close_changes_no_attribute(store, mount_factory):
         time.sleep(ENTRY_TIMEOUT + 0.5)  # (past the kernel's attribute cache: the daemon answers)
         later = os.stat(path)
         for field in fields:
-            assert getattr(at_close, field) == getattr(after_close, field) == getattr(later, field), (name, field)
+            assert getattr(at_close, field) == getattr(after_close, field) == getattr(later, field), (
+                name,
+                field,
+            )
 
 
 def test_an_append_from_another_process_is_not_lost(store, mount_factory):
@@ -83,8 +91,16 @@ def test_an_append_from_another_process_is_not_lost(store, mount_factory):
     fd1 = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         os.write(fd1, b"a" * 5000)
-        subprocess.run([sys.executable, "-c", "import sys\nwith open(sys.argv[1], 'ab') as f: f.write(b'0123456789')",
-                        str(path)], check=True, timeout=60)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys\nwith open(sys.argv[1], 'ab') as f: f.write(b'0123456789')",
+                str(path),
+            ],
+            check=True,
+            timeout=60,
+        )
         assert os.fstat(fd1).st_size == 5010
         m.sync()
         assert "log.bin" not in store.keys()  # fd1 still holds it: no commit yet

@@ -39,11 +39,15 @@ def errno_of(call, *args) -> int:
 
 def bind_errno(path) -> str:
     """What another process sees binding an AF_UNIX socket at ``path``: "ok" or the errno's name."""
-    script = ("import errno, socket, sys\n"
-              "s = socket.socket(socket.AF_UNIX)\n"
-              "try:\n    s.bind(sys.argv[1])\nexcept OSError as e:\n    print(errno.errorcode[e.errno])\n"
-              "else:\n    print('ok')\n")
-    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
+    script = (
+        "import errno, socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "try:\n    s.bind(sys.argv[1])\nexcept OSError as e:\n    print(errno.errorcode[e.errno])\n"
+        "else:\n    print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -111,15 +115,21 @@ def test_names_over_255_bytes_and_paths_over_the_key_limit_get_enametoolong(stor
     room = 1024 - (len(store.prefix) + 1 if hasattr(store, "prefix") else 0)
     fits = "f" * (room - dir_key - 1)
     over = fits + "g"  # a key of exactly the limit: may exist (another tool), cannot be made here
-    for call, args in ((os.open, (deep / over, os.O_CREAT | os.O_WRONLY, 0o644)),
-                       (os.mkdir, (deep / over,)),
-                       (os.mknod, (deep / over, stat.S_IFREG | 0o644)),
-                       (os.rename, (m.path / "file", deep / over))):
+    for call, args in (
+        (os.open, (deep / over, os.O_CREAT | os.O_WRONLY, 0o644)),
+        (os.mkdir, (deep / over,)),
+        (os.mknod, (deep / over, stat.S_IFREG | 0o644)),
+        (os.rename, (m.path / "file", deep / over)),
+    ):
         assert errno_of(call, *args) == errno.ENAMETOOLONG, call.__name__
     assert errno_of(os.stat, deep / over) == errno.ENOENT
     beyond = deep / (over + "h")  # a key past the limit cannot exist: every call says so
-    for call, args in ((os.stat, (beyond,)), (os.unlink, (beyond,)), (os.rmdir, (beyond,)),
-                       (os.rename, (beyond, m.path / "x"))):
+    for call, args in (
+        (os.stat, (beyond,)),
+        (os.unlink, (beyond,)),
+        (os.rmdir, (beyond,)),
+        (os.rename, (beyond, m.path / "x")),
+    ):
         assert errno_of(call, *args) == errno.ENAMETOOLONG, call.__name__
     (deep / fits).write_bytes(b"deep")
     m.sync()
@@ -144,8 +154,9 @@ def test_sizes_beyond_the_largest_object_get_efbig_at_once(store, mount_factory)
     journal_before, rss_before = journal.stat().st_size, _rss_kib(m.pid)
 
     started = time.monotonic()
-    done = subprocess.run(["truncate", "-s", "999999999999999", str(path)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        ["truncate", "-s", "999999999999999", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode != 0 and "File too large" in done.stderr
     assert errno_of(os.truncate, path, LARGEST_FILE + 1) == errno.EFBIG
     fd = os.open(path, os.O_RDWR)

@@ -31,8 +31,10 @@ def resident_fraction(path: Path) -> float:
     size = path.stat().st_size
     # A private writable mapping only to take its address (ctypes wants a writable buffer);
     # nothing is written, so every page is the file's page-cache page or absent.
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
-                                          prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+    with (
+        open(path, "rb") as f,
+        mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm,
+    ):
         pages = (size + PAGE - 1) // PAGE
         vec = (ctypes.c_ubyte * pages)()
         start = ctypes.c_char.from_buffer(mm)
@@ -45,8 +47,11 @@ def resident_fraction(path: Path) -> float:
 
 
 def wait_pushed(mount: Mount, size: int, timeout: float = 60) -> None:
-    wait_until(lambda: mount.status()["page_cache_pushed_bytes"] >= size, timeout,
-               what=f"{size} bytes pushed into the page cache")
+    wait_until(
+        lambda: mount.status()["page_cache_pushed_bytes"] >= size,
+        timeout,
+        what=f"{size} bytes pushed into the page cache",
+    )
 
 
 def test_a_durable_checkpoint_is_in_the_page_cache_before_its_first_read(mount_factory):
@@ -57,7 +62,9 @@ def test_a_durable_checkpoint_is_in_the_page_cache_before_its_first_read(mount_f
     path.write_bytes(data)
     m.sync()
     wait_pushed(m, len(data))
-    wait_until(lambda: not m.status()["page_cache_queued_files"], 10, what="the push of the last block to end")
+    wait_until(
+        lambda: not m.status()["page_cache_queued_files"], 10, what="the push of the last block to end"
+    )
     assert m.status()["page_cache_pushed_bytes"] == len(data)
     # Before any read through the mount. In about 1 run in 7 a few % of the pushed pages, scattered
     # over the whole file, are not resident (seen on kernel 6.18 with every push acknowledged;
@@ -108,8 +115,11 @@ def test_a_push_put_off_by_an_open_reader_goes_ahead_when_it_closes(mount_factor
     path.write_bytes(os.urandom(size))
     with open(path, "rb"):
         m.sync()
-        wait_until(lambda: not m.status()["page_cache_queued_files"], 60,
-                   what="the push to come and find the file open")
+        wait_until(
+            lambda: not m.status()["page_cache_queued_files"],
+            60,
+            what="the push to come and find the file open",
+        )
         assert m.status()["page_cache_pushed_bytes"] == 0
     wait_pushed(m, size)
     m.stop()

@@ -16,9 +16,10 @@ import random
 import pytest
 import trio
 
-from ckptfs.cache import Cache, Content
-from ckptfs.namespace import Node, Version
-from ckptfs.prefill import Prefill
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.contents import Content
+from ckptfs.model.prefill import Prefill
+from ckptfs.model.tree import Node, Version
 from tests.harness import trio_test
 
 BS = 64 << 10
@@ -63,7 +64,7 @@ def cached_file(cache: Cache, data: bytes, evicted: tuple[int, ...] = ()) -> tup
             blocks.append(None)
             continue
         ref = cache.try_alloc()
-        cache.write(ref, 0, data[offset:offset + BS])
+        cache.write(ref, 0, data[offset : offset + BS])
         blocks.append(ref)
     root = Node(1, "", None, True, 0o755, 0, 0)
     node = Node(2, "step1.pt", root, False, 0o644, 0, 0)
@@ -90,9 +91,14 @@ async def test_a_closed_file_is_pushed_whole_after_the_kernel_drops_its_pages(ca
         prefill.want(node, version)
         await until(lambda: prefill.queued_files == 0 and prefill.pushed_bytes)
         nursery.cancel_scope.cancel()
-    assert kernel.calls == [("invalidate", 2), ("stat", "step1.pt"),
-                            ("store", 2, 0), ("store", 2, 2 * BS), ("store", 2, 3 * BS)]  # block 1 not cached
-    assert kernel.pages == {0: data[:BS], 2 * BS: data[2 * BS:3 * BS], 3 * BS: data[3 * BS:]}
+    assert kernel.calls == [
+        ("invalidate", 2),
+        ("stat", "step1.pt"),
+        ("store", 2, 0),
+        ("store", 2, 2 * BS),
+        ("store", 2, 3 * BS),
+    ]  # block 1 not cached
+    assert kernel.pages == {0: data[:BS], 2 * BS: data[2 * BS : 3 * BS], 3 * BS: data[3 * BS :]}
     assert prefill.pushed_bytes == len(data) - BS and node.kernel_version is version
     assert all(n == 1 for n in cache.refcounts.values())  # the pins taken for the copy are back
 

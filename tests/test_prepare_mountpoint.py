@@ -1,4 +1,4 @@
-"""paths.prepare_mountpoint, the daemon's check right before it mounts: a live mount refused, a
+"""mount_paths.prepare_mountpoint, the daemon's check right before it mounts: a live mount refused, a
 dead daemon's mount cleared (lazy_unmount), a mountpoint that is no directory refused; and
 `ckptfs umount` of a dead daemon's mount, which unmounts it with the same lazy_unmount."""
 
@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from ckptfs import cli, paths
+from ckptfs.cli import main as cli_main
 from ckptfs.config import ckptfs_mounts
+from ckptfs.daemon import mount_paths
 from ckptfs.errors import MountError
 from tests.harness import proc_state
 from tests.mounting import Mount
@@ -36,9 +37,9 @@ def test_a_live_mount_is_refused_and_a_dead_daemons_mount_cleared(tmp_path):
     try:
         m.start()
         with pytest.raises(MountError, match="is already a mount point"):
-            paths.prepare_mountpoint(str(m.path))
+            mount_paths.prepare_mountpoint(str(m.path))
         _kill(m)
-        paths.prepare_mountpoint(str(m.path))
+        mount_paths.prepare_mountpoint(str(m.path))
         assert str(m.path) not in ckptfs_mounts()
     finally:
         m.cleanup()
@@ -49,10 +50,13 @@ def test_umount_of_a_dead_daemons_mount_unmounts_it_lazily(tmp_path, capsys):
     try:
         m.start()
         _kill(m)
-        assert cli.main(["umount", str(m.path)]) == 0
+        assert cli_main.main(["umount", str(m.path)]) == 0
         assert str(m.path) not in ckptfs_mounts()
         err = capsys.readouterr().err
-        assert err.startswith(f"ckptfs: the daemon of {m.path} was gone; unmounted it lazily") and err.count("\n") == 1
+        assert (
+            err.startswith(f"ckptfs: the daemon of {m.path} was gone; unmounted it lazily")
+            and err.count("\n") == 1
+        )
     finally:
         m.cleanup()
 
@@ -60,5 +64,5 @@ def test_umount_of_a_dead_daemons_mount_unmounts_it_lazily(tmp_path, capsys):
 def test_a_mountpoint_that_is_no_directory_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(MountError, match="not a directory"):
-        paths.prepare_mountpoint(str(tmp_path / "file"))
-    paths.prepare_mountpoint(str(tmp_path))  # an empty directory with no mount: fine
+        mount_paths.prepare_mountpoint(str(tmp_path / "file"))
+    mount_paths.prepare_mountpoint(str(tmp_path))  # an empty directory with no mount: fine

@@ -40,8 +40,10 @@ def test_two_writers_of_one_file_lose_nothing_and_the_store_gets_the_last_close(
     t = threading.Thread(target=reader)
     t.start()
     try:
-        writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), b, str(size), str(i)])
-                   for i, b in enumerate("AB")]
+        writers = [
+            subprocess.Popen([sys.executable, "-c", WRITER, str(path), b, str(size), str(i)])
+            for i, b in enumerate("AB")
+        ]
         assert [w.wait(timeout=120) for w in writers] == [0, 0]
     finally:
         stop.set()

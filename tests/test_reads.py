@@ -46,6 +46,7 @@ def pread_all(fd: int, offset: int, length: int) -> bytes:
 # 1. cold and warm torch.load
 # ---------------------------------------------------------------------------------------------
 
+
 def test_cold_and_warm_torch_load_equal_what_was_saved(store, mount_factory):
     state = make_checkpoint(64, seed=11)
     writer = mount_factory().start()
@@ -70,6 +71,7 @@ def test_cold_and_warm_torch_load_equal_what_was_saved(store, mount_factory):
 # ---------------------------------------------------------------------------------------------
 # 2. mmap: torch.load(mmap=True) and safetensors, cached and cold
 # ---------------------------------------------------------------------------------------------
+
 
 def _mmap_load_equals(path: Path, state: dict) -> None:
     loaded = torch.load(path, mmap=True, weights_only=False)
@@ -103,8 +105,12 @@ def test_safetensors_mmap_cached_and_cold(store, mount_factory):
     from safetensors.torch import load_file, save_file
 
     gen = torch.Generator().manual_seed(9)
-    tensors = {f"layers.{i}.weight": torch.randn(1024, 1024, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
-               for i in range(6)}  # ~18 MiB: blocks of both dtypes across part boundaries
+    tensors = {
+        f"layers.{i}.weight": torch.randn(1024, 1024, generator=gen).to(
+            torch.bfloat16 if i % 2 else torch.float32
+        )
+        for i in range(6)
+    }  # ~18 MiB: blocks of both dtypes across part boundaries
     tensors["norm.weight"] = torch.ones(1024, dtype=torch.bfloat16)
 
     def check(path: Path) -> None:
@@ -133,6 +139,7 @@ def test_safetensors_mmap_cached_and_cold(store, mount_factory):
 # ---------------------------------------------------------------------------------------------
 # 3. a read spanning many parts
 # ---------------------------------------------------------------------------------------------
+
 
 def test_reads_spanning_many_parts_cold(store, mount_factory):
     size = 40 * MiB + 12345  # 6 blocks, the last one short
@@ -168,7 +175,7 @@ def test_reads_spanning_many_parts_cold(store, mount_factory):
     try:
         for offset, length in reads:
             got = pread_all(fd, offset, length)
-            assert got == data[offset:offset + length], (offset, length)
+            assert got == data[offset : offset + length], (offset, length)
         assert odd.fetched_bytes() <= size  # no block fetched twice
         assert pread_all(fd, 0, size) == data
     finally:
@@ -180,6 +187,7 @@ def test_reads_spanning_many_parts_cold(store, mount_factory):
 # ---------------------------------------------------------------------------------------------
 # 4. concurrent readers of one cold file: each byte crosses the network once
 # ---------------------------------------------------------------------------------------------
+
 
 def _read_whole(path: Path, start: int, size: int, direct: bool, chunk: int = MiB) -> bytes:
     """The whole file in ``chunk`` reads, beginning at ``start`` and wrapping around.
@@ -194,7 +202,7 @@ def _read_whole(path: Path, start: int, size: int, direct: bool, chunk: int = Mi
             length = min(chunk, size - offset, size - done)
             piece = pread_all(fd, offset, length)
             assert len(piece) == length, (offset, length, len(piece))
-            out[offset:offset + length] = piece
+            out[offset : offset + length] = piece
             done += length
             offset = (offset + length) % size
     finally:
@@ -271,9 +279,11 @@ def test_concurrent_cold_readers_fetch_each_block_once(s3_server, s3_bucket, tmp
                 gets = [r for r in proxy.requests if r.kind == "get" and r.path.endswith("/run/shard.bin")]
             statuses = sorted({r.status for r in gets})
             blocks = -(-size // BS)
-            print(f"\n4 concurrent cold readers of a {size // MiB} MiB file: {len(gets)} GETs "
-                  f"for {blocks} blocks of 8 MiB (statuses {statuses}), {elapsed:.2f} s, "
-                  f"fetched_bytes {reader.fetched_bytes()}")
+            print(
+                f"\n4 concurrent cold readers of a {size // MiB} MiB file: {len(gets)} GETs "
+                f"for {blocks} blocks of 8 MiB (statuses {statuses}), {elapsed:.2f} s, "
+                f"fetched_bytes {reader.fetched_bytes()}"
+            )
             ranges = sorted(r.headers.get("range", "") for r in gets)
             assert len(gets) == blocks, ranges
             assert ranges == sorted(f"bytes={i * BS}-{min(size, (i + 1) * BS) - 1}" for i in range(blocks))
@@ -337,8 +347,12 @@ def test_file_evicted_mid_read(s3_server, s3_bucket, tmp_path):
     try:
         reader.start()
         results: dict = {}
-        threads = [threading.Thread(target=_xxh3_sequential, args=(reader.path / name, MiB, results, name),
-                                    daemon=True) for name in expected]
+        threads = [
+            threading.Thread(
+                target=_xxh3_sequential, args=(reader.path / name, MiB, results, name), daemon=True
+            )
+            for name in expected
+        ]
         for t in threads:
             t.start()
         for t in threads:

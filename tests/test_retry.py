@@ -8,9 +8,8 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs import retry
-from ckptfs.errors import StoreError
-from ckptfs.store.base import NotFound
+from ckptfs.errors import NotFound, StoreError
+from ckptfs.transfer import retry
 
 
 def run(policy, fails: list[BaseException], result="ok"):
@@ -44,7 +43,11 @@ def test_a_first_try_that_works_is_the_only_try():
 
 
 def test_reading_retries_transient_errors_up_to_its_attempts():
-    assert run(retry.reading, transient(retry.READ_ATTEMPTS - 1)) == ("ok", retry.READ_ATTEMPTS, retry.READ_ATTEMPTS - 1)
+    assert run(retry.reading, transient(retry.READ_ATTEMPTS - 1)) == (
+        "ok",
+        retry.READ_ATTEMPTS,
+        retry.READ_ATTEMPTS - 1,
+    )
     outcome, tries, reported = run(retry.reading, transient(retry.READ_ATTEMPTS))
     assert isinstance(outcome, StoreError) and str(outcome) == f"glitch {retry.READ_ATTEMPTS - 1}"
     assert (tries, reported) == (retry.READ_ATTEMPTS, retry.READ_ATTEMPTS - 1)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import cli
+from ckptfs.cli import main
 from ckptfs.config import control_socket_path
 from tests.faultproxy import FaultProxy, Rule, status
 from tests.harness import can_open, wait_until
@@ -79,7 +79,13 @@ def test_planted_shm_dir_and_symlinks_are_never_followed(reachable, tmp_path, ot
         "os.mkdir(mine, 0o700)\n"
         "os.symlink(secret, mine + '/owner')\n"
         "os.symlink(root_dir, shm + '/ckptfs-link')\n",
-        str(shm), str(guessable), str(secret), str(precious), str(drop), str(root_ram_like))
+        str(shm),
+        str(guessable),
+        str(secret),
+        str(precious),
+        str(drop),
+        str(root_ram_like),
+    )
     assert plant.returncode == 0, plant.stderr
 
     m.start()
@@ -125,7 +131,7 @@ def test_cache_dir_or_shm_dir_another_user_controls_is_refused(store, tmp_path, 
         m = Mount(store.url, tmp_path / f"m{i}", endpoint_url=store.endpoint)
         args = m.args()
         if "--cache-dir" in extra:
-            args[args.index("--cache-dir"):args.index("--cache-dir") + 2] = []
+            args[args.index("--cache-dir") : args.index("--cache-dir") + 2] = []
         try:
             done = ckptfs("mount", *args, *extra, check=False, timeout=120)
             assert done.returncode != 0, f"mounted with {extra}"
@@ -194,7 +200,12 @@ def test_with_allow_other_the_modes_decide_across_remounts(reachable, other_user
         assert can_open(other_user, m.path / "shared.bin") == "ok"
         assert can_open(other_user, m.path / "private.bin") == "EACCES"
         assert can_open(other_user, m.path / "dir" / "inner.bin") == "EACCES"  # its directory is 0700
-        for name, mode in (("private.bin", 0o600), ("shared.bin", 0o644), ("dir/inner.bin", 0o644), ("dir", 0o700)):
+        for name, mode in (
+            ("private.bin", 0o600),
+            ("shared.bin", 0o644),
+            ("dir/inner.bin", 0o644),
+            ("dir", 0o700),
+        ):
             st = (m.path / name).stat()
             assert (stat.S_IMODE(st.st_mode), st.st_uid) == (mode, 0), name
 
@@ -236,8 +247,11 @@ def test_clean_umount_removes_the_ram_tier_unless_kept(store, mount_factory, tmp
     assert m.status()["fetched_bytes"] == 0
     m.sync()
     os.kill(m.pid, signal.SIGTERM)  # a clean stop too
-    wait_until(lambda: not is_mounted(m.path) and not Path(f"/proc/{m.pid}").exists(), 60,
-               what="SIGTERM to stop the daemon")
+    wait_until(
+        lambda: not is_mounted(m.path) and not Path(f"/proc/{m.pid}").exists(),
+        60,
+        what="SIGTERM to stop the daemon",
+    )
     m.pid = None
     assert os.listdir(shm) == []
 
@@ -247,8 +261,9 @@ def test_umount_no_wait_keeps_the_ram_tier_pending_uploads_need(s3_server, s3_bu
     the next mount finishes them from it."""
     shm = shm_dir(tmp_path)
     with FaultProxy(s3_server.endpoint) as proxy:
-        m = Mount(f"s3://{s3_bucket}/run", tmp_path / "m", endpoint_url=proxy.url,
-                  extra=("--shm-dir", str(shm)))
+        m = Mount(
+            f"s3://{s3_bucket}/run", tmp_path / "m", endpoint_url=proxy.url, extra=("--shm-dir", str(shm))
+        )
         try:
             m.start()
             rule = proxy.add_rule(Rule(status(503), method="PUT"))  # uploads fail (retried)
@@ -280,11 +295,22 @@ def test_fstab_options_map_to_the_flags(tmp_path):
     fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
     fake.chmod(0o755)
     helper = Path(__file__).resolve().parent.parent / "mount" / "mount.ckptfs"
-    done = subprocess.run([sys.executable, str(helper), "local", "/mnt/ckpt", "-o",
-                           "allow_other,umask=0022,keep_ram_cache,_netdev"],
-                          capture_output=True, text=True, timeout=30, env={"PATH": str(fake.parent)})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(helper),
+            "local",
+            "/mnt/ckpt",
+            "-o",
+            "allow_other,umask=0022,keep_ram_cache,_netdev",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": str(fake.parent)},
+    )
     assert done.returncode == 0, done.stderr
     args = done.stdout.split()
     assert args == ["mount", "/mnt/ckpt", "--allow-other", "--umask", "0022", "--keep-ram-cache"]
-    config = cli.mount_config(cli.build_parser().parse_args(args))
+    config = main.mount_config(main.build_parser().parse_args(args))
     assert (config.allow_other, config.umask, config.keep_ram_cache) == (True, 0o022, True)

@@ -13,7 +13,7 @@ import stat
 
 import pytest
 
-from ckptfs import logs
+from ckptfs.daemon import logs
 from tests.conftest import S3StoreView
 from tests.mounting import Mount, ckptfs
 
@@ -147,12 +147,14 @@ def test_log_file_is_refused_when_not_our_own_regular_file(tmp_path):
     store = f"file://{tmp_path / 'store'}"
     elsewhere = tmp_path / "elsewhere.txt"
     elsewhere.write_bytes(b"untouched")
-    for i, plant in enumerate([
-        lambda p: os.symlink(elsewhere, p),
-        lambda p: os.mkfifo(p, 0o600),
-        lambda p: (p.write_bytes(b""), os.chown(p, 12345, 12345)),
-        lambda p: os.link(elsewhere, p),
-    ]):
+    for i, plant in enumerate(
+        [
+            lambda p: os.symlink(elsewhere, p),
+            lambda p: os.mkfifo(p, 0o600),
+            lambda p: (p.write_bytes(b""), os.chown(p, 12345, 12345)),
+            lambda p: os.link(elsewhere, p),
+        ]
+    ):
         m = Mount(store, tmp_path / f"m{i}")
         m.cache_dir.mkdir(mode=0o700)
         plant(m.cache_dir / "ckptfs.log")
@@ -161,7 +163,9 @@ def test_log_file_is_refused_when_not_our_own_regular_file(tmp_path):
         finally:
             m.cleanup()
         assert done.returncode == 1
-        assert done.stderr.count("\n") == 1 and done.stderr.startswith("ckptfs: refusing the log file"), done.stderr
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("ckptfs: refusing the log file"), (
+            done.stderr
+        )
         assert elsewhere.read_bytes() == b"untouched"
     m = Mount(store, tmp_path / "old")
     m.cache_dir.mkdir(mode=0o700)
@@ -198,23 +202,45 @@ def _logged(level: str, emit, monkeypatch) -> str:
 def test_redaction_of_what_libraries_log(monkeypatch):
     def emit() -> None:
         lib = logging.getLogger("botocore.endpoint")
-        lib.debug("Sending http request: %s", "<AWSPreparedRequest url=https://h/b/k?X-Amz-Credential=AKID%2F1"
-                  "&X-Amz-Signature=0123abcd&X-Amz-Security-Token=tok, headers={'Authorization': "
-                  "b'AWS4-HMAC-SHA256 Credential=AKID/1/us-east-1/s3/aws4_request, SignedHeaders=host, "
-                  "Signature=0123456789abcdef', 'X-Amz-Security-Token': b'FwoGZXIvYXdzE'}>")
-        lib.debug("Making request with params: %s", {"body": b"CKPTFS-LOG-CANARY" * 1000, "url": "https://h/k"})
+        lib.debug(
+            "Sending http request: %s",
+            "<AWSPreparedRequest url=https://h/b/k?X-Amz-Credential=AKID%2F1"
+            "&X-Amz-Signature=0123abcd&X-Amz-Security-Token=tok, headers={'Authorization': "
+            "b'AWS4-HMAC-SHA256 Credential=AKID/1/us-east-1/s3/aws4_request, SignedHeaders=host, "
+            "Signature=0123456789abcdef', 'X-Amz-Security-Token': b'FwoGZXIvYXdzE'}>",
+        )
+        lib.debug(
+            "Making request with params: %s", {"body": b"CKPTFS-LOG-CANARY" * 1000, "url": "https://h/k"}
+        )
         logging.getLogger("botocore.parsers").debug("Response body:\n%r", b"CKPTFS-LOG-CANARY")
         logging.getLogger("botocore.auth").debug("Signature:\n%s", "0123456789abcdef0123456789abcdef")
-        logging.getLogger("ckptfs.x").info("secret in passing: wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY, "
-                                           "endpoint http://user:pw@127.0.0.1:9000")
+        logging.getLogger("ckptfs.x").info(
+            "secret in passing: wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY, "
+            "endpoint http://user:pw@127.0.0.1:9000"
+        )
         lib.debug("%s", "x" * (logs.MAX_MESSAGE + 100))
 
     text = _logged("trace", emit, monkeypatch)
-    for leak in ("AKID", "0123abcd", "Token=tok", "0123456789abcdef", "FwoGZXIvYXdzE", "CKPTFS-LOG-CANARY",
-                 "wJalrXUtnFEMI", "user:pw", "x" * (logs.MAX_MESSAGE + 1)):
+    for leak in (
+        "AKID",
+        "0123abcd",
+        "Token=tok",
+        "0123456789abcdef",
+        "FwoGZXIvYXdzE",
+        "CKPTFS-LOG-CANARY",
+        "wJalrXUtnFEMI",
+        "user:pw",
+        "x" * (logs.MAX_MESSAGE + 1),
+    ):
         assert leak not in text, leak
-    for kept in ("X-Amz-Signature=***", "'Authorization': ***", "<17000 bytes>", "<17 bytes>",
-                 "http://***@127.0.0.1:9000", "100 more characters not logged"):
+    for kept in (
+        "X-Amz-Signature=***",
+        "'Authorization': ***",
+        "<17000 bytes>",
+        "<17 bytes>",
+        "http://***@127.0.0.1:9000",
+        "100 more characters not logged",
+    ):
         assert kept in text, kept
 
 
@@ -224,7 +250,7 @@ def test_debug_keeps_only_our_own_lines(monkeypatch):
         logging.getLogger("botocore.endpoint").debug("Making request")
         logging.getLogger("urllib3.connectionpool").info("Starting new HTTP connection")
         logging.getLogger("botocore.credentials").warning("a library's warning stays")
-        logging.getLogger("ckptfs.uploader").debug("our own debug line")
+        logging.getLogger("ckptfs.transfer.uploader").debug("our own debug line")
 
     text = _logged("debug", emit, monkeypatch)
     assert "Making request" not in text and "Starting new" not in text
@@ -232,16 +258,17 @@ def test_debug_keeps_only_our_own_lines(monkeypatch):
 
 
 def test_trace_is_a_log_level_of_the_cli():
-    from ckptfs import cli
+    from ckptfs.cli import main
 
-    args = cli.build_parser().parse_args(["mount", "/tmp/x", "/tmp/y", "--log-level", "trace"])
+    args = main.build_parser().parse_args(["mount", "/tmp/x", "/tmp/y", "--log-level", "trace"])
     assert args.log_level == "TRACE" and logs.level_number(args.log_level) < logging.DEBUG
 
 
 def test_an_endpoint_password_is_never_printed(monkeypatch):
     """Credentials in --endpoint-url are refused (S3 signs requests, and the detached daemon's
     command line is readable by every user on the node); the refusal itself never prints them."""
-    from ckptfs.store import StoreError, open_store
+    from ckptfs.errors import StoreError
+    from ckptfs.store import open_store
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "fake-id")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-secret")
@@ -257,7 +284,9 @@ def test_bytes_inside_containers_are_replaced_and_lines_survive(monkeypatch):
 
     def emit() -> None:
         log = logging.getLogger("ckptfs.x")
-        log.info("parts: %s %s", [b"CKPTFS-LOG-CANARY", (b"CKPTFS-LOG-CANARY", 1)], Pair("p", b"CKPTFS-LOG-CANARY"))
+        log.info(
+            "parts: %s %s", [b"CKPTFS-LOG-CANARY", (b"CKPTFS-LOG-CANARY", 1)], Pair("p", b"CKPTFS-LOG-CANARY")
+        )
         log.info("%(body)s", {"body": bytearray(b"CKPTFS-LOG-CANARY")})
         log.info("%s %s", "one argument too few")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import dcpmeta
-from ckptfs.series import Entry, analyse, plan_gc
+from ckptfs.admin import dcpmeta
+from ckptfs.admin.series import Entry, analyse, plan_gc
 
 
 def files(*paths: str, state: str = "durable", size: int = 10, contents: dict | None = None):
@@ -23,6 +23,7 @@ def reader(contents: dict[str, bytes]):
         if path not in contents:
             raise FileNotFoundError(2, "No such file", path)
         return contents[path][:limit]
+
     return read
 
 
@@ -57,8 +58,14 @@ def test_step_directories_and_files_with_numbers_sort_numerically():
 
 
 def test_hf_trainer_step_without_trainer_state_is_incomplete():
-    s = one_series(files("checkpoint-500/model.safetensors", "checkpoint-500/trainer_state.json",
-                         "checkpoint-1000/model.safetensors", "tmp-checkpoint-1500/model.safetensors"))
+    s = one_series(
+        files(
+            "checkpoint-500/model.safetensors",
+            "checkpoint-500/trainer_state.json",
+            "checkpoint-1000/model.safetensors",
+            "tmp-checkpoint-1500/model.safetensors",
+        )
+    )
     steps = by_name(s)
     assert set(steps) == {"checkpoint-500", "checkpoint-1000"}  # a tmp- directory is a save in progress
     assert steps["checkpoint-500"].complete and steps["checkpoint-500"].restart
@@ -67,7 +74,12 @@ def test_hf_trainer_step_without_trainer_state_is_incomplete():
     assert s.layout == "hf-trainer"
 
 
-ACCELERATE_FILES = ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl")  # its write order
+ACCELERATE_FILES = (
+    "model.safetensors",
+    "optimizer.bin",
+    "scheduler.bin",
+    "random_states_0.pkl",
+)  # its write order
 
 
 def test_accelerate_save_state_cut_short_is_incomplete_and_gc_keeps_the_last_whole_one():
@@ -91,8 +103,12 @@ def test_accelerate_save_state_cut_short_is_incomplete_and_gc_keeps_the_last_who
 
 
 def test_megatron_tracker_names_the_step_and_newer_ones_are_incomplete():
-    entries = files("iter_0000100/mp_rank_00/model_optim_rng.pt", "iter_0000200/mp_rank_00/model_optim_rng.pt",
-                    "iter_0000300/mp_rank_00/model_optim_rng.pt", "latest_checkpointed_iteration.txt")
+    entries = files(
+        "iter_0000100/mp_rank_00/model_optim_rng.pt",
+        "iter_0000200/mp_rank_00/model_optim_rng.pt",
+        "iter_0000300/mp_rank_00/model_optim_rng.pt",
+        "latest_checkpointed_iteration.txt",
+    )
     s = one_series(entries, {"latest_checkpointed_iteration.txt": b"200\n"})
     steps = by_name(s)
     assert steps["iter_0000200"].pointed and steps["iter_0000200"].restart
@@ -102,8 +118,12 @@ def test_megatron_tracker_names_the_step_and_newer_ones_are_incomplete():
 
 
 def test_deepspeed_latest_names_a_tag():
-    s = one_series(files("global_step10/mp_rank_00_model_states.pt", "global_step20/mp_rank_00_model_states.pt",
-                         "latest"), {"latest": b"global_step10"})
+    s = one_series(
+        files(
+            "global_step10/mp_rank_00_model_states.pt", "global_step20/mp_rank_00_model_states.pt", "latest"
+        ),
+        {"latest": b"global_step10"},
+    )
     assert by_name(s)["global_step10"].pointed and s.restart.name == "global_step10"
     assert not by_name(s)["global_step20"].complete
 
@@ -114,8 +134,12 @@ def test_a_pointer_naming_nothing_names_nothing():
 
 
 def test_lightning_files_and_last_ckpt():
-    entries = [Entry("epoch=0-step=100.ckpt", 5, 1.0), Entry("epoch=1-step=200.ckpt", 5, 2.0),
-               Entry("epoch=1-step=200-v1.ckpt", 5, 2.5), Entry("last.ckpt", 5, 3.0)]
+    entries = [
+        Entry("epoch=0-step=100.ckpt", 5, 1.0),
+        Entry("epoch=1-step=200.ckpt", 5, 2.0),
+        Entry("epoch=1-step=200-v1.ckpt", 5, 2.5),
+        Entry("last.ckpt", 5, 3.0),
+    ]
     s = one_series(entries)
     assert [st.number for st in s.steps] == [100, 200, 200, None]
     assert s.layout == "lightning"
@@ -131,13 +155,19 @@ def test_dcp_step_complete_and_with_a_missing_shard(dcp_metadata):
     s = one_series(entries, {"step-1/.metadata": raw, "step-2/.metadata": raw})
     steps = by_name(s)
     assert steps["step-1"].complete
-    assert not steps["step-2"].complete and "missing file" in steps["step-2"].reasons[0] and shard in steps["step-2"].reasons[0]
+    assert (
+        not steps["step-2"].complete
+        and "missing file" in steps["step-2"].reasons[0]
+        and shard in steps["step-2"].reasons[0]
+    )
     assert s.restart.name == "step-1"
 
 
 def test_dcp_shards_without_metadata_and_unreadable_metadata():
-    s = one_series(files("step-1/__0_0.distcp", "step-2/.metadata", "step-2/__0_0.distcp"),
-                   {"step-2/.metadata": b"not a pickle"})
+    s = one_series(
+        files("step-1/__0_0.distcp", "step-2/.metadata", "step-2/__0_0.distcp"),
+        {"step-2/.metadata": b"not a pickle"},
+    )
     steps = by_name(s)
     assert "no DCP .metadata" in steps["step-1"].reasons[0]
     assert "not a readable DCP .metadata" in steps["step-2"].reasons[0]
@@ -147,9 +177,15 @@ def test_dcp_shards_without_metadata_and_unreadable_metadata():
 def test_unnumbered_dcp_directory_and_nested_dcp_dirs_in_a_step(dcp_metadata):
     raw, shards = dcp_metadata
     shard = sorted(shards)[0]
-    found = analyse(files("ckpt/final/.metadata", f"ckpt/final/{shard}",
-                          "checkpoint-5/pytorch_model_fsdp_0/.metadata", "checkpoint-5/trainer_state.json"),
-                    reader({"ckpt/final/.metadata": raw, "checkpoint-5/pytorch_model_fsdp_0/.metadata": raw}))
+    found = analyse(
+        files(
+            "ckpt/final/.metadata",
+            f"ckpt/final/{shard}",
+            "checkpoint-5/pytorch_model_fsdp_0/.metadata",
+            "checkpoint-5/trainer_state.json",
+        ),
+        reader({"ckpt/final/.metadata": raw, "checkpoint-5/pytorch_model_fsdp_0/.metadata": raw}),
+    )
     by_dir = {s.directory: s for s in found}
     final = by_dir["ckpt"].steps[0]
     assert final.layout == "dcp" and final.number is None and final.complete and final.restart
@@ -166,18 +202,27 @@ def test_pending_files_make_a_step_pending_and_incomplete():
 
 
 def test_shard_index_naming_a_missing_shard():
-    index = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
-                                       "b": "model-00002-of-00002.safetensors"}}).encode()
-    s = one_series(files("checkpoint-1/model.safetensors.index.json", "checkpoint-1/model-00001-of-00002.safetensors"),
-                   {"checkpoint-1/model.safetensors.index.json": index})
+    index = json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    ).encode()
+    s = one_series(
+        files("checkpoint-1/model.safetensors.index.json", "checkpoint-1/model-00001-of-00002.safetensors"),
+        {"checkpoint-1/model.safetensors.index.json": index},
+    )
     assert "names 1 missing shard" in s.steps[0].reasons[0]
 
 
 def test_series_per_directory_and_steps_nested_in_a_step_belong_to_it():
-    found = analyse(files("a/step-1/x", "a/step-2/x", "b/checkpoint-3/global_step3/x", "b/checkpoint-3/trainer_state.json"),
-                    reader({}))
+    found = analyse(
+        files(
+            "a/step-1/x", "a/step-2/x", "b/checkpoint-3/global_step3/x", "b/checkpoint-3/trainer_state.json"
+        ),
+        reader({}),
+    )
     assert [(s.directory, [st.name for st in s.steps]) for s in found] == [
-        ("a", ["step-1", "step-2"]), ("b", ["checkpoint-3"])]
+        ("a", ["step-1", "step-2"]),
+        ("b", ["checkpoint-3"]),
+    ]
 
 
 def test_nothing_that_looks_like_a_step_is_no_series():
@@ -199,8 +244,12 @@ def test_gc_keeps_the_newest_n_and_every_kth():
 
 
 def test_gc_never_deletes_pending_pointed_or_the_restart_step():
-    entries = (files("step-1/x", "step-2/x", "latest") + files("step-3/x")
-               + files("step-4/x", state="pending") + files("step-5/x", state="writing"))
+    entries = (
+        files("step-1/x", "step-2/x", "latest")
+        + files("step-3/x")
+        + files("step-4/x", state="pending")
+        + files("step-5/x", state="writing")
+    )
     plan = _plan(entries, {"latest": b"step-2"}, keep_last=0)
     assert plan["step-1"] == (True, "")
     assert plan["step-2"][1] == "named by a pointer file"
@@ -221,8 +270,14 @@ def test_gc_pattern_limits_what_is_considered():
 
 
 def test_gc_never_collects_unnumbered_steps():
-    plan = _plan([Entry("epoch=0-step=1.ckpt", 1, 1.0), Entry("epoch=0-step=2.ckpt", 1, 2.0),
-                  Entry("last.ckpt", 1, 3.0)], keep_last=0)
+    plan = _plan(
+        [
+            Entry("epoch=0-step=1.ckpt", 1, 1.0),
+            Entry("epoch=0-step=2.ckpt", 1, 2.0),
+            Entry("last.ckpt", 1, 3.0),
+        ],
+        keep_last=0,
+    )
     assert plan["last.ckpt"][0] is False and plan["epoch=0-step=1.ckpt"][0] and plan["epoch=0-step=2.ckpt"][0]
 
 
@@ -266,8 +321,9 @@ def test_a_metadata_of_shared_references_is_read_in_linear_time():
 
 def test_a_metadata_whose_state_is_not_a_mapping_is_a_metadata_error():
     # BUILD with a (dict, slots) pair whose parts are lists: unreadable metadata, not a traceback.
-    raw = (b"\x80\x04c__main__\nX\n)\x81"  # GLOBAL __main__.X, empty tuple, NEWOBJ
-           b"]X\x01\x00\x00\x00a\x94a]X\x01\x00\x00\x00b\x94a\x86b."  # ([a], [b]) BUILD
-           )
+    raw = (
+        b"\x80\x04c__main__\nX\n)\x81"  # GLOBAL __main__.X, empty tuple, NEWOBJ
+        b"]X\x01\x00\x00\x00a\x94a]X\x01\x00\x00\x00b\x94a\x86b."  # ([a], [b]) BUILD
+    )
     with pytest.raises(dcpmeta.MetadataError):
         dcpmeta.referenced_files(raw)

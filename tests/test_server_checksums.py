@@ -14,7 +14,8 @@ import os
 import pytest
 
 from ckptfs.store.base import PartInfo
-from ckptfs.store.s3 import PROBE_PREFIX, S3Store, crc32c_b64
+from ckptfs.store.s3 import S3Store
+from ckptfs.store.s3_client import PROBE_PREFIX, crc32c_b64
 from tests.faultproxy import Rule, corrupt_request_body, delay, status
 from tests.mounting import Mount
 
@@ -65,7 +66,9 @@ def test_a_part_damaged_on_the_way_is_refused_by_the_server_and_sent_again(verif
     m = mounts(f"s3://{bucket}/run", tmp_path / "w", proxy.url)
     assert m.status()["server_checksums"] is True
     refused = proxy.refused_checksums  # (the probe at mount)
-    bent_part = proxy.add_rule(Rule(corrupt_request_body(), kind="upload_part", query="partNumber=2", count=1))
+    bent_part = proxy.add_rule(
+        Rule(corrupt_request_body(), kind="upload_part", query="partNumber=2", count=1)
+    )
     bent_put = proxy.add_rule(Rule(corrupt_request_body(), kind="put", path="/small.bin", count=1))
     big, small = os.urandom(20 * MiB + 3), os.urandom(1 * MiB)
     (m.path / "big.bin").write_bytes(big)
@@ -83,8 +86,11 @@ def test_a_part_damaged_on_the_way_is_refused_by_the_server_and_sent_again(verif
     parts_sent = [r for r in proxy.requests if r.kind == "upload_part"]
     assert parts_sent and all("x-amz-checksum-crc32c" in r.headers for r in parts_sent)
     # The CRC32C the server verifies protects those bodies: no SHA-256 payload signature on them.
-    with_bodies = parts_sent + [r for r in proxy.requests if r.kind == "put" and "x-amz-checksum-crc32c" in r.headers
-                                and "checksum-probe" not in r.path]  # (the probe at mount: signed, 55 bytes)
+    with_bodies = parts_sent + [
+        r
+        for r in proxy.requests
+        if r.kind == "put" and "x-amz-checksum-crc32c" in r.headers and "checksum-probe" not in r.path
+    ]  # (the probe at mount: signed, 55 bytes)
     assert {r.headers.get("x-amz-content-sha256") for r in with_bodies} == {"UNSIGNED-PAYLOAD"}
     # A fresh mount (empty cache) reads both back equal.
     m.stop()
@@ -119,8 +125,13 @@ def test_a_server_that_refuses_checksums_on_multipart_uploads_gets_them_without(
     the upload is created again without it, and later ones go without it at once."""
     proxy, client, bucket = verifying
     m = mounts(f"s3://{bucket}/run", tmp_path / "w", proxy.url)
-    refusal = proxy.add_rule(Rule(status(400, "InvalidArgument"), kind="create_multipart",
-                                  headers={"x-amz-checksum-algorithm": "CRC32C"}))
+    refusal = proxy.add_rule(
+        Rule(
+            status(400, "InvalidArgument"),
+            kind="create_multipart",
+            headers={"x-amz-checksum-algorithm": "CRC32C"},
+        )
+    )
     first, second = os.urandom(18 * MiB), os.urandom(17 * MiB)
     (m.path / "first.bin").write_bytes(first)
     m.sync(timeout=120)
@@ -154,4 +165,6 @@ def test_an_upload_resumed_by_another_process_keeps_its_checksums(verifying):
     assert client.get_object(Bucket=bucket, Key="run/resumed.bin")["Body"].read() == one + two
     lists = [r for r in proxy.requests if r.kind == "list" and "uploads" in r.query]
     assert len(lists) == 1  # ListMultipartUploads, once, to learn the upload's algorithm
-    assert client.head_object(Bucket=bucket, Key="run/resumed.bin", ChecksumMode="ENABLED").get("ChecksumCRC32C")
+    assert client.head_object(Bucket=bucket, Key="run/resumed.bin", ChecksumMode="ENABLED").get(
+        "ChecksumCRC32C"
+    )

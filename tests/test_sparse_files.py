@@ -82,7 +82,9 @@ def test_a_compressed_sparse_file_reads_back_on_a_mount_without_compress(store, 
         f.write(b"data")
         f.truncate(size)
     m.sync()
-    assert m.status()["stored_bytes"] <= (size // (8 * MiB) + 1) * 5 * MiB  # (the padding; no byte compressed)
+    assert (
+        m.status()["stored_bytes"] <= (size // (8 * MiB) + 1) * 5 * MiB
+    )  # (the padding; no byte compressed)
     other = mount_factory("r").start()
     with open(other.path / "sparse.bin", "rb") as f:
         f.seek(100 * MiB - 2)

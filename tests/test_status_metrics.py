@@ -65,8 +65,11 @@ def metrics_url(m: Mount) -> str:
 def test_metrics_endpoint_counts_what_the_mount_did(mount_factory, proxy, store):
     m = mount_factory(extra=METRICS).start()
     url = metrics_url(m)
-    files = {"step-100/model.pt": os.urandom(20 * MiB + 3), "step-100/optim.pt": os.urandom(9 * MiB),
-             "latest": b"step-100\n"}
+    files = {
+        "step-100/model.pt": os.urandom(20 * MiB + 3),
+        "step-100/optim.pt": os.urandom(9 * MiB),
+        "latest": b"step-100\n",
+    }
     (m.path / "step-100").mkdir()
     # The small file's PUT fails more often than botocore tries: the uploader retries it.
     slow_down = proxy.add_rule(Rule(status(503, "SlowDown"), kind="put", path=r"/latest$", count=5))
@@ -107,14 +110,23 @@ def test_metrics_endpoint_counts_what_the_mount_did(mount_factory, proxy, store)
     served = {name for name, _ in s.samples}
     assert queried and queried <= served, queried - served
 
-    st = json.loads(ckptfs("status", str(m.path), "--json").stdout)  # the CLI's JSON: what Mount.status() reads
+    st = json.loads(
+        ckptfs("status", str(m.path), "--json").stdout
+    )  # the CLI's JSON: what Mount.status() reads
     assert st.keys() == m.status().keys()
     assert st["latest_checkpoint"] == "step-100/" and st["retries"]["upload"] >= 1
     assert any(e["key"] == "latest" and "503" in e["message"] for e in st["errors"]), st["errors"]
     text = ckptfs("status", str(m.path)).stdout
     print("\n" + text)
-    for line in ("latest checkpoint:", "training at risk:", "oldest pending:", "upload rate:", "retries:",
-                 "metrics:", "SlowDown"):
+    for line in (
+        "latest checkpoint:",
+        "training at risk:",
+        "oldest pending:",
+        "upload rate:",
+        "retries:",
+        "metrics:",
+        "SlowDown",
+    ):
         assert line in text, line
 
     # Another mount with an empty cache reads it back: fetched bytes and GET latencies.
@@ -153,7 +165,9 @@ def test_training_at_risk_rises_while_uploads_are_blocked_and_falls_after(mount_
     started = time.monotonic()
     done = ckptfs("sync", str(m.path), "--timeout", "2", "--json", check=False, timeout=60)
     assert done.returncode == 1 and done.stdout == "", (done.returncode, done.stdout)
-    assert done.stderr.startswith("ckptfs: timed out after 2 s") and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("ckptfs: timed out after 2 s") and len(done.stderr.splitlines()) == 1, (
+        done.stderr
+    )
     assert "nothing is lost" in done.stderr and time.monotonic() - started < 20
     # The store stops answering: store_up falls to 0 once an attempt is unanswered for 10 s.
     assert wait_until(lambda: Scrape(url).value("ckptfs_store_up") == 0, 40), "store_up stayed 1"
@@ -183,8 +197,14 @@ def test_status_watch_redraws_in_place_on_a_terminal_and_streams_json_otherwise(
     m = mount_factory().start()
     (m.path / "a.bin").write_bytes(b"x" * 1000)
     main, sub = pty.openpty()
-    proc = subprocess.Popen([*CKPTFS, "status", str(m.path), "--watch", "0.3"], stdin=sub, stdout=sub,
-                            stderr=sub, close_fds=True, preexec_fn=_ctrl_c_as_on_a_terminal)
+    proc = subprocess.Popen(
+        [*CKPTFS, "status", str(m.path), "--watch", "0.3"],
+        stdin=sub,
+        stdout=sub,
+        stderr=sub,
+        close_fds=True,
+        preexec_fn=_ctrl_c_as_on_a_terminal,
+    )
     os.close(sub)
     out = b""
     deadline = time.monotonic() + 20
@@ -202,9 +222,13 @@ def test_status_watch_redraws_in_place_on_a_terminal_and_streams_json_otherwise(
     assert "training at risk:" in text and "Ctrl-C to quit" in text and "Traceback" not in text
 
     # Not on a terminal, with --json: one object per line, no escape codes.
-    proc = subprocess.Popen([*CKPTFS, "status", str(m.path), "--json", "--watch", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_ctrl_c_as_on_a_terminal)
+    proc = subprocess.Popen(
+        [*CKPTFS, "status", str(m.path), "--json", "--watch", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ctrl_c_as_on_a_terminal,
+    )
     lines = [proc.stdout.readline() for _ in range(3)]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=20) == 0
@@ -225,20 +249,26 @@ def test_a_metrics_port_taken_fails_the_mount_with_one_line(mount_factory):
     finally:
         taken.close()
     assert done.returncode == 1, done
-    assert done.stderr.strip() == (f"ckptfs: cannot serve metrics on 127.0.0.1:{port} "
-                                   "(--metrics-addr/--metrics-port): Address already in use"), done.stderr
+    assert done.stderr.strip() == (
+        f"ckptfs: cannot serve metrics on 127.0.0.1:{port} "
+        "(--metrics-addr/--metrics-port): Address already in use"
+    ), done.stderr
     assert not is_mounted(m.path)
 
-    for args, message in ((("--metrics-port", "70000"), "is not a TCP port"),
-                          (("--metrics-addr", "0.0.0.0"), "--metrics-addr needs --metrics-port")):
+    for args, message in (
+        (("--metrics-port", "70000"), "is not a TCP port"),
+        (("--metrics-addr", "0.0.0.0"), "--metrics-addr needs --metrics-port"),
+    ):
         done = ckptfs("mount", "file:///nonexistent", str(m.path), *args, check=False)
-        assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+        assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, (
+            done.stderr
+        )
 
 
 def test_a_silent_scraper_holds_the_endpoint_only_for_its_request_timeout(mount_factory):
     m = mount_factory(extra=METRICS).start()
     url = metrics_url(m)
-    host, port = url[len("http://"):].split("/")[0].split(":")
+    host, port = url[len("http://") :].split("/")[0].split(":")
     silent = socket.create_connection((host, int(port)))  # connects, never sends a request
     try:
         started = time.monotonic()
@@ -253,6 +283,8 @@ def test_a_silent_scraper_holds_the_endpoint_only_for_its_request_timeout(mount_
 def _has_socket(pid: int) -> bool:
     """Whether process ``pid`` holds a socket (the CLI's connection to the daemon's control socket)."""
     try:
-        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+        return any(
+            os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd")
+        )
     except OSError:
         return False

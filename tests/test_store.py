@@ -12,8 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ckptfs.store import NotFound, ObjectStore, StoreError, open_store
-from ckptfs.store.local import TMP_DIR, LocalStore
+from ckptfs.errors import NotFound, StoreError
+from ckptfs.store import open_store
+from ckptfs.store.base import ObjectStore
+from ckptfs.store.local import LocalStore
+from ckptfs.store.local_tree import TMP_DIR
 from tests.harness import blob
 
 MiB = 1 << 20
@@ -106,9 +109,18 @@ def test_missing_key(object_store):
 
 
 def test_list_nested_keys_and_markers(object_store):
-    keys = {"ckpt/": 0, "ckpt/step1/": 0, "ckpt/step1/model.pt": 3, "ckpt/step1/optim.pt": 5,
-            "ckpt/step10/": 0, "ckpt/step10/model.pt": 7, "ckpt/latest": 2, "ckpt-old": 1,
-            "empty/": 0, "top.txt": 4}
+    keys = {
+        "ckpt/": 0,
+        "ckpt/step1/": 0,
+        "ckpt/step1/model.pt": 3,
+        "ckpt/step1/optim.pt": 5,
+        "ckpt/step10/": 0,
+        "ckpt/step10/model.pt": 7,
+        "ckpt/latest": 2,
+        "ckpt-old": 1,
+        "empty/": 0,
+        "top.txt": 4,
+    }
     for key, size in keys.items():
         object_store.put(key, b"x" * size)
     listed = list(object_store.list())
@@ -116,8 +128,13 @@ def test_list_nested_keys_and_markers(object_store):
     # S3 order: UTF-8 byte order of the whole key ("ckpt-old" < "ckpt/", "step1/" < "step10/").
     assert [o.key for o in listed] == sorted(keys, key=str.encode)
     assert _keys(object_store, "ckpt/step1/") == ["ckpt/step1/", "ckpt/step1/model.pt", "ckpt/step1/optim.pt"]
-    assert _keys(object_store, "ckpt/step1") == ["ckpt/step1/", "ckpt/step1/model.pt", "ckpt/step1/optim.pt",
-                                          "ckpt/step10/", "ckpt/step10/model.pt"]
+    assert _keys(object_store, "ckpt/step1") == [
+        "ckpt/step1/",
+        "ckpt/step1/model.pt",
+        "ckpt/step1/optim.pt",
+        "ckpt/step10/",
+        "ckpt/step10/model.pt",
+    ]
     assert _keys(object_store, "ckpt/l") == ["ckpt/latest"]
     assert _keys(object_store, "ckpt") == sorted((k for k in keys if k.startswith("ckpt")), key=str.encode)
     assert _keys(object_store, "nothing/") == []
@@ -125,9 +142,18 @@ def test_list_nested_keys_and_markers(object_store):
 
 
 def test_list_dir_is_one_level(object_store):
-    keys = {"ckpt/": 0, "ckpt/latest": 2, "ckpt/step1/": 0, "ckpt/step1/model.pt": 3,
-            "ckpt/step10/model.pt": 7, "ckpt/a b/x": 1, "ckpt/deep/er/still/f": 1, "ckpt-old": 1,
-            "empty/": 0, "top.txt": 4}
+    keys = {
+        "ckpt/": 0,
+        "ckpt/latest": 2,
+        "ckpt/step1/": 0,
+        "ckpt/step1/model.pt": 3,
+        "ckpt/step10/model.pt": 7,
+        "ckpt/a b/x": 1,
+        "ckpt/deep/er/still/f": 1,
+        "ckpt-old": 1,
+        "empty/": 0,
+        "top.txt": 4,
+    }
     for key, size in keys.items():
         object_store.put(key, b"x" * size)
     top = object_store.list_dir("")
@@ -238,7 +264,7 @@ def test_multipart_out_of_order_and_reupload(object_store):
     i2_old = object_store.upload_part(key, uid, 2, p2_old)
     buf = bytearray(p1 + p2)  # parts as memoryview slices of one buffer, as the cache hands them
     i1 = object_store.upload_part(key, uid, 1, memoryview(buf)[: 5 * MiB])
-    i2 = object_store.upload_part(key, uid, 2, memoryview(buf)[5 * MiB:])  # re-upload replaces part 2
+    i2 = object_store.upload_part(key, uid, 2, memoryview(buf)[5 * MiB :])  # re-upload replaces part 2
     assert [i1.number, i2.number, i3.number] == [1, 2, 3]
     assert i2.token != i2_old.token
     assert object_store.head(key) is None  # nothing visible before completion
@@ -334,10 +360,12 @@ def test_zero_parts_make_holes_and_may_replace_a_part(object_store):
     key = "sparse/model.pt"
     data, tail = blob(5 * MiB, 1), blob(1000, 2)
     uid = object_store.create_multipart(key)
-    infos = {1: object_store.upload_zero_part(key, uid, 1, 5 * MiB),
-             2: object_store.upload_part(key, uid, 2, data),
-             3: object_store.upload_part(key, uid, 3, blob(5 * MiB, 3)),
-             4: object_store.upload_zero_part(key, uid, 4, 1000)}
+    infos = {
+        1: object_store.upload_zero_part(key, uid, 1, 5 * MiB),
+        2: object_store.upload_part(key, uid, 2, data),
+        3: object_store.upload_part(key, uid, 3, blob(5 * MiB, 3)),
+        4: object_store.upload_zero_part(key, uid, 4, 1000),
+    }
     infos[3] = object_store.upload_zero_part(key, uid, 3, 5 * MiB)  # the data there gives way to a hole
     assert object_store.upload_zero_part(key, uid, 1, 5 * MiB).token == infos[1].token  # (a retry)
     object_store.complete_multipart(key, uid, [infos[n] for n in sorted(infos)])
@@ -348,17 +376,21 @@ def test_zero_parts_make_holes_and_may_replace_a_part(object_store):
 
     # A hole as the last part of a completion that leaves a part out (parts copied, not in place).
     uid = object_store.create_multipart("sparse/gap.pt")
-    parts = [object_store.upload_part("sparse/gap.pt", uid, 1, data),
-             object_store.upload_part("sparse/gap.pt", uid, 2, blob(5 * MiB, 4)),
-             object_store.upload_zero_part("sparse/gap.pt", uid, 3, 1000)]
+    parts = [
+        object_store.upload_part("sparse/gap.pt", uid, 1, data),
+        object_store.upload_part("sparse/gap.pt", uid, 2, blob(5 * MiB, 4)),
+        object_store.upload_zero_part("sparse/gap.pt", uid, 3, 1000),
+    ]
     object_store.complete_multipart("sparse/gap.pt", uid, [parts[0], parts[2]])
     assert object_store.get_range("sparse/gap.pt", 0, 6 * MiB) == data + bytes(1000)
 
     for reserved in [o.key for o in object_store.list(".ckptfs-zeros/")]:
         object_store.delete(reserved)
     uid = object_store.create_multipart("sparse/again.pt")
-    parts = [object_store.upload_zero_part("sparse/again.pt", uid, 1, 5 * MiB),
-             object_store.upload_part("sparse/again.pt", uid, 2, tail)]
+    parts = [
+        object_store.upload_zero_part("sparse/again.pt", uid, 1, 5 * MiB),
+        object_store.upload_part("sparse/again.pt", uid, 2, tail),
+    ]
     object_store.complete_multipart("sparse/again.pt", uid, parts)
     assert object_store.get_range("sparse/again.pt", 0, 6 * MiB) == bytes(5 * MiB) + tail
 
@@ -393,18 +425,39 @@ def test_multipart_parts_from_threads(object_store):
     assert object_store.get_range(key, 0, len(whole)) == whole
     assert object_store.get_range(key, 5 * MiB - 3, 6) == blobs[1][-3:] + blobs[2][:3]
 
+
 # -- local store -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/../../b", "", ".", "./a", "a/./b", "..",
-                                 "../", "a\0b", f"{TMP_DIR}/x", f"{TMP_DIR}/"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "../x",
+        "/abs",
+        "a//b",
+        "a/../../b",
+        "",
+        ".",
+        "./a",
+        "a/./b",
+        "..",
+        "../",
+        "a\0b",
+        f"{TMP_DIR}/x",
+        f"{TMP_DIR}/",
+    ],
+)
 def test_local_rejects_escaping_keys(tmp_path, key):
     object_store = LocalStore(tmp_path / "store")
     object_store.check()
-    for call in (lambda: object_store.put(key, b"x"), lambda: object_store.get_range(key, 0, 1),
-                 lambda: object_store.head(key),
-                 lambda: object_store.delete(key), lambda: object_store.create_multipart(key),
-                 lambda: object_store.copy("ok", key)):
+    for call in (
+        lambda: object_store.put(key, b"x"),
+        lambda: object_store.get_range(key, 0, 1),
+        lambda: object_store.head(key),
+        lambda: object_store.delete(key),
+        lambda: object_store.create_multipart(key),
+        lambda: object_store.copy("ok", key),
+    ):
         with pytest.raises(ValueError):
             call()
     assert not (tmp_path / "x").exists() and not (tmp_path / "b").exists()
@@ -508,15 +561,18 @@ def test_s3_unreachable_is_transient_and_fast(fake_credentials):
 # -- open_store --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("url, words", [
-    ("ftp://x", "unsupported store URL 'ftp://x'"),
-    ("/plain/path", "unsupported store URL"),
-    ("s3://", "bad bucket name"),
-    ("s3:///prefix", "bad bucket name"),
-    ("s3://bad bucket/x", "bad bucket name"),
-    ("file://relative/path", "absolute path"),
-    ("s3://AKIAXXX:sEcReT@bucket/p", "credentials"),
-])
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("ftp://x", "unsupported store URL 'ftp://x'"),
+        ("/plain/path", "unsupported store URL"),
+        ("s3://", "bad bucket name"),
+        ("s3:///prefix", "bad bucket name"),
+        ("s3://bad bucket/x", "bad bucket name"),
+        ("file://relative/path", "absolute path"),
+        ("s3://AKIAXXX:sEcReT@bucket/p", "credentials"),
+    ],
+)
 def test_open_store_bad_urls(url, words):
     with pytest.raises(StoreError) as exc:
         open_store(url)
@@ -559,8 +615,9 @@ def test_open_store_missing_bucket(s3_server):
 def test_open_store_wrong_credentials(s3_server, s3_bucket, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-42")
     err = _check_fails(f"s3://{s3_bucket}", s3_server.endpoint)
-    assert str(err) == (f"access denied to bucket '{s3_bucket}' at {s3_server.endpoint}: "
-                        "check the AWS credentials")
+    assert str(err) == (
+        f"access denied to bucket '{s3_bucket}' at {s3_server.endpoint}: check the AWS credentials"
+    )
     assert err.errno == errno.EACCES and not err.transient and "wrong-secret-42" not in str(err)
 
 
@@ -625,6 +682,7 @@ def test_s3_a_zeros_object_changed_by_hand_is_made_again(s3_store):
     """A zeros object someone overwrote with other bytes of the same size is not copied from:
     a new store checks its ETag and puts zeros there again."""
     from ckptfs.store.s3_multipart import ZEROS_PREFIX, zeros_size
+
     first = s3_store()
     first.put(f"{ZEROS_PREFIX}{zeros_size(5 * MiB)}", blob(zeros_size(5 * MiB), 7))
     store = s3_store()

@@ -46,9 +46,11 @@ def mount(mount_factory):
 def test_slowdown_on_first_puts_and_parts_is_retried(proxy, store, mount):
     slow_down = status(503, "SlowDown", "Please reduce your request rate.")
     # botocore retries a call 3 times by itself (invisible to ckptfs); 4 in a row reach ckptfs's own retry
-    rules = [proxy.add_rule(Rule(slow_down, kind="upload_part", query="partNumber=1", count=4)),
-             proxy.add_rule(Rule(slow_down, kind="put", path=r"/small\.bin$", count=4)),
-             proxy.add_rule(Rule(slow_down, kind=("upload_part", "put"), count=8))]
+    rules = [
+        proxy.add_rule(Rule(slow_down, kind="upload_part", query="partNumber=1", count=4)),
+        proxy.add_rule(Rule(slow_down, kind="put", path=r"/small\.bin$", count=4)),
+        proxy.add_rule(Rule(slow_down, kind=("upload_part", "put"), count=8)),
+    ]
     files = {"big.bin": os.urandom(40 * MiB), "small.bin": os.urandom(3000)}
     write_files(mount.path, files)
     mount.sync(timeout=120)
@@ -63,7 +65,9 @@ def test_slowdown_on_first_puts_and_parts_is_retried(proxy, store, mount):
 def test_resets_and_lost_answers_on_parts_and_completion(proxy, store, mount):
     rules = [
         proxy.add_rule(Rule(reset_mid_body(), kind="upload_part", count=2)),  # server never gets the part
-        proxy.add_rule(Rule(drop_response(), kind="upload_part", count=2)),  # server has it, client never hears
+        proxy.add_rule(
+            Rule(drop_response(), kind="upload_part", count=2)
+        ),  # server has it, client never hears
         # 4 in a row outlast botocore's own retries: ckptfs's retry then finds the upload completed
         proxy.add_rule(Rule(drop_response(), kind="complete_multipart", path=r"/a\.bin$", count=4)),
         proxy.add_rule(Rule(reset_mid_body(), kind="complete_multipart", path=r"/b\.bin$", count=1)),
@@ -148,8 +152,14 @@ def test_ordered_publish_under_a_slow_completion(proxy, store, mount):
 
 
 def test_access_denied_for_a_while_is_reported_without_secrets(s3_server, proxy, store, mount):
-    rule = proxy.add_rule(Rule(status(403, "AccessDenied", "Access Denied."), method="PUT",
-                               path=rf"/{PREFIX}/denied\.bin$", for_s=10))
+    rule = proxy.add_rule(
+        Rule(
+            status(403, "AccessDenied", "Access Denied."),
+            method="PUT",
+            path=rf"/{PREFIX}/denied\.bin$",
+            for_s=10,
+        )
+    )
     data = os.urandom(50_000)
     (mount.path / "denied.bin").write_bytes(data)
     deadline = time.monotonic() + 8
@@ -167,8 +177,11 @@ def test_access_denied_for_a_while_is_reported_without_secrets(s3_server, proxy,
     log = (mount.cache_dir / "ckptfs.log").read_text()
     lines = [line for line in log.splitlines() if "denied.bin" in line]
     assert len(lines) == 1 and "AccessDenied" in lines[0], lines  # logged once per key and reason
-    signatures = {m[1] for r in proxy.requests
-                  if (m := re.search(r"Signature=([0-9a-f]+)", r.headers.get("authorization", "")))}
+    signatures = {
+        m[1]
+        for r in proxy.requests
+        if (m := re.search(r"Signature=([0-9a-f]+)", r.headers.get("authorization", "")))
+    }
     assert signatures
     status_text = json.dumps(mount.status())
     for text in (log, status_text):
@@ -205,7 +218,9 @@ def cold(mount, mount_factory):
 
 def test_reset_mid_download_of_a_read_ahead_block_keeps_the_mount(proxy, cold):
     fresh, data = cold
-    rule = proxy.add_rule(Rule(reset_mid_body(), kind="get", headers={"range": rf"^bytes={8 * MiB}-"}, count=1))
+    rule = proxy.add_rule(
+        Rule(reset_mid_body(), kind="get", headers={"range": rf"^bytes={8 * MiB}-"}, count=1)
+    )
     got = (fresh.path / "ckpt.bin").read_bytes()
     assert rule.hits == 1
     assert got == data

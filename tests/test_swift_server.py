@@ -50,9 +50,7 @@ def test_multipart_upload(s3_server, s3_bucket):
     assert [(u["Key"], u["UploadId"]) for u in listed] == [("big", up["UploadId"])]
     done = []
     for n, data in enumerate(parts, 1):
-        r = client.upload_part(
-            Bucket=s3_bucket, Key="big", UploadId=up["UploadId"], PartNumber=n, Body=data
-        )
+        r = client.upload_part(Bucket=s3_bucket, Key="big", UploadId=up["UploadId"], PartNumber=n, Body=data)
         done.append({"PartNumber": n, "ETag": r["ETag"]})
     r = client.complete_multipart_upload(
         Bucket=s3_bucket, Key="big", UploadId=up["UploadId"], MultipartUpload={"Parts": done}

@@ -27,7 +27,6 @@ pytestmark = pytest.mark.timeout(300)
 LINK_MODE = stat.S_IFLNK | 0o777
 
 
-
 def errno_of(call, *args) -> int:
     with pytest.raises(OSError) as caught:
         call(*args)
@@ -86,16 +85,25 @@ def test_links_relative_absolute_dangling_and_to_a_directory(store, mount_factor
         assert errno_of(open, root / "dangling") == errno.ENOENT
         assert os.path.isdir(root / "latest") and os.listdir(root / "latest") == ["model.pt"]
         kinds = {e.name: e.is_symlink() for e in os.scandir(root)}  # readdir's entry types
-        assert kinds == {"ckpt": False, "relative": True, "absolute": True, "dangling": True, "latest": True,
-                         "long": True}
+        assert kinds == {
+            "ckpt": False,
+            "relative": True,
+            "absolute": True,
+            "dangling": True,
+            "latest": True,
+            "long": True,
+        }
 
     check(m.path)
     assert os.lstat(m.path / "relative").st_uid == os.getuid()
     m.sync()
     info = stored(store, "relative")  # the s3fs convention: target as body, S_IFLNK in the mode
     assert store.read("relative") == b"ckpt/step1/model.pt" and store.read("long") == long_target.encode()
-    assert (info.metadata["mode"], info.metadata["uid"], info.metadata["gid"]) == \
-        (str(LINK_MODE), str(os.getuid()), str(os.getgid()))
+    assert (info.metadata["mode"], info.metadata["uid"], info.metadata["gid"]) == (
+        str(LINK_MODE),
+        str(os.getuid()),
+        str(os.getgid()),
+    )
 
     # Another mount asks the store about each name (a HEAD: the metadata says link); a remount
     # with an empty cache dir lists them and reads each one's metadata. (The absolute link names
@@ -134,7 +142,9 @@ def test_rename_unlink_and_lchown_of_links_persist(store, mount_factory):
     (root / "was_link").symlink_to("target.pt")
     m.sync()  # durable first: the renames below are store-side moves of link objects
 
-    os.rename(root / "moved", root / "sub" / "renamed")  # into another directory: its target is unchanged text
+    os.rename(
+        root / "moved", root / "sub" / "renamed"
+    )  # into another directory: its target is unchanged text
     os.unlink(root / "gone")
     os.rename(root / "over_file", root / "plain.pt")  # a link replaces a file
     (root / "file.pt").write_bytes(b"a file again")
@@ -202,7 +212,9 @@ def s3_store(s3_server, s3_bucket):
     return S3StoreView(s3_server, s3_bucket)
 
 
-@pytest.mark.skipif(shutil.which("s3fs") is None, reason="s3fs-fuse is not installed (scripts/setup installs it)")
+@pytest.mark.skipif(
+    shutil.which("s3fs") is None, reason="s3fs-fuse is not installed (scripts/setup installs it)"
+)
 def test_s3fs_and_ckptfs_read_each_others_links(s3_server, s3_bucket, s3_store, tmp_path):
     m = Mount(s3_store.url, tmp_path / "ckptfs", endpoint_url=s3_store.endpoint).start()
     s3fs = None

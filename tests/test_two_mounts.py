@@ -99,4 +99,3 @@ def test_a_second_mount_sees_what_the_first_made_durable(mount_factory):
     eventually(lambda: os.listdir(b.path / "ckpt") == [], TTL + SLACK)
     assert not (b.path / "late.txt").exists()
     assert read(b.path / "model.pt") == new_model
-

@@ -14,13 +14,15 @@ import pytest
 import trio
 import xxhash
 
-from ckptfs.cache import Cache, Content, StagedFile
-from ckptfs.integrity import UPLOAD_META, Checksums, manifest_key, part_hash
-from ckptfs.journal import PUT, Journal, Op
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.contents import Content, StagedFile
+from ckptfs.cache.journal import PUT, Journal, Op
+from ckptfs.objects.integrity import UPLOAD_META, Checksums, manifest_key, part_hash
 from ckptfs.store import open_store
 from ckptfs.store.base import MAX_PARTS
 from ckptfs.store.local import LocalStore
-from ckptfs.uploader import Uploader, part_size_for
+from ckptfs.transfer.upload_tasks import part_size_for
+from ckptfs.transfer.uploader import Uploader
 from tests.faults import FaultyStore
 from tests.harness import blob, trio_test
 
@@ -72,8 +74,13 @@ class Env:
         self.inner = store or LocalStore(tmp_path / "store")
         self.inner.check()
         self.store = FaultyStore(self.inner)
-        self.cache = Cache(tmp_path / "cache", tmp_path / "ram", block_size,
-                           ram_blocks * block_size, disk_blocks * block_size)
+        self.cache = Cache(
+            tmp_path / "cache",
+            tmp_path / "ram",
+            block_size,
+            ram_blocks * block_size,
+            disk_blocks * block_size,
+        )
         self.journal_path = tmp_path / "cache" / "journal"
         self.journal = Journal(self.journal_path, self.cache.ram_arena_id)
         self.journal.open(*self.journal.replay())
@@ -159,7 +166,7 @@ def test_small_and_multipart_files(env):
     raw = env.inner.get_range(".ckptfs-manifest/" + meta["ckptfs-upload"], 0, 1 << 20)
     checks = Checksums.from_manifest(raw, len(files["dir/multi.bin"]))
     data = files["dir/multi.bin"]
-    assert checks.parts == [xxhash.xxh3_64_hexdigest(data[i:i + BS]) for i in range(0, len(data), BS)]
+    assert checks.parts == [xxhash.xxh3_64_hexdigest(data[i : i + BS]) for i in range(0, len(data), BS)]
     assert checks.xxh3 == xxhash.xxh3_64_hexdigest(data) and checks.part_size == BS
     assert env.inner.list_multipart() == []
     assert env.cache.refcounts == {}  # published: the uploader released the contents
@@ -182,7 +189,7 @@ async def test_a_files_holes_are_stored_as_zeros_without_being_read_hashed_or_se
     env.assert_object("sparse.bin", data, whole_file_hash=False)
     upload = env.inner.head("sparse.bin").metadata[UPLOAD_META]
     checks = Checksums.from_manifest(env.inner.get_range(manifest_key(upload), 0, 1 << 20), len(data))
-    assert checks.parts == [part_hash(data[i:i + BS]) for i in range(0, len(data), BS)]
+    assert checks.parts == [part_hash(data[i : i + BS]) for i in range(0, len(data), BS)]
 
 
 @trio_test
@@ -215,8 +222,11 @@ async def test_ordered_publish(env):
         await up.wait_durable(t2.op.seq)
         assert {"first.bin", "second.bin"} <= env.keys()
         await up.wait_durable(up.last_seq())
-    publishes = [c for c in env.store.calls if c[0] in ("put", "complete_multipart")
-                 and not c[1].startswith(".ckptfs-manifest/")]
+    publishes = [
+        c
+        for c in env.store.calls
+        if c[0] in ("put", "complete_multipart") and not c[1].startswith(".ckptfs-manifest/")
+    ]
     assert publishes == [("put", "first.bin"), ("put", "second.bin"), ("complete_multipart", "third.bin")]
     for key, data in [("first.bin", first), ("second.bin", second), ("third.bin", third)]:
         env.assert_object(key, data)
@@ -294,7 +304,11 @@ async def test_retarget_before_publish(env):
         gate.open()
         await up.wait_durable(up.last_seq())
         assert not up.retarget(t_big.op.seq, "too-late")  # published: no longer pending
-    assert {k for k in env.keys() if not k.endswith("/")} == {"blocker.bin", "final/small.bin", "final/big.bin"}
+    assert {k for k in env.keys() if not k.endswith("/")} == {
+        "blocker.bin",
+        "final/small.bin",
+        "final/big.bin",
+    }
     env.assert_object("final/small.bin", small)
     env.assert_object("final/big.bin", big)
     assert env.inner.list_multipart() == []  # the upload under the old key was aborted

@@ -23,8 +23,11 @@ def written(s3_server, s3_bucket, tmp_path):
     """A mount of s3://bucket/run that wrote and synced three files (one streamed with a manifest,
     two one-PUT with an xxh3); yields (mount, {name: bytes}); unmounted at the end."""
     m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / "w", endpoint_url=s3_server.endpoint)
-    data = {"big.bin": os.urandom(20 * MiB + 7), "small.bin": os.urandom(300_000),
-            "step-1/shard.bin": os.urandom(2 * MiB)}
+    data = {
+        "big.bin": os.urandom(20 * MiB + 7),
+        "small.bin": os.urandom(300_000),
+        "step-1/shard.bin": os.urandom(2 * MiB),
+    }
     try:
         m.start()
         for name, body in data.items():
@@ -114,8 +117,9 @@ def test_an_object_put_by_another_tool_is_unverified_not_failed(s3_server, s3_bu
     assert states(out)["foreign.bin"] == "unverified" and out["counts"] == {"ok": 3, "unverified": 1}
     rc, out, _ = verify(*url_args(s3_server, s3_bucket), "foreign.bin", "--strict", "--json")
     assert rc == 1 and states(out) == {"foreign.bin": "unverified"}
-    done = subprocess.run([*CKPTFS, "verify", *url_args(s3_server, s3_bucket)], capture_output=True, text=True,
-                          timeout=180)
+    done = subprocess.run(
+        [*CKPTFS, "verify", *url_args(s3_server, s3_bucket)], capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0 and "UNVERIFIED" in done.stdout and "foreign.bin" in done.stdout
 
 
@@ -153,8 +157,12 @@ def test_verify_reads_compressed_objects_through_their_frames(s3_server, s3_buck
 
     floats = numpy.linspace(0, 1, (20 * MiB) // 4, dtype=numpy.float32).tobytes()  # 3 parts, grouped
     text = b"step 1 loss 0.5\n" * 40_000
-    m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / "c", endpoint_url=s3_server.endpoint,
-              extra=("--compress", "zstd"))
+    m = Mount(
+        f"s3://{s3_bucket}/{PREFIX}",
+        tmp_path / "c",
+        endpoint_url=s3_server.endpoint,
+        extra=("--compress", "zstd"),
+    )
     try:
         m.start()
         (m.path / "weights.bin").write_bytes(floats)
@@ -184,7 +192,7 @@ def test_verify_keeps_off_the_default_thread_limiter(tmp_path):
     # copies: an admin's verify (up to 256 jobs) must use threads of its own, or a save waits on it.
     import trio
 
-    from ckptfs import verify as verify_mod
+    from ckptfs.admin import verify as verify_mod
     from ckptfs.store.local import LocalStore
 
     store = LocalStore(tmp_path / "store")
@@ -196,11 +204,13 @@ def test_verify_keeps_off_the_default_thread_limiter(tmp_path):
         nonlocal most
         default = trio.to_thread.current_default_thread_limiter()
         async with trio.open_nursery() as nursery:
+
             async def sample():
                 nonlocal most
                 while True:
                     most = max(most, default.borrowed_tokens)
                     await trio.sleep(0)
+
             nursery.start_soon(sample)
             result = await verify_mod.run(store, [], None, jobs=16)
             nursery.cancel_scope.cancel()

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from ckptfs.errors import FsError
-from ckptfs.namespace import ROOT_INODE
+from ckptfs.model.tree import ROOT_INODE
 from tests.harness import assert_one_line_error, blob, trio_test, write_files
 from tests.inprocess import BS, GID, UID, create, ino, mkdirs, mounted, read_all, sync
 from tests.mounting import CKPTFS, ckptfs
@@ -68,8 +68,14 @@ def test_warmup_one_file_bad_paths_and_a_cache_too_small(store, mount_factory, t
 
     m = mount_factory(ram_cache="16MiB", cache_size="16MiB").start()  # four 8 MiB blocks in all
     # A path relative to the cwd, inside the mount.
-    done = subprocess.run([*CKPTFS, "warmup", "ckpt/a.bin"], cwd=m.path, capture_output=True, text=True, timeout=120,
-                          check=False)
+    done = subprocess.run(
+        [*CKPTFS, "warmup", "ckpt/a.bin"],
+        cwd=m.path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0 and "warmed 1 file," in done.stderr, done.stderr
     assert m.fetched_bytes() == 20 * MiB  # b.bin stays cold
     assert (m.path / "ckpt/a.bin").read_bytes() == files["ckpt/a.bin"]
@@ -78,7 +84,9 @@ def test_warmup_one_file_bad_paths_and_a_cache_too_small(store, mount_factory, t
     assert_one_line_error(ckptfs("warmup", str(m.path / "ckpt/nope.bin"), check=False), None, "no such file")
     assert_one_line_error(ckptfs("warmup", str(tmp_path), check=False), None, "is not on a ckptfs mount")
     # Both files need six blocks: the cache holds four. A clear error, not a hang.
-    assert_one_line_error(ckptfs("warmup", str(m.path / "ckpt"), check=False, timeout=60), None, "cache holds at most")
+    assert_one_line_error(
+        ckptfs("warmup", str(m.path / "ckpt"), check=False, timeout=60), None, "cache holds at most"
+    )
     assert (m.path / "ckpt/a.bin").read_bytes() == files["ckpt/a.bin"]  # the mount still serves
     assert m.fetched_bytes() == 20 * MiB
     m.stop()
@@ -112,7 +120,11 @@ async def test_warm_shares_fetches_with_a_reader_and_marks_files_recently_used(t
         await sync(m)
     async with mounted(tmp_path / "reader", local) as m:  # a fresh cache: nothing cached
         nodes = {name: m.ns.inodes[ino(m.ns, name)] for name in ("big.bin", "small.bin")}
-        assert await warm(m, ["small.bin"]) == {"files": 1, "total_bytes": len(small), "fetched_bytes": len(small)}
+        assert await warm(m, ["small.bin"]) == {
+            "files": 1,
+            "total_bytes": len(small),
+            "fetched_bytes": len(small),
+        }
         progress: list[dict] = []
         read = {}
 
@@ -125,8 +137,12 @@ async def test_warm_shares_fetches_with_a_reader_and_marks_files_recently_used(t
         assert read["big"] == big
         assert result == {"files": 2, "total_bytes": len(big) + len(small), "fetched_bytes": len(big)}
         assert m.fetcher.fetched_bytes == len(big) + len(small)  # each block fetched once
-        assert progress[-1] == {"done_bytes": len(big) + len(small), "total_bytes": len(big) + len(small),
-                                "files": 2, "files_done": 2}
+        assert progress[-1] == {
+            "done_bytes": len(big) + len(small),
+            "total_bytes": len(big) + len(small),
+            "files": 2,
+            "files_done": 2,
+        }
         assert all(n.version.content.holders == 1 for n in nodes.values())  # released again
         assert [n.name for n in m.cache.clean] == ["big.bin", "small.bin"]  # released in tree order
         # Warming a cached file fetches nothing and makes it the most recently used.

@@ -1,4 +1,4 @@
-"""The filesystem model behind ``ckptfs.namespace.Namespace`` (see docs/architecture.md):
+"""The filesystem model behind ``ckptfs.model.namespace.Namespace`` (see docs/architecture.md):
 
 - ``tree``: inodes, the tree, open handles, store key codec and name checks;
 - ``policy``: which cached bytes may go (the latest checkpoint, clean files, sent blocks);

@@ -12,20 +12,28 @@ import errno
 import logging
 import time
 
-from ..cache import Cache, Content
-from ..errors import FsError
-from ..journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
-from ..prefill import Prefill
-from ..uploader import Uploader
-from .policy import CachePolicy
-from .tree import MIN_MULTIPART, Node, Shadow, Tree, Version, Writing, attr_metadata
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.contents import Content
+from ckptfs.cache.journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
+from ckptfs.errors import FsError
+from ckptfs.model.policy import CachePolicy
+from ckptfs.model.prefill import Prefill
+from ckptfs.model.tree import MIN_MULTIPART, Node, Shadow, Tree, Version, Writing, attr_metadata
+from ckptfs.transfer.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
 
 class Commits:
-    def __init__(self, tree: Tree, cache: Cache, journal: Journal, uploader: Uploader, policy: CachePolicy,
-                 prefill: Prefill):
+    def __init__(
+        self,
+        tree: Tree,
+        cache: Cache,
+        journal: Journal,
+        uploader: Uploader,
+        policy: CachePolicy,
+        prefill: Prefill,
+    ):
         self.tree = tree
         self.cache = cache
         self.journal = journal
@@ -113,8 +121,9 @@ class Commits:
             version.content.remote = {}  # evicted parts are now plain store reads
             self.retire_shadows(node, op.seq)
             self.policy.maybe_clean(node)
-            if version.content.size >= self.cache.block_size and (node.parent is self.tree.root
-                                                                  or self.policy.pinned(node)):
+            if version.content.size >= self.cache.block_size and (
+                node.parent is self.tree.root or self.policy.pinned(node)
+            ):
                 self.prefill.want(node, version)  # a checkpoint a restart will load: into the page cache
 
         return durable
@@ -223,7 +232,7 @@ class Commits:
         for task in self.uploader.pending.values():
             for key in (task.op.key, task.op.src):
                 if key and key.startswith(prefix) and len(key) > len(prefix):
-                    names.add(key[len(prefix):].split("/", 1)[0])
+                    names.add(key[len(prefix) :].split("/", 1)[0])
         return names
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import errno
 import stat
 
-from ..errors import FsError
-from ..journal import DELETE, MKDIR, Op
-from .commits import Commits
-from .tree import MIN_MULTIPART, RENAME_EXCHANGE, RENAME_NOREPLACE, Attr, attr_metadata
+from ckptfs.cache.journal import DELETE, MKDIR, Op
+from ckptfs.errors import FsError
+from ckptfs.model.commits import Commits
+from ckptfs.model.tree import MIN_MULTIPART, RENAME_EXCHANGE, RENAME_NOREPLACE, Attr, attr_metadata
 
 
 class Dirs:
@@ -23,7 +23,9 @@ class Dirs:
         if name in parent.children:
             raise FsError(errno.EEXIST)
         node = self.tree.add(parent, name, is_dir=True, mode=stat.S_IFDIR | (mode & 0o7777), uid=uid, gid=gid)
-        node.listed_at = node.changed_here = self.tree.now()  # new: the lookup before mkdir found nothing there
+        node.listed_at = node.changed_here = (
+            self.tree.now()
+        )  # new: the lookup before mkdir found nothing there
         node.last_seq = self.commits.log(Op(MKDIR, node.key(), meta=attr_metadata(node))).seq
         node.nlookup += 1
         self.tree.touch(parent)
@@ -50,7 +52,9 @@ class Dirs:
         self.commits.detach(node)
         self.tree.touch(parent)
 
-    def rename(self, old_parent_ino: int, old_name: str, new_parent_ino: int, new_name: str, flags: int) -> None:
+    def rename(
+        self, old_parent_ino: int, old_name: str, new_parent_ino: int, new_name: str, flags: int
+    ) -> None:
         if flags & RENAME_EXCHANGE:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         tree = self.tree
@@ -63,8 +67,9 @@ class Dirs:
         moved = set(node.walk())
         if any(h.node in moved and h.staged is not None and h.staged.remote for h in tree.handles.values()):
             # Its evicted parts sit in an upload fixed to the current key until the file is closed.
-            raise FsError(errno.EBUSY, "a file being written here has parts evicted to the store: "
-                                       "rename it after close")
+            raise FsError(
+                errno.EBUSY, "a file being written here has parts evicted to the store: rename it after close"
+            )
         if target is not None and flags & RENAME_NOREPLACE:
             raise FsError(errno.EEXIST)
         tree.check_new_name(new_parent, new_name)

@@ -12,12 +12,14 @@ import time
 
 import trio
 
-from ..cache import DISK, RAM, Cache, Content, StagedFile
-from ..errors import FsError
-from ..fetcher import Fetcher
-from ..store.base import MAX_PARTS
-from .commits import Commits
-from .tree import Attr, Handle, Node, Writing, attr_metadata
+from ckptfs.cache.arena import DISK, RAM
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.contents import Content, StagedFile
+from ckptfs.errors import FsError
+from ckptfs.model.commits import Commits
+from ckptfs.model.tree import Attr, Handle, Node, Writing, attr_metadata
+from ckptfs.store.base import MAX_PARTS
+from ckptfs.transfer.fetcher import Fetcher
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +51,18 @@ class Files:
         self.prefill = commits.prefill
         self.fetcher = fetcher
 
-    def create(self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int) -> tuple[Handle, Attr]:
+    def create(
+        self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int
+    ) -> tuple[Handle, Attr]:
         parent = self.tree.dir(parent_ino)
         if name in parent.children:
-            raise FsError(errno.EEXIST)  # (O_EXCL or not: the kernel only sends create for names it found absent)
+            raise FsError(
+                errno.EEXIST
+            )  # (O_EXCL or not: the kernel only sends create for names it found absent)
         self.tree.check_new_name(parent, name)
-        node = self.tree.add(parent, name, is_dir=False, mode=stat.S_IFREG | (mode & 0o7777), uid=uid, gid=gid)
+        node = self.tree.add(
+            parent, name, is_dir=False, mode=stat.S_IFREG | (mode & 0o7777), uid=uid, gid=gid
+        )
         node.nlookup += 1
         node.writing = Writing(StagedFile(self.cache))
         node.writing.dirty = True  # a created file exists once closed, even empty
@@ -79,7 +87,9 @@ class Files:
             # hold the working copy, and its attributes are not cached: the kernel drops the
             # pages when a read finds the size or mtime changed (auto_inval_data).
             being_written = node.writing is not None
-            keep_cache = not being_written and node.version is not None and node.kernel_version is node.version
+            keep_cache = (
+                not being_written and node.version is not None and node.kernel_version is node.version
+            )
             node.kernel_version = None if being_written else node.version
             return self._open_handle(node, None, content.hold(), False), keep_cache, False
         writing = node.writing
@@ -111,7 +121,9 @@ class Files:
         finally:
             base.release()
 
-    def _open_handle(self, node: Node, writing: Writing | None, content: Content | None, append: bool) -> Handle:
+    def _open_handle(
+        self, node: Node, writing: Writing | None, content: Content | None, append: bool
+    ) -> Handle:
         handle = self.tree.new_handle(node, writing, content, append)
         self.policy.keep(node)
         self.policy.maybe_clean(node)  # a reader: evictable block by block
@@ -166,7 +178,9 @@ class Files:
         if writing.error:
             raise FsError(writing.error)
         if writing.frozen:
-            raise FsError(errno.EIO, "this file was committed with parts evicted to the store: reopen it to write")
+            raise FsError(
+                errno.EIO, "this file was committed with parts evicted to the store: reopen it to write"
+            )
         if handle.append:
             offset = writing.staged.size
         if writing.staged.remote and offset + len(data) > MAX_PARTS * self.cache.block_size:
@@ -187,8 +201,11 @@ class Files:
         ``offset``) are sent at once; the commit re-sends any that change again."""
         staged = writing.staged
         bs = self.cache.block_size
-        sealed = [i for i in staged.changed
-                  if i < offset // bs and staged.valid[i] == bs and staged.blocks[i] is not None]
+        sealed = [
+            i
+            for i in staged.changed
+            if i < offset // bs and staged.valid[i] == bs and staged.blocks[i] is not None
+        ]
         if not sealed or node.unlinked:
             return
         if writing.stream is None:
@@ -306,8 +323,9 @@ class Files:
                 disk.release()
         await trio.to_thread.run_sync(self.commits.journal.sync)
 
-    async def setattr(self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None,
-                      atime_ns=None, mtime_ns=None) -> Attr:
+    async def setattr(
+        self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None
+    ) -> Attr:
         node = self.tree.node(ino)
         if size is not None:
             if node.is_dir:
@@ -357,10 +375,17 @@ class Files:
 
     async def _truncate_working_copy(self, writing: Writing, size: int) -> None:
         staged, bs = writing.staged, self.cache.block_size
-        if self.uploader.codec is not None and size < staged.size and size % bs == 0 \
-                and size // bs - 1 in staged.remote:
+        if (
+            self.uploader.codec is not None
+            and size < staged.size
+            and size % bs == 0
+            and size // bs - 1 in staged.remote
+        ):
             # A compressed upload's last part is sent again at commit, followed by the seek
             # table: an evicted block cannot be read back to be that part.
-            raise FsError(errno.EIO, "the file's new last block was uploaded and evicted from the cache "
-                                     "(cache full): a compressed file cannot end there before it is closed")
+            raise FsError(
+                errno.EIO,
+                "the file's new last block was uploaded and evicted from the cache "
+                "(cache full): a compressed file cannot end there before it is closed",
+            )
         await staged.truncate(size)

@@ -16,11 +16,12 @@ import time
 
 import trio
 
-from ..cache import Cache, Content
-from ..clean_index import cached_digest
-from ..single_flight import SingleFlight
-from ..uploader import Uploader
-from .tree import Node, Tree, common_dir
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.clean_index import cached_digest
+from ckptfs.cache.contents import Content
+from ckptfs.model.tree import Node, Tree, common_dir
+from ckptfs.transfer.uploader import Uploader
+from ckptfs.util.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,11 @@ class CachePolicy:
 
     # -- asked by the cache ---------------------------------------------------------------------
     def pinned(self, owner: object) -> bool:
-        return bool(self.checkpoint_dir) and isinstance(owner, Node) and owner.key().startswith(self.checkpoint_dir)
+        return (
+            bool(self.checkpoint_dir)
+            and isinstance(owner, Node)
+            and owner.key().startswith(self.checkpoint_dir)
+        )
 
     def releases_pending(self) -> bool:
         """Whether some holder of blocks will let go of them by itself (an upload in progress)."""
@@ -128,8 +133,10 @@ class CachePolicy:
         try:
             digest = await trio.to_thread.run_sync(cached_digest, self.cache, content.size, content.blocks)
             if digest != content.verify:
-                log.warning("%s: cached copy from the last mount does not match its digest; reading the store",
-                            content.key)
+                log.warning(
+                    "%s: cached copy from the last mount does not match its digest; reading the store",
+                    content.key,
+                )
                 content.drop_blocks()
             content.verify = ""
         finally:

@@ -21,13 +21,14 @@ from collections.abc import Callable
 
 import trio
 
-from .. import retry
-from ..cache import Cache
-from ..health import StoreHealth
-from ..single_flight import SingleFlight
-from ..store.base import DirListing, ObjectInfo, ObjectStore, StoreError
-from .commits import Commits
-from .tree import Node, Tree, apply_attr_metadata, show_store_version, split_key, store_content
+from ckptfs.cache.cache import Cache
+from ckptfs.errors import StoreError
+from ckptfs.model.commits import Commits
+from ckptfs.model.tree import Node, Tree, apply_attr_metadata, show_store_version, split_key, store_content
+from ckptfs.store.base import DirListing, ObjectInfo, ObjectStore
+from ckptfs.store.health import StoreHealth
+from ckptfs.transfer import retry
+from ckptfs.util.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,15 @@ MERGED, SKIPPED, FAILED = "merged", "skipped", "failed"
 
 
 class Refresher:
-    def __init__(self, tree: Tree, commits: Commits, cache: Cache, store: ObjectStore, health: StoreHealth,
-                 list_ttl: float | None):
+    def __init__(
+        self,
+        tree: Tree,
+        commits: Commits,
+        cache: Cache,
+        store: ObjectStore,
+        health: StoreHealth,
+        list_ttl: float | None,
+    ):
         self.tree = tree
         self.commits = commits
         self.cache = cache
@@ -66,15 +74,20 @@ class Refresher:
         self._store_failing = False  # a refresh failed: logged once until the store answers again
 
     def due(self, node: Node) -> bool:
-        return (self.list_ttl is not None and not node.unlinked
-                and (node.listed_at is None or self.tree.now() - node.listed_at >= self.list_ttl))
+        return (
+            self.list_ttl is not None
+            and not node.unlinked
+            and (node.listed_at is None or self.tree.now() - node.listed_at >= self.list_ttl)
+        )
 
     async def lookup(self, parent: Node, name: str) -> None:
         """Before a lookup: bring ``parent`` up to date, waiting at most LOOKUP_WAIT_S."""
         with trio.move_on_after(LOOKUP_WAIT_S) as waited:
             await self.catch_up(parent, name)
         if waited.cancelled_caught:
-            self._store_trouble(f"cannot look up {name}", TimeoutError(f"the store did not answer in {LOOKUP_WAIT_S:g} s"))
+            self._store_trouble(
+                f"cannot look up {name}", TimeoutError(f"the store did not answer in {LOOKUP_WAIT_S:g} s")
+            )
 
     async def catch_up(self, parent: Node, name: str) -> None:
         """Bring what ``parent`` shows under ``name`` up to date with the store."""
@@ -149,12 +162,13 @@ class Refresher:
             node.listed_at = started
         return outcome
 
-    def _merge_listing(self, node: Node, prefix: str, listing: DirListing, before: _DirState,
-                       blocked: set[str]) -> None:
+    def _merge_listing(
+        self, node: Node, prefix: str, listing: DirListing, before: _DirState, blocked: set[str]
+    ) -> None:
         """The store's listing of directory ``node`` into the tree (no awaits): new names are
         added, files the store changed are followed, names the store lost are dropped, all only
         where nothing here disagrees (see ``_follow_store`` and ``_removable``)."""
-        files = {info.key[len(prefix):]: info for info in listing.files}
+        files = {info.key[len(prefix) :]: info for info in listing.files}
         dirs = set(listing.dirs)
         for name in sorted(set(node.children) | set(files) | dirs):
             if name in blocked:
@@ -305,10 +319,16 @@ class Refresher:
 
     def _store_trouble(self, what: str, exc: Exception) -> None:
         if not self._store_failing:  # (once per episode: lookups must not flood the status's errors)
-            self.health.failed("", "", f"{what}: {exc}", reachable=False if isinstance(exc, TimeoutError) else None)
+            self.health.failed(
+                "", "", f"{what}: {exc}", reachable=False if isinstance(exc, TimeoutError) else None
+            )
             self._store_failing = True
-            log.warning("%s: %s; showing what this mount knows (logged once until the store answers)",
-                        what, exc, exc_info=not isinstance(exc, (StoreError, TimeoutError)))
+            log.warning(
+                "%s: %s; showing what this mount knows (logged once until the store answers)",
+                what,
+                exc,
+                exc_info=not isinstance(exc, (StoreError, TimeoutError)),
+            )
         else:
             log.debug("%s: %s", what, exc)
 
@@ -361,8 +381,12 @@ class _DirState:
         self.versions = {name: child.version for name, child in node.children.items()}
 
     def unchanged(self, node: Node) -> bool:
-        return (not node.unlinked and node.ctime_ns == self.ctime_ns and node.key() == self.key
-                and node.children == self.children)
+        return (
+            not node.unlinked
+            and node.ctime_ns == self.ctime_ns
+            and node.key() == self.key
+            and node.children == self.children
+        )
 
 
 def _removable(node: Node) -> bool:

@@ -9,20 +9,30 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from .. import integrity
-from ..cache import Content
-from ..clean_index import CleanEntry
-from ..journal import ATTR, DELETE, MKDIR, MOVE, PUT, Op
-from ..store.base import ObjectInfo, PartInfo
-from ..uploader import Upload
-from .commits import Commits
-from .tree import apply_attr_metadata, release_blocks, show_store_version, split_key, store_content
+from ckptfs.cache.clean_index import CleanEntry
+from ckptfs.cache.contents import Content
+from ckptfs.cache.journal import ATTR, DELETE, MKDIR, MOVE, PUT, Op
+from ckptfs.model.commits import Commits
+from ckptfs.model.tree import (
+    apply_attr_metadata,
+    release_blocks,
+    show_store_version,
+    split_key,
+    store_content,
+)
+from ckptfs.objects import integrity
+from ckptfs.store.base import ObjectInfo, PartInfo
+from ckptfs.transfer.upload_tasks import Upload
 
 log = logging.getLogger(__name__)
 
 
-def load(commits: Commits, listing: Iterable[ObjectInfo], pending: list[Op],
-         clean: dict[str, CleanEntry] | None = None) -> None:
+def load(
+    commits: Commits,
+    listing: Iterable[ObjectInfo],
+    pending: list[Op],
+    clean: dict[str, CleanEntry] | None = None,
+) -> None:
     """The store's listing, then the journal's pending ops on top (in order). ``clean``:
     blocks the last mount left cached, kept for the files the store still holds unchanged."""
     tree, cache = commits.tree, commits.cache
@@ -46,7 +56,11 @@ def load(commits: Commits, listing: Iterable[ObjectInfo], pending: list[Op],
         content = store_content(cache, info)
         entry = clean.pop(info.key, None)
         if entry is not None and entry.unchanged_in_store(info.size, info.mtime):
-            content.blocks, content.verify, content.durable_at = list(entry.blocks), entry.digest, entry.durable_at
+            content.blocks, content.verify, content.durable_at = (
+                list(entry.blocks),
+                entry.digest,
+                entry.durable_at,
+            )
         elif entry is not None:
             release_blocks(cache, entry.blocks)  # the store has another version now
         show_store_version(tree.add(parent, parts[-1], is_dir=False), content, info)
@@ -70,8 +84,10 @@ def replay(commits: Commits, op: Op) -> None:
         parent = tree.ensure_dir(parts[:-1])
         content = Content(commits.cache, op.size, list(op.blocks))
         if op.upload:  # parts evicted before the crash: readable once the upload completes
-            content.remote = {index: PartInfo(index + 1, token, op.hashes.get(index, ""))
-                              for index, token in op.parts.items()}
+            content.remote = {
+                index: PartInfo(index + 1, token, op.hashes.get(index, ""))
+                for index, token in op.parts.items()
+            }
             content.upload = Upload(*op.upload)
         if parent is not None and (node is None or not node.is_dir):
             node = node or tree.add(parent, parts[-1], is_dir=False)

@@ -13,11 +13,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
-from ..cache import Cache, Content, StagedFile
-from ..errors import FsError
-from ..journal import Op
-from ..store.base import MAX_KEY_BYTES, RESERVED_PREFIX, ObjectInfo
-from ..uploader import Stream
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.contents import Content, StagedFile
+from ckptfs.cache.journal import Op
+from ckptfs.errors import FsError
+from ckptfs.store.base import MAX_KEY_BYTES, RESERVED_PREFIX, ObjectInfo
+from ckptfs.transfer.upload_tasks import Stream
 
 ROOT_INODE = 1
 MAX_NAME_BYTES = 255
@@ -87,7 +88,9 @@ class Node:
         self.unlinked_size = 0  # its size when unlinked: descriptors still open read that much
         self.listed_at: float | None = None  # directories: last merged store listing (monotonic); None: never
         self.gone = False  # taken out because the store no longer has it (another mount deleted it)
-        self.changed_here: float | None = None  # directories: last create/unlink/rename in it here (monotonic)
+        self.changed_here: float | None = (
+            None  # directories: last create/unlink/rename in it here (monotonic)
+        )
         # Whether mode, uid, gid and mtime are the store's: False for what a listing showed until
         # its metadata is read (a HEAD before the kernel sees it: see Refresher.learn_attrs).
         self.attrs_known = True
@@ -154,8 +157,15 @@ class Handle:
 class Tree:
     """Inodes by number, the directory tree, open handles by fh, and the model's clock."""
 
-    def __init__(self, uid: int, gid: int, umask: int = 0o022, root: tuple[int, int, int] | None = None,
-                 clock: Callable[[], float] = time.monotonic, max_key_bytes: int = MAX_KEY_BYTES):
+    def __init__(
+        self,
+        uid: int,
+        gid: int,
+        umask: int = 0o022,
+        root: tuple[int, int, int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_key_bytes: int = MAX_KEY_BYTES,
+    ):
         # Owner and modes of what the store does not say (loaded objects): the mounting user, and
         # 0666/0777 less ``umask``; the root directory: (mode, uid, gid), as the mountpoint was.
         self.uid, self.gid = uid, gid
@@ -218,10 +228,21 @@ class Tree:
         nlink = 2 + node.subdirs if node.is_dir else 1
         # Stored attributes not read yet (a HEAD failed): shown as root's, no permission, never
         # more open than they will be.
-        mode, uid, gid = (node.mode, node.uid, node.gid) if node.attrs_known else (stat.S_IFMT(node.mode), 0, 0)
+        mode, uid, gid = (
+            (node.mode, node.uid, node.gid) if node.attrs_known else (stat.S_IFMT(node.mode), 0, 0)
+        )
         return Attr(
-            node.ino, node.is_dir, mode, node.size(), uid, gid,
-            node.atime_ns, node.mtime_ns, node.ctime_ns, node.writing is not None, 0 if node.unlinked else nlink,
+            node.ino,
+            node.is_dir,
+            mode,
+            node.size(),
+            uid,
+            gid,
+            node.atime_ns,
+            node.mtime_ns,
+            node.ctime_ns,
+            node.writing is not None,
+            0 if node.unlinked else nlink,
         )
 
     def files(self) -> Iterable[Node]:
@@ -231,8 +252,15 @@ class Tree:
     def add(self, parent: Node, name: str, is_dir: bool, mode: int | None = None, uid=None, gid=None) -> Node:
         if mode is None:
             mode = stat.S_IFDIR | self.dir_mode if is_dir else stat.S_IFREG | self.file_mode
-        node = Node(self._next_ino, name, parent, is_dir, mode, self.uid if uid is None else uid,
-                    self.gid if gid is None else gid)
+        node = Node(
+            self._next_ino,
+            name,
+            parent,
+            is_dir,
+            mode,
+            self.uid if uid is None else uid,
+            self.gid if gid is None else gid,
+        )
         self._next_ino += 1
         self.inodes[node.ino] = node
         self.put_in(node, parent, name)
@@ -276,7 +304,9 @@ class Tree:
         if node.unlinked and node.nlookup == 0 and node.handles == 0:
             self.inodes.pop(node.ino, None)
 
-    def new_handle(self, node: Node, writing: Writing | None, content: Content | None, append: bool) -> Handle:
+    def new_handle(
+        self, node: Node, writing: Writing | None, content: Content | None, append: bool
+    ) -> Handle:
         handle = Handle(self._next_fh, node, writing, content, append)
         self._next_fh += 1
         self.handles[handle.fh] = handle
@@ -395,7 +425,10 @@ def apply_attr_metadata(node: Node, metadata: dict[str, str]) -> None:
             node.mode, mode = LINK_MODE, None  # (a link's permissions are always 0777)
         elif stat.S_ISLNK(node.mode):  # a link replaced by a file: its stored mode, else the most closed
             node.mode = stat.S_IFREG | 0o600
-    if mode is not None and stat.S_IFMT(mode) in (0, stat.S_IFMT(node.mode)):  # (a wrong type is not believed)
+    if mode is not None and stat.S_IFMT(mode) in (
+        0,
+        stat.S_IFMT(node.mode),
+    ):  # (a wrong type is not believed)
         node.mode = stat.S_IFMT(node.mode) | (mode & 0o1777)  # (no set-id bit from the store)
     for name, field in ((UID_META, "uid"), (GID_META, "gid")):
         try:

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ckptfs.errors import NotFound, StoreError  # noqa: F401  (re-exported: defined in errors for to_errno)
+from ckptfs.errors import NotFound
 
 MiB, GiB, TiB = 1 << 20, 1 << 30, 1 << 40
 
@@ -76,7 +76,7 @@ class DirListing:
 @dataclass(frozen=True)
 class PartInfo:
     number: int  # 1-based, as in S3
-    token: str   # what complete_multipart needs back (the ETag on S3)
+    token: str  # what complete_multipart needs back (the ETag on S3)
     xxh3: str = ""  # ckptfs's checksum of the part's bytes (for the manifest), "" where unknown
 
 
@@ -144,7 +144,7 @@ class ObjectStore(ABC):
         exists = not prefix
         for info in self.list(prefix):
             exists = True
-            rest = info.key[len(prefix):]
+            rest = info.key[len(prefix) :]
             if not rest:
                 continue  # the directory's own marker
             name, sep, _ = rest.partition("/")

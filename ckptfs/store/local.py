@@ -37,10 +37,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import localfs as fs
-from .base import DirListing, NotFound, ObjectInfo, StoreError
-from .local_multipart import LocalMultipart
-from .local_tree import NOT_AN_OBJECT, TMP_DIR, UPLOADS, XATTR_PREFIX, etag
+from ckptfs.errors import NotFound, StoreError
+from ckptfs.store import localfs as fs
+from ckptfs.store.base import DirListing, ObjectInfo
+from ckptfs.store.local_multipart import LocalMultipart
+from ckptfs.store.local_tree import NOT_AN_OBJECT, TMP_DIR, UPLOADS, XATTR_PREFIX, etag
 
 __all__ = ["TMP_DIR", "UPLOADS", "XATTR_PREFIX", "LocalStore"]
 
@@ -102,16 +103,21 @@ class LocalStore(LocalMultipart):
         except FileExistsError:
             raise StoreError(f"local store {self.root} is not a directory", errno_=errno.ENOTDIR) from None
         except OSError as e:
-            raise StoreError(f"cannot create local store {self.root}: {e.strerror}", errno_=e.errno or errno.EIO) from None
+            raise StoreError(
+                f"cannot create local store {self.root}: {e.strerror}", errno_=e.errno or errno.EIO
+            ) from None
         try:
             self._prepare()
             with self._dir((TMP_DIR,)) as tmp_dir:
                 name = f"{uuid.uuid4().hex}.tmp"
-                os.close(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | fs.NOFOLLOW, 0o600, dir_fd=tmp_dir))
+                os.close(
+                    os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | fs.NOFOLLOW, 0o600, dir_fd=tmp_dir)
+                )
                 os.unlink(name, dir_fd=tmp_dir)
         except OSError as e:
-            raise StoreError(f"local store {self.root} is not writable: {self._why(e)}",
-                             errno_=e.errno or errno.EIO) from None
+            raise StoreError(
+                f"local store {self.root} is not writable: {self._why(e)}", errno_=e.errno or errno.EIO
+            ) from None
 
     def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
         parts = self._parts(key)
@@ -272,8 +278,14 @@ class LocalStore(LocalMultipart):
         except OSError as e:
             # Absent is fine; so is a non-empty directory (it holds other keys), "a" naming a
             # directory (there is no object "a"), and a link on the way (nothing of ours there).
-            if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR,
-                               errno.ELOOP):
+            if e.errno not in (
+                errno.ENOENT,
+                errno.ENOTDIR,
+                errno.ENOTEMPTY,
+                errno.EEXIST,
+                errno.EISDIR,
+                errno.ELOOP,
+            ):
                 raise self._err("delete", key, e) from None
 
     def set_metadata(self, key: str, metadata: dict[str, str]) -> None:
@@ -304,4 +316,3 @@ class LocalStore(LocalMultipart):
             raise self._err("copy", f"{src} -> {dst}", e) from None
         finally:
             os.close(sfd)
-

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import xxhash
 
-from ..blocks import zeros_xxh3
-from . import localfs as fs
-from .base import NotFound, PartInfo, StoreError
-from .local_tree import NOT_AN_OBJECT, TMP_DIR, UPLOADS, LocalTree
+from ckptfs.blocks import zeros_xxh3
+from ckptfs.errors import NotFound, StoreError
+from ckptfs.store import localfs as fs
+from ckptfs.store.base import PartInfo
+from ckptfs.store.local_tree import NOT_AN_OBJECT, TMP_DIR, UPLOADS, LocalTree
 
 log = logging.getLogger("ckptfs.store.local")
 
@@ -59,7 +60,7 @@ def _pack(layout: struct.Struct, *fields) -> bytes:
 
 def _unpack(layout: struct.Struct, raw: bytes) -> tuple | None:
     """A record's fields, or None for one missing, torn or wiped."""
-    body, crc = raw[:layout.size], raw[layout.size:layout.size + _CRC.size]
+    body, crc = raw[: layout.size], raw[layout.size : layout.size + _CRC.size]
     if len(crc) < _CRC.size or _CRC.unpack(crc)[0] != xxhash.xxh64_intdigest(body):
         return None
     fields = layout.unpack(body)
@@ -82,7 +83,7 @@ def _read_parts(index: int, max_parts: int) -> dict[int, _Part]:
     raw = os.pread(index, (max_parts + 1) * _RECORD, 0)
     parts = {}
     for number in range(1, len(raw) // _RECORD):
-        part = _parse_part(raw[number * _RECORD:(number + 1) * _RECORD], number)
+        part = _parse_part(raw[number * _RECORD : (number + 1) * _RECORD], number)
         if part is not None:
             parts[number] = part
     return parts
@@ -93,11 +94,13 @@ def _write_records(index: int, records: dict[int, _Part | None]) -> None:
     if not records:
         return
     for number, part in records.items():
-        raw = bytes(_RECORD) if part is None else _pack(_PART, number, part.length, part.offset,
-                                                        part.token.encode())
+        raw = (
+            bytes(_RECORD)
+            if part is None
+            else _pack(_PART, number, part.length, part.offset, part.token.encode())
+        )
         fs.pwrite_all(index, raw, number * _RECORD)
     os.fdatasync(index)
-
 
 
 class LocalMultipart(LocalTree):
@@ -214,13 +217,21 @@ class LocalMultipart(LocalTree):
         try:
             self._prepare()
             # Build the upload dir under a temp name, then rename: it appears whole, with its key.
-            with self._dir((TMP_DIR,), create=True) as tmp_dir, \
-                    fs.closing(fs.subdir(tmp_dir, "uploads", create=True)) as uploads:
+            with (
+                self._dir((TMP_DIR,), create=True) as tmp_dir,
+                fs.closing(fs.subdir(tmp_dir, "uploads", create=True)) as uploads,
+            ):
                 tmp = f"{upload_id}.upload"
                 with fs.closing(fs.subdir(tmp_dir, tmp, create=True)) as u:
-                    for name, content in (("key", key), ("metadata.json", json.dumps(metadata or {})),
-                                          ("data", ""), ("index", "")):
-                        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fs.NOFOLLOW, 0o644, dir_fd=u)
+                    for name, content in (
+                        ("key", key),
+                        ("metadata.json", json.dumps(metadata or {})),
+                        ("data", ""),
+                        ("index", ""),
+                    ):
+                        fd = os.open(
+                            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fs.NOFOLLOW, 0o644, dir_fd=u
+                        )
                         try:
                             if content:
                                 fs.pwrite_all(fd, content.encode(), 0)
@@ -238,27 +249,43 @@ class LocalMultipart(LocalTree):
         view = memoryview(data).cast("B")
         # The token names the part's content, so complete_multipart uses exactly the
         # bytes the caller uploaded (like an S3 ETag) and a stale token fails.
-        return self._store_part(key, upload_id, number, len(view), lambda: xxhash.xxh3_64_hexdigest(view),
-                                lambda fd, offset: fs.pwrite_all(fd, view, offset))
+        return self._store_part(
+            key,
+            upload_id,
+            number,
+            len(view),
+            lambda: xxhash.xxh3_64_hexdigest(view),
+            lambda fd, offset: fs.pwrite_all(fd, view, offset),
+        )
 
     def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
         """A hole: the part's bytes are punched out of the file, never written (a sparse object)."""
-        return self._store_part(key, upload_id, number, length, lambda: zeros_xxh3(length),
-                                lambda fd, offset: fs.zero_range(fd, offset, length))
+        return self._store_part(
+            key,
+            upload_id,
+            number,
+            length,
+            lambda: zeros_xxh3(length),
+            lambda fd, offset: fs.zero_range(fd, offset, length),
+        )
 
     def _store_part(self, key: str, upload_id: str, number: int, length: int, token_of, write) -> PartInfo:
         """Part ``number`` of ``length`` bytes: ``token_of()`` names its content, ``write(fd,
         offset)`` puts its bytes (into ``data`` at its slot, or into a file of its own)."""
         if not 1 <= number <= self.limits.max_parts:
-            raise StoreError(f"local store {self.root}: part number {number} not in 1..{self.limits.max_parts}",
-                             errno_=errno.EINVAL)
+            raise StoreError(
+                f"local store {self.root}: part number {number} not in 1..{self.limits.max_parts}",
+                errno_=errno.EINVAL,
+            )
         if upload_id not in self._slot_sizes:
             with self._begun_lock:  # before hashing: parts sent at once have all begun when P is decided
                 self._begun.setdefault(upload_id, {})[number] = length
         token = token_of()
         try:
-            with self._locked_upload(key, upload_id, fcntl.LOCK_SH) as (d, index), \
-                    fs.flocked(d, f"{number}.lock", fcntl.LOCK_EX, create=True):
+            with (
+                self._locked_upload(key, upload_id, fcntl.LOCK_SH) as (d, index),
+                fs.flocked(d, f"{number}.lock", fcntl.LOCK_EX, create=True),
+            ):
                 size = self._slot_size(d, upload_id, index, number, length)
                 in_slot = size is not None and length <= size
                 new = _Part(length, (number - 1) * size if in_slot else _OWN_FILE, token)
@@ -268,8 +295,11 @@ class LocalMultipart(LocalTree):
                 if old is not None:
                     _write_records(index, {number: None})  # a re-upload: no record over changing bytes
                 own = f"{number}.part"
-                fd = os.open("data", os.O_WRONLY | fs.NOFOLLOW, dir_fd=d) if in_slot else \
-                    os.open(own, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | fs.NOFOLLOW, 0o644, dir_fd=d)
+                fd = (
+                    os.open("data", os.O_WRONLY | fs.NOFOLLOW, dir_fd=d)
+                    if in_slot
+                    else os.open(own, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | fs.NOFOLLOW, 0o644, dir_fd=d)
+                )
                 try:
                     if not in_slot:
                         os.ftruncate(fd, length)  # (a hole punched past the end would not count)
@@ -291,8 +321,10 @@ class LocalMultipart(LocalTree):
         dest = self._parts(key)
         numbers = [p.number for p in parts]
         if not parts or numbers != sorted(set(numbers)):
-            raise StoreError(f"local store {self.root}: complete {key!r}: parts must be non-empty and ascending",
-                             errno_=errno.EINVAL)
+            raise StoreError(
+                f"local store {self.root}: complete {key!r}: parts must be non-empty and ascending",
+                errno_=errno.EINVAL,
+            )
         try:
             with self._locked_upload(key, upload_id, fcntl.LOCK_EX) as (d, index):
                 recorded = _read_parts(index, self.limits.max_parts)
@@ -300,8 +332,11 @@ class LocalMultipart(LocalTree):
                 for p in parts:
                     part = recorded.get(p.number)
                     if part is None or part.token != p.token:
-                        raise StoreError(f"local store {self.root}: complete {key!r}: part {p.number} "
-                                         f"with token {p.token!r} was not uploaded", errno_=errno.EINVAL)
+                        raise StoreError(
+                            f"local store {self.root}: complete {key!r}: part {p.number} "
+                            f"with token {p.token!r} was not uploaded",
+                            errno_=errno.EINVAL,
+                        )
                     chosen.append((p.number, part))
                 metadata = json.loads(fs.read_small(d, "metadata.json"))
                 try:
@@ -318,7 +353,9 @@ class LocalMultipart(LocalTree):
                     if in_place:
                         self._complete_in_place(d, index, fd, chosen, recorded, offset, metadata, dest)
                     else:
-                        log.debug("local store %s: parts of %r out of their slots: copying them", self.root, key)
+                        log.debug(
+                            "local store %s: parts of %r out of their slots: copying them", self.root, key
+                        )
                         self._complete_by_copy(d, fd, chosen, metadata, dest)
                 finally:
                     os.close(fd)
@@ -338,16 +375,26 @@ class LocalMultipart(LocalTree):
         if copied != part.length:
             raise OSError(errno.EIO, f"part {number} has {copied} bytes, not {part.length}")
 
-    def _complete_in_place(self, d: int, index: int, data: int, chosen: list[tuple[int, _Part]],
-                           recorded: dict[int, _Part], size: int, metadata: dict[str, str],
-                           dest: Sequence[str]) -> None:
+    def _complete_in_place(
+        self,
+        d: int,
+        index: int,
+        data: int,
+        chosen: list[tuple[int, _Part]],
+        recorded: dict[int, _Part],
+        size: int,
+        metadata: dict[str, str],
+        dest: Sequence[str],
+    ) -> None:
         """The data file becomes the object: copy in the parts kept in files of their own (at most
         a few: the last, or parts sent before P was known), cut it to size, rename it into place."""
         # Those copies and the truncation overwrite the slots of parts left out of the object:
         # wipe their records first, so a crash here leaves no record over changed bytes.
         chosen_numbers = {number for number, _ in chosen}
-        _write_records(index, {n: None for n, part in recorded.items()
-                               if n not in chosen_numbers and part.offset != _OWN_FILE})
+        _write_records(
+            index,
+            {n: None for n, part in recorded.items() if n not in chosen_numbers and part.offset != _OWN_FILE},
+        )
         offset = 0
         for number, part in chosen:
             if part.offset == _OWN_FILE:
@@ -357,10 +404,17 @@ class LocalMultipart(LocalTree):
         self._set_metadata(data, metadata)
         self._publish(data, d, "data", dest)
 
-    def _complete_by_copy(self, d: int, data: int, chosen: list[tuple[int, _Part]],
-                          metadata: dict[str, str], dest: Sequence[str]) -> None:
+    def _complete_by_copy(
+        self,
+        d: int,
+        data: int,
+        chosen: list[tuple[int, _Part]],
+        metadata: dict[str, str],
+        dest: Sequence[str],
+    ) -> None:
         """Parts not in the simple layout (sizes that vary, numbers with gaps): concatenate them
         into a new file."""
+
         def concatenate(fd: int) -> None:
             offset = 0
             for number, part in chosen:
@@ -406,4 +460,3 @@ class LocalMultipart(LocalTree):
         finally:
             os.close(uploads)
         return sorted(out)
-

@@ -15,12 +15,12 @@ import os
 import stat
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from . import localfs as fs
-from dataclasses import replace
-
-from .base import S3_LIMITS, NotFound, ObjectStore, StoreError
+from ckptfs.errors import NotFound, StoreError
+from ckptfs.store import localfs as fs
+from ckptfs.store.base import S3_LIMITS, ObjectStore
 
 log = logging.getLogger("ckptfs.store.local")
 
@@ -29,8 +29,16 @@ UPLOADS = (TMP_DIR, "uploads")
 XATTR_PREFIX = "user.ckptfs."
 _NO_XATTR = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 # Errors where trying again later may succeed (space freed, NFS server back).
-TRANSIENT = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EINTR,
-             errno.ETIMEDOUT, errno.ESTALE, errno.EBUSY}
+TRANSIENT = {
+    errno.EIO,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EAGAIN,
+    errno.EINTR,
+    errno.ETIMEDOUT,
+    errno.ESTALE,
+    errno.EBUSY,
+}
 # Parts of any size (a directory takes what it is given); keys and part counts as on S3, so that
 # what a mount writes here fits S3 too (and the upload index is sized for max_parts records).
 LOCAL_LIMITS = replace(S3_LIMITS, min_part_size=0)
@@ -120,8 +128,9 @@ class LocalTree(ObjectStore):
 
     def _err(self, op: str, key: str, e: OSError) -> StoreError:
         code = e.errno or errno.EIO
-        return StoreError(f"local store {self.root}: {op} {key!r}: {self._why(e)}",
-                          transient=code in TRANSIENT, errno_=code)
+        return StoreError(
+            f"local store {self.root}: {op} {key!r}: {self._why(e)}", transient=code in TRANSIENT, errno_=code
+        )
 
     def _prepare(self) -> None:
         if not self._ready:
@@ -138,8 +147,9 @@ class LocalTree(ObjectStore):
             os.rename(src_name, dest[-1], src_dir_fd=src_dir, dst_dir_fd=d)
             os.fsync(d)
 
-    def _publish_new(self, dest: Sequence[str], metadata: dict[str, str] | None,
-                     fill: Callable[[int], object]) -> None:
+    def _publish_new(
+        self, dest: Sequence[str], metadata: dict[str, str] | None, fill: Callable[[int], object]
+    ) -> None:
         """A new object at ``dest``: a temp file that ``fill(fd)`` writes, then ``_publish``."""
         self._prepare()
         with self._dir((TMP_DIR,), create=True) as tmp_dir:
@@ -164,14 +174,16 @@ class LocalTree(ObjectStore):
                 if e.errno not in _NO_XATTR:
                     raise
                 self._xattrs = False
-                log.debug("local store %s: no xattr support (%s): metadata is not kept", self.root, e.strerror)
+                log.debug(
+                    "local store %s: no xattr support (%s): metadata is not kept", self.root, e.strerror
+                )
 
     def _get_metadata(self, fd: int) -> dict[str, str]:
         if not self._xattrs:
             return {}
         try:
             names = [n for n in os.listxattr(fd) if n.startswith(XATTR_PREFIX)]
-            return {n[len(XATTR_PREFIX):]: os.getxattr(fd, n).decode() for n in names}
+            return {n[len(XATTR_PREFIX) :]: os.getxattr(fd, n).decode() for n in names}
         except OSError as e:
             if e.errno in _NO_XATTR:
                 return {}

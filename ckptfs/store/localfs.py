@@ -84,8 +84,12 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 def punch_hole(fd: int, offset: int, length: int) -> int:
     """Free ``length`` bytes at ``offset`` of a file (they read as zeros; its size stays).
     Returns 0, or the errno of a filesystem that cannot."""
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_long(offset),
-                       ctypes.c_long(length)) == 0:
+    if (
+        _libc.fallocate(
+            fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_long(offset), ctypes.c_long(length)
+        )
+        == 0
+    ):
         return 0
     return ctypes.get_errno()
 
@@ -105,7 +109,7 @@ def zero_range(fd: int, offset: int, length: int) -> None:
         raise OSError(err, os.strerror(err))
     zeros = bytes(min(length, COPY_CHUNK))
     for start in range(0, length, len(zeros)):
-        pwrite_all(fd, memoryview(zeros)[:min(len(zeros), length - start)], offset + start)
+        pwrite_all(fd, memoryview(zeros)[: min(len(zeros), length - start)], offset + start)
 
 
 def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int | None = None) -> int:
@@ -118,7 +122,9 @@ def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int
         return COPY_CHUNK if length is None else min(COPY_CHUNK, length - copied)
 
     try:
-        while (n := chunk()) and (n := os.copy_file_range(src, dst, n, src_offset + copied, dst_offset + copied)):
+        while (n := chunk()) and (
+            n := os.copy_file_range(src, dst, n, src_offset + copied, dst_offset + copied)
+        ):
             copied += n
         return copied
     except OSError as e:

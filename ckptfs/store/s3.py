@@ -3,24 +3,25 @@
 ``S3Store``: the object verbs (put, ranged get, head, listings, delete, metadata, copy) on top of
 the S3 store's two other modules: s3_client.py (``S3Client``: the session and its clients,
 signing, CRC32C checksums, error mapping, the server-checksum probe, ``check``, the health
-hooks) and s3_multipart.py (``S3Multipart``: the multipart uploads). The names defined in those
-two modules stay importable from here.
+hooks) and s3_multipart.py (``S3Multipart``: the multipart uploads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .base import DirListing, NotFound, ObjectInfo, PartInfo, StoreError
-from .s3_client import CHECKSUM_ALGORITHM, _as_bytes, _etag, _token, bex, crc32c_b64
-from .s3_multipart import S3Multipart
+import botocore.exceptions as bex
 
-# The names this module held before it was split in three, importable from here as before.
-from .base import MAX_KEY_BYTES, ObjectStore, redact_url  # noqa: F401
-from .s3_client import (  # noqa: F401
-    _CHECKSUM_REFUSED, _DENIED_CODES, _NOT_FOUND_CODES, _PERMANENT_ERRNO, _PROBE_BODY, _TRANSIENT_CODES,
-    PROBE_PREFIX, S3Client, _brief, _reason, log,
+from ckptfs.errors import NotFound, StoreError
+from ckptfs.store.base import DirListing, ObjectInfo, PartInfo
+from ckptfs.store.s3_client import (
+    CHECKSUM_ALGORITHM,
+    body_bytes,
+    crc32c_b64,
+    etag_of,
+    part_token,
 )
+from ckptfs.store.s3_multipart import S3Multipart
 
 GiB = 1 << 30
 
@@ -33,11 +34,19 @@ class S3Store(S3Multipart):
     # -- ObjectStore -------------------------------------------------------------
 
     def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
-        body = _as_bytes(data)
+        body = body_bytes(data)
         crc = crc32c_b64(body) if self.server_checksums else None
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
-        self._call("put", key, "put_object", client=self._body_client(crc), Key=self._key(key), Body=body,
-                   Metadata=metadata or {}, **extra)
+        self._call(
+            "put",
+            key,
+            "put_object",
+            client=self._body_client(crc),
+            Key=self._key(key),
+            Body=body,
+            Metadata=metadata or {},
+            **extra,
+        )
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self.get_range_meta(key, start, length)[0]
@@ -50,8 +59,9 @@ class S3Store(S3Multipart):
                 raise NotFound(f"get s3://{self.bucket}/{self._base}{key}: no such key")
             return b"", info.metadata
         try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
-                                           Range=f"bytes={start}-{start + length - 1}")
+            resp = self._client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
+            )
             body = resp["Body"]
             try:
                 # StreamingBody.read (not the raw stream its context manager hands out) turns
@@ -77,18 +87,20 @@ class S3Store(S3Multipart):
             self._fail("head", key, e)
         except (bex.BotoCoreError, OSError) as e:
             self._fail("head", key, e)
-        return ObjectInfo(key, r["ContentLength"], r["LastModified"].timestamp(), dict(r.get("Metadata", {})),
-                          _etag(r))
+        return ObjectInfo(
+            key, r["ContentLength"], r["LastModified"].timestamp(), dict(r.get("Metadata", {})), etag_of(r)
+        )
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         try:
             pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._base + prefix)
+                Bucket=self.bucket, Prefix=self._base + prefix
+            )
             for page in pages:
                 for o in page.get("Contents", []):
-                    key = o["Key"][len(self._base):]
+                    key = o["Key"][len(self._base) :]
                     if key:  # skip the "prefix/" marker itself
-                        yield ObjectInfo(key, o["Size"], o["LastModified"].timestamp(), etag=_etag(o))
+                        yield ObjectInfo(key, o["Size"], o["LastModified"].timestamp(), etag=etag_of(o))
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
             self._fail("list", prefix, e)
 
@@ -102,33 +114,41 @@ class S3Store(S3Multipart):
         exists = not prefix
         try:
             if limit is not None:
-                pages = [self._client.list_objects_v2(Bucket=self.bucket, Prefix=full, Delimiter="/",
-                                                      MaxKeys=max(limit, 1))]
+                pages = [
+                    self._client.list_objects_v2(
+                        Bucket=self.bucket, Prefix=full, Delimiter="/", MaxKeys=max(limit, 1)
+                    )
+                ]
             else:
                 pages = self._client.get_paginator("list_objects_v2").paginate(
-                    Bucket=self.bucket, Prefix=full, Delimiter="/")
+                    Bucket=self.bucket, Prefix=full, Delimiter="/"
+                )
             for page in pages:
                 for o in page.get("Contents", []):
                     exists = True
-                    key = o["Key"][len(self._base):]
+                    key = o["Key"][len(self._base) :]
                     if key != prefix:  # (not the directory's own marker)
-                        files.append(ObjectInfo(key, o["Size"], o["LastModified"].timestamp(), etag=_etag(o)))
+                        files.append(
+                            ObjectInfo(key, o["Size"], o["LastModified"].timestamp(), etag=etag_of(o))
+                        )
                 for p in page.get("CommonPrefixes", []):
                     exists = True
-                    dirs.append(p["Prefix"][len(full):-1])
+                    dirs.append(p["Prefix"][len(full) : -1])
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
             self._fail("list", prefix, e)
         if limit is not None:
             del files[limit:]
-            del dirs[max(limit - len(files), 0):]
+            del dirs[max(limit - len(files), 0) :]
         return DirListing(files, dirs, exists)
 
     def delete(self, key: str) -> None:
         try:
             self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
         except bex.ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 404 or \
-                    e.response.get("Error", {}).get("Code") == "NoSuchBucket":
+            if (
+                e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 404
+                or e.response.get("Error", {}).get("Code") == "NoSuchBucket"
+            ):
                 self._fail("delete", key, e)
         except (bex.BotoCoreError, OSError) as e:
             self._fail("delete", key, e)
@@ -150,8 +170,16 @@ class S3Store(S3Multipart):
         try:
             # If-Match: a version another mount wrote since the HEAD keeps its own metadata (ckptfs's
             # checksums and hash belong to the bytes).
-            self._call("set_metadata", key, "copy_object", Key=self._key(key), CopySource=source,
-                       CopySourceIfMatch=info.etag, MetadataDirective="REPLACE", Metadata=merged)
+            self._call(
+                "set_metadata",
+                key,
+                "copy_object",
+                Key=self._key(key),
+                CopySource=source,
+                CopySourceIfMatch=info.etag,
+                MetadataDirective="REPLACE",
+                Metadata=merged,
+            )
         except StoreError as exc:
             if "PreconditionFailed" not in str(exc):
                 raise
@@ -159,9 +187,18 @@ class S3Store(S3Multipart):
             # still the same object, copy it unconditionally; else a later retry starts over.
             now = self.head(key)
             if now is None or now.etag != info.etag or now.metadata != info.metadata:
-                raise StoreError(f"set_metadata {key}: the object changed meanwhile", transient=True) from None
-            self._call("set_metadata", key, "copy_object", Key=self._key(key), CopySource=source,
-                       MetadataDirective="REPLACE", Metadata=merged)
+                raise StoreError(
+                    f"set_metadata {key}: the object changed meanwhile", transient=True
+                ) from None
+            self._call(
+                "set_metadata",
+                key,
+                "copy_object",
+                Key=self._key(key),
+                CopySource=source,
+                MetadataDirective="REPLACE",
+                Metadata=merged,
+            )
 
     def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> None:
         """Server-side copy; ``metadata``: entries that replace the source's (others are kept)."""
@@ -170,19 +207,35 @@ class S3Store(S3Multipart):
             raise NotFound(f"copy s3://{self.bucket}/{self._base}{src}: no such key")
         source = {"Bucket": self.bucket, "Key": self._key(src)}
         if info.size <= self.max_single_copy:
-            self._call("copy", f"{src} -> {dst}", "copy_object", Key=self._key(dst), CopySource=source,
-                       MetadataDirective="COPY")
+            self._call(
+                "copy",
+                f"{src} -> {dst}",
+                "copy_object",
+                Key=self._key(dst),
+                CopySource=source,
+                MetadataDirective="COPY",
+            )
             return
         upload_id = self.create_multipart(dst, {**info.metadata, **(metadata or {})})
         try:
             parts = []
             for n, off in enumerate(range(0, info.size, self.copy_part_size), start=1):
                 end = min(off + self.copy_part_size, info.size) - 1
-                r = self._call("copy", f"{src} -> {dst}", "upload_part_copy", Key=self._key(dst),
-                               UploadId=upload_id, PartNumber=n, CopySource=source,
-                               CopySourceRange=f"bytes={off}-{end}")
-                parts.append(PartInfo(n, _token(r["CopyPartResult"]["ETag"],
-                                              r["CopyPartResult"].get("ChecksumCRC32C"))))
+                r = self._call(
+                    "copy",
+                    f"{src} -> {dst}",
+                    "upload_part_copy",
+                    Key=self._key(dst),
+                    UploadId=upload_id,
+                    PartNumber=n,
+                    CopySource=source,
+                    CopySourceRange=f"bytes={off}-{end}",
+                )
+                parts.append(
+                    PartInfo(
+                        n, part_token(r["CopyPartResult"]["ETag"], r["CopyPartResult"].get("ChecksumCRC32C"))
+                    )
+                )
             self.complete_multipart(dst, upload_id, parts)
         except BaseException:
             try:

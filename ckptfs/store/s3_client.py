@@ -1,6 +1,5 @@
 """The S3 store's connection: the boto3 session and its clients, how a request goes out and how
-its errors come back (the only module that imports boto3 itself; the S3 store's other modules
-take botocore's exceptions from here).
+its errors come back (the only module that imports boto3 itself).
 
 One low-level client, shared by all threads (botocore clients are thread-safe). botocore
 retries a little ("standard" mode, few attempts); the real retry policy with backoff lives
@@ -17,37 +16,44 @@ from __future__ import annotations
 import base64
 import errno
 import logging
-import os
 import re
 import threading
 import uuid
 from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
 
-# botocore signs with the AWS CRT whenever awscrt is importable (ckptfs installs it for CRC32C
-# alone): measured here, the daemon's RSS while uploading 8 MiB parts went from 210 to 326 MiB
-# (tests/test_e2e.py backpressure test). botocore's own signer is kept unless the user chose.
-os.environ.setdefault("BOTO_DISABLE_CRT", "true")
+import boto3  # (ckptfs/store/__init__.py has set BOTO_DISABLE_CRT)
+import botocore.exceptions as bex
+from botocore.config import Config
 
-import boto3  # noqa: E402  (after the switch above, which botocore reads at import)
-import botocore.exceptions as bex  # noqa: E402
-from botocore.config import Config  # noqa: E402
+from ckptfs.errors import NotFound, StoreError, one_line
+from ckptfs.store.base import MAX_KEY_BYTES, ObjectStore, redact_url
 
-from ..errors import one_line
-from .base import MAX_KEY_BYTES, NotFound, ObjectStore, StoreError, redact_url
-
-_TRANSIENT_CODES = {
-    "SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError", "Throttling",
-    "ThrottlingException", "TooManyRequests", "RequestTimeTooSkewed", "OperationAborted",
+TRANSIENT_CODES = {
+    "SlowDown",
+    "RequestTimeout",
+    "ServiceUnavailable",
+    "InternalError",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequests",
+    "RequestTimeTooSkewed",
+    "OperationAborted",
     # The body did not match its checksum (CRC32C, Content-MD5): damaged on the way, send it again.
-    "BadDigest", "XAmzContentChecksumMismatch",
+    "BadDigest",
+    "XAmzContentChecksumMismatch",
 }
-_DENIED_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
-_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
-_PERMANENT_ERRNO = {"KeyTooLongError": errno.ENAMETOOLONG, "EntityTooLarge": errno.EFBIG,
-                    "InvalidArgument": errno.EINVAL, "InvalidPart": errno.EINVAL,
-                    "InvalidPartOrder": errno.EINVAL, "EntityTooSmall": errno.EINVAL,
-                    "MalformedXML": errno.EINVAL}
+DENIED_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
+NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
+PERMANENT_ERRNO = {
+    "KeyTooLongError": errno.ENAMETOOLONG,
+    "EntityTooLarge": errno.EFBIG,
+    "InvalidArgument": errno.EINVAL,
+    "InvalidPart": errno.EINVAL,
+    "InvalidPartOrder": errno.EINVAL,
+    "EntityTooSmall": errno.EINVAL,
+    "MalformedXML": errno.EINVAL,
+}
 
 log = logging.getLogger("ckptfs.store.s3")  # (one logger for the S3 store's modules)
 
@@ -57,10 +63,15 @@ log = logging.getLogger("ckptfs.store.s3")  # (one logger for the S3 store's mod
 CHECKSUM_ALGORITHM = "CRC32C"
 # Where the support probe goes: under the reserved prefix the mount hides (integrity.MANIFEST_PREFIX).
 PROBE_PREFIX = ".ckptfs-manifest/checksum-probe-"
-_PROBE_BODY = b"ckptfs: does this server verify x-amz-checksum-crc32c?\n"
+PROBE_BODY = b"ckptfs: does this server verify x-amz-checksum-crc32c?\n"
 # What a server that checks the checksum answers to a wrong one (AWS: BadDigest).
-_CHECKSUM_REFUSED = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest",
-                     "InvalidChecksum"}
+CHECKSUM_REFUSED = {
+    "BadDigest",
+    "InvalidDigest",
+    "XAmzContentChecksumMismatch",
+    "InvalidRequest",
+    "InvalidChecksum",
+}
 
 
 def crc32c_b64(data) -> str | None:
@@ -73,11 +84,11 @@ def crc32c_b64(data) -> str | None:
     return base64.b64encode(checksums.crc32c(data).to_bytes(4, "big")).decode()
 
 
-def _brief(text: object) -> str:
+def brief(text: object) -> str:
     return one_line(text, limit=300)  # (a proxy's answer can be a whole HTML page)
 
 
-def _reason(e: BaseException) -> str:
+def connection_reason(e: BaseException) -> str:
     """The useful part of a connection error ("Connection refused"), without object reprs."""
     inner = getattr(e, "kwargs", {}).get("error", e)
     m = re.findall(r"\[Errno -?\d+\] ([^'\"\]\)]+)", str(inner))
@@ -87,10 +98,10 @@ def _reason(e: BaseException) -> str:
         return "connect timeout"
     if isinstance(e, bex.ReadTimeoutError):
         return "read timeout"
-    return _brief(inner) or type(e).__name__
+    return brief(inner) or type(e).__name__
 
 
-def _as_bytes(data: bytes | memoryview) -> bytes | bytearray:
+def body_bytes(data: bytes | memoryview) -> bytes | bytearray:
     """botocore refuses memoryview bodies (ParamValidationError): pass the underlying
     bytes when the view covers all of it, else copy once (an 8 MiB copy is ~1 ms)."""
     if isinstance(data, (bytes, bytearray)):
@@ -101,21 +112,22 @@ def _as_bytes(data: bytes | memoryview) -> bytes | bytearray:
     return data.tobytes()
 
 
-def _token(etag: str, crc32c: str | None) -> str:
+def part_token(etag: str, crc32c: str | None) -> str:
     """A part's token (journaled, handed back to complete_multipart): its ETag, and the CRC32C
     the server verified if one was sent (the completion must list it; base64 has no spaces)."""
     return f"{etag} {crc32c}" if crc32c else etag
 
 
-def _etag(answer: dict[str, Any]) -> str:
+def etag_of(answer: dict[str, Any]) -> str:
     return str(answer.get("ETag", "")).strip('"')
 
 
 class S3Client(ObjectStore):
     """The session, the clients and the request plumbing the S3 store's verbs share."""
 
-    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
-                 max_connections: int = 16):
+    def __init__(
+        self, bucket: str, prefix: str = "", endpoint_url: str | None = None, max_connections: int = 16
+    ):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
@@ -137,18 +149,28 @@ class S3Client(ObjectStore):
         try:
             self._client = self._session.client("s3", endpoint_url=endpoint_url, config=self._config)
         except ValueError as e:  # botocore: "Invalid endpoint: ..."
-            raise StoreError(f"bad S3 endpoint URL {redact_url(endpoint_url or '')!r}: {_brief(redact_url(str(e)))}",
-                             errno_=errno.EINVAL) from None
+            raise StoreError(
+                f"bad S3 endpoint URL {redact_url(endpoint_url or '')!r}: {brief(redact_url(str(e)))}",
+                errno_=errno.EINVAL,
+            ) from None
         # CreateMultipartUpload is not idempotent: a retry after a lost answer makes a second
         # upload. It goes through a client that never retries, so the caller sees every attempt.
-        self._client_once = self._session.client("s3", endpoint_url=endpoint_url, config=self._config.merge(
-            Config(retries={"mode": "standard", "total_max_attempts": 1})))
+        self._client_once = self._session.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            config=self._config.merge(Config(retries={"mode": "standard", "total_max_attempts": 1})),
+        )
         # Bodies that carry a CRC32C the server verifies go without the SHA-256 payload signature
         # (UNSIGNED-PAYLOAD, as botocore itself does over https): the server refuses a damaged body
         # by its CRC32C, the xxh3 manifest checks every read, and the signature would cost 0.7 CPU
         # s/GiB (docs/architecture.md, Integrity). Everything else stays signed.
-        self._client_unsigned = self._session.client("s3", endpoint_url=endpoint_url, config=self._config.merge(
-            Config(s3={**(self._config.s3 or {}), "payload_signing_enabled": False})))
+        self._client_unsigned = self._session.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            config=self._config.merge(
+                Config(s3={**(self._config.s3 or {}), "payload_signing_enabled": False})
+            ),
+        )
         self.endpoint = redact_url(self._client.meta.endpoint_url)  # as printed: without a password
         self._health = None
         self._attempt = threading.local()  # (token, op, key) of this thread's HTTP attempt
@@ -173,8 +195,8 @@ class S3Client(ObjectStore):
     def _attempt_starts(self, request, event_name: str, **_) -> None:
         path = unquote(urlsplit(request.url).path).lstrip("/")  # (no query: no upload ids, no signatures)
         if path.startswith(self.bucket + "/") or path == self.bucket:  # path-style addressing
-            path = path[len(self.bucket) + 1:]
-        key = path[len(self._base):] if path.startswith(self._base) else path
+            path = path[len(self.bucket) + 1 :]
+        key = path[len(self._base) :] if path.startswith(self._base) else path
         op = event_name.rsplit(".", 1)[-1]
         self._attempt.current = (self._health.attempt_started(op, key), op, key)
 
@@ -184,8 +206,12 @@ class S3Client(ObjectStore):
         self._health.attempt_ended(token)
         if caught_exception is not None:
             if isinstance(caught_exception, (bex.BotoCoreError, OSError)):
-                self._health.failed(op, key, f"cannot reach {self.endpoint}: {_reason(caught_exception)}",
-                                    reachable=False)
+                self._health.failed(
+                    op,
+                    key,
+                    f"cannot reach {self.endpoint}: {connection_reason(caught_exception)}",
+                    reachable=False,
+                )
             return
         status = response[0].status_code if response else 0
         if status >= 500 or status == 429:
@@ -204,8 +230,10 @@ class S3Client(ObjectStore):
             raise ValueError(f"invalid store key {key!r}")
         full = self._base + key
         if len(full.encode()) > MAX_KEY_BYTES:
-            raise StoreError(f"s3://{self.bucket}/{full[:64]}...: key longer than {MAX_KEY_BYTES} bytes",
-                             errno_=errno.ENAMETOOLONG)
+            raise StoreError(
+                f"s3://{self.bucket}/{full[:64]}...: key longer than {MAX_KEY_BYTES} bytes",
+                errno_=errno.ENAMETOOLONG,
+            )
         return full
 
     def _fail(self, op: str, key: str, e: Exception) -> NoReturn:
@@ -216,32 +244,45 @@ class S3Client(ObjectStore):
             code = str(err.get("Code", ""))
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             # HEAD answers have no body: the code is then just the status ("404").
-            detail = _brief(err.get("Message") or code or f"HTTP {status}")
+            detail = brief(err.get("Message") or code or f"HTTP {status}")
             if code in ("NoSuchUpload",):
                 raise NotFound(f"{op} {where}: no such upload") from None
             if code == "NoSuchBucket":
-                raise StoreError(f"{op} {where}: bucket '{self.bucket}' does not exist at {self.endpoint}") from None
-            if code in _NOT_FOUND_CODES or status == 404:
+                raise StoreError(
+                    f"{op} {where}: bucket '{self.bucket}' does not exist at {self.endpoint}"
+                ) from None
+            if code in NOT_FOUND_CODES or status == 404:
                 raise NotFound(f"{op} {where}: no such key") from None
-            if code in _DENIED_CODES or status == 403:
-                raise StoreError(f"{op} {where}: access denied ({code}): check the AWS credentials",
-                                 errno_=errno.EACCES) from None
-            transient = status >= 500 or status == 429 or code in _TRANSIENT_CODES
-            raise StoreError(f"{op} {where}: {code or status}: {detail}", transient=transient,
-                             errno_=_PERMANENT_ERRNO.get(code, errno.EIO)) from None
+            if code in DENIED_CODES or status == 403:
+                raise StoreError(
+                    f"{op} {where}: access denied ({code}): check the AWS credentials", errno_=errno.EACCES
+                ) from None
+            transient = status >= 500 or status == 429 or code in TRANSIENT_CODES
+            raise StoreError(
+                f"{op} {where}: {code or status}: {detail}",
+                transient=transient,
+                errno_=PERMANENT_ERRNO.get(code, errno.EIO),
+            ) from None
         if isinstance(e, (bex.NoCredentialsError, bex.PartialCredentialsError)):
-            raise StoreError(f"{op} {where}: no AWS credentials found: set AWS_ACCESS_KEY_ID and "
-                             "AWS_SECRET_ACCESS_KEY or configure an AWS profile", errno_=errno.EACCES) from None
+            raise StoreError(
+                f"{op} {where}: no AWS credentials found: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY or configure an AWS profile",
+                errno_=errno.EACCES,
+            ) from None
         if isinstance(e, bex.ParamValidationError):
-            raise StoreError(f"{op} {where}: invalid request: {_brief(e)}", errno_=errno.EINVAL) from None
+            raise StoreError(f"{op} {where}: invalid request: {brief(e)}", errno_=errno.EINVAL) from None
         if isinstance(e, bex.SSLError):
-            raise StoreError(f"{op} {where}: TLS error talking to {self.endpoint}: {_reason(e)}") from None
+            raise StoreError(
+                f"{op} {where}: TLS error talking to {self.endpoint}: {connection_reason(e)}"
+            ) from None
         if isinstance(e, (bex.ConnectionError, bex.HTTPClientError, OSError)):
             # Refused, timed out, dropped mid-body: trying again may work.
-            raise StoreError(f"{op} {where}: cannot reach {self.endpoint}: {_reason(e)}", transient=True) from None
+            raise StoreError(
+                f"{op} {where}: cannot reach {self.endpoint}: {connection_reason(e)}", transient=True
+            ) from None
         # Anything else from botocore (truncated body, checksum mismatch in flight, ...):
         # assume a retry may help; the retry layer above gives up eventually.
-        raise StoreError(f"{op} {where}: {type(e).__name__}: {_brief(e)}", transient=True) from None
+        raise StoreError(f"{op} {where}: {type(e).__name__}: {brief(e)}", transient=True) from None
 
     def _call(self, op: str, key: str, method: str, client=None, **kwargs: Any) -> dict[str, Any]:
         try:
@@ -253,12 +294,22 @@ class S3Client(ObjectStore):
 
     def check(self) -> None:
         if self._session.get_credentials() is None:
-            raise StoreError("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                             "or configure an AWS profile", errno_=errno.EACCES)
+            raise StoreError(
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "or configure an AWS profile",
+                errno_=errno.EACCES,
+            )
         # A client of its own with a short connect timeout and no retries, so a dead
         # endpoint fails `ckptfs mount` in seconds rather than after a retry storm.
-        quick = self._session.client("s3", endpoint_url=self._endpoint_url, config=self._config.merge(
-            Config(connect_timeout=3, read_timeout=5, retries={"mode": "standard", "total_max_attempts": 1})))
+        quick = self._session.client(
+            "s3",
+            endpoint_url=self._endpoint_url,
+            config=self._config.merge(
+                Config(
+                    connect_timeout=3, read_timeout=5, retries={"mode": "standard", "total_max_attempts": 1}
+                )
+            ),
+        )
         where = f"bucket '{self.bucket}' at {self.endpoint}"
         try:
             quick.head_bucket(Bucket=self.bucket)
@@ -267,18 +318,27 @@ class S3Client(ObjectStore):
             code = str(err.get("Code", ""))
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if status == 404 or code in ("NoSuchBucket", "404", "NotFound"):
-                raise StoreError(f"bucket '{self.bucket}' does not exist at {self.endpoint}",
-                                 errno_=errno.ENOENT) from None
-            if status == 403 or code in _DENIED_CODES:
-                raise StoreError(f"access denied to {where}: check the AWS credentials",
-                                 errno_=errno.EACCES) from None
-            raise StoreError(f"cannot use {where}: {code or status} {_brief(err.get('Message', ''))}".rstrip(),
-                             transient=status >= 500) from None
+                raise StoreError(
+                    f"bucket '{self.bucket}' does not exist at {self.endpoint}", errno_=errno.ENOENT
+                ) from None
+            if status == 403 or code in DENIED_CODES:
+                raise StoreError(
+                    f"access denied to {where}: check the AWS credentials", errno_=errno.EACCES
+                ) from None
+            raise StoreError(
+                f"cannot use {where}: {code or status} {brief(err.get('Message', ''))}".rstrip(),
+                transient=status >= 500,
+            ) from None
         except (bex.NoCredentialsError, bex.PartialCredentialsError):
-            raise StoreError("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                             "or configure an AWS profile", errno_=errno.EACCES) from None
+            raise StoreError(
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "or configure an AWS profile",
+                errno_=errno.EACCES,
+            ) from None
         except (bex.BotoCoreError, OSError) as e:
-            raise StoreError(f"cannot reach {self.endpoint}: {_reason(e)}", transient=True) from None
+            raise StoreError(
+                f"cannot reach {self.endpoint}: {connection_reason(e)}", transient=True
+            ) from None
         finally:
             quick.close()
 
@@ -293,36 +353,54 @@ class S3Client(ObjectStore):
         not get it); delete the probe. Sets and returns ``server_checksums``. Any other answer
         (no write access, an error) leaves them off: uploads work as without."""
         self.server_checksums = False
-        right = crc32c_b64(_PROBE_BODY)
+        right = crc32c_b64(PROBE_BODY)
         if right is None:
             log.info("awscrt is not installed: S3 checksums (CRC32C) not sent; xxh3 manifests only")
             return False
-        wrong = crc32c_b64(_PROBE_BODY + b"x")
+        wrong = crc32c_b64(PROBE_BODY + b"x")
         probe = PROBE_PREFIX + uuid.uuid4().hex[:16]
         verifies = False
         try:
             try:
-                self._client.put_object(Bucket=self.bucket, Key=self._key(probe), Body=_PROBE_BODY,
-                                        ChecksumAlgorithm=CHECKSUM_ALGORITHM, ChecksumCRC32C=wrong)
+                self._client.put_object(
+                    Bucket=self.bucket,
+                    Key=self._key(probe),
+                    Body=PROBE_BODY,
+                    ChecksumAlgorithm=CHECKSUM_ALGORITHM,
+                    ChecksumCRC32C=wrong,
+                )
             except bex.ClientError as e:
                 code = str(e.response.get("Error", {}).get("Code", ""))
                 status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-                if status == 400 and code in _CHECKSUM_REFUSED:
-                    self._client.put_object(Bucket=self.bucket, Key=self._key(probe), Body=_PROBE_BODY,
-                                            ChecksumAlgorithm=CHECKSUM_ALGORITHM, ChecksumCRC32C=right)
+                if status == 400 and code in CHECKSUM_REFUSED:
+                    self._client.put_object(
+                        Bucket=self.bucket,
+                        Key=self._key(probe),
+                        Body=PROBE_BODY,
+                        ChecksumAlgorithm=CHECKSUM_ALGORITHM,
+                        ChecksumCRC32C=right,
+                    )
                     verifies = True
                 else:
                     log.info("S3 checksum probe answered %s %s: checksums not sent", status, code)
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
-            log.info("S3 checksum probe failed (%s): checksums not sent", _brief(e))
+            log.info("S3 checksum probe failed (%s): checksums not sent", brief(e))
         finally:
             try:
                 self._client.delete_object(Bucket=self.bucket, Key=self._key(probe))
-            except (bex.BotoCoreError, bex.ClientError, OSError) as e:  # (a leftover is collected as an orphan)
-                log.info("could not delete the S3 checksum probe %s: %s", probe, _brief(e))
+            except (
+                bex.BotoCoreError,
+                bex.ClientError,
+                OSError,
+            ) as e:  # (a leftover is collected as an orphan)
+                log.info("could not delete the S3 checksum probe %s: %s", probe, brief(e))
         self.server_checksums = verifies
-        log.info("%s %s CRC32C checksums: %s", self.endpoint, "verifies" if verifies else "does not verify",
-                 "sent with every part" if verifies else "not sent (xxh3 manifests only)")
+        log.info(
+            "%s %s CRC32C checksums: %s",
+            self.endpoint,
+            "verifies" if verifies else "does not verify",
+            "sent with every part" if verifies else "not sent (xxh3 manifests only)",
+        )
         return verifies
 
     def close(self) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import threading
 from typing import Any
 
-from .base import RESERVED_PREFIX, NotFound, PartInfo, StoreError
-from .s3_client import CHECKSUM_ALGORITHM, S3Client, _as_bytes, _token, bex, crc32c_b64, log
+import botocore.exceptions as bex
 
+from ckptfs.errors import NotFound, StoreError
+from ckptfs.store.base import RESERVED_PREFIX, PartInfo
+from ckptfs.store.s3_client import CHECKSUM_ALGORITHM, S3Client, body_bytes, crc32c_b64, log, part_token
 
 ZEROS_PREFIX = RESERVED_PREFIX + "zeros/"  # objects of zeros that hole parts are copied from
 ZEROS_MIN = 8 << 20  # the smallest such object (sizes are powers of two from here)
@@ -39,8 +40,9 @@ class S3Multipart(S3Client):
         r = None
         if checksummed:
             try:
-                r = self._client_once.create_multipart_upload(Bucket=self.bucket, ChecksumAlgorithm=CHECKSUM_ALGORITHM,
-                                                              **args)
+                r = self._client_once.create_multipart_upload(
+                    Bucket=self.bucket, ChecksumAlgorithm=CHECKSUM_ALGORITHM, **args
+                )
             except bex.ClientError as e:
                 # A server that checks a PUT's CRC32C but refuses it on multipart uploads (400,
                 # 501: nothing was created): its multipart uploads go without, from now on.
@@ -50,10 +52,14 @@ class S3Multipart(S3Client):
             except (bex.BotoCoreError, OSError) as e:
                 self._fail("create_multipart", key, e)
         if r is None:
-            r = self._call("create_multipart", key, "create_multipart_upload", client=self._client_once, **args)
+            r = self._call(
+                "create_multipart", key, "create_multipart_upload", client=self._client_once, **args
+            )
             if self.server_checksums and self._multipart_checksums:
-                log.warning("%s refuses CRC32C on multipart uploads: their parts go without S3 checksums",
-                            self.endpoint)
+                log.warning(
+                    "%s refuses CRC32C on multipart uploads: their parts go without S3 checksums",
+                    self.endpoint,
+                )
                 self._multipart_checksums = False
         with self._checksummed_lock:
             self._checksummed[r["UploadId"]] = checksummed
@@ -70,10 +76,14 @@ class S3Multipart(S3Client):
         if known is None:
             try:
                 pages = self._client.get_paginator("list_multipart_uploads").paginate(
-                    Bucket=self.bucket, Prefix=self._key(key))
-                known = any(str(u.get("ChecksumAlgorithm") or "").upper() == CHECKSUM_ALGORITHM
-                            for page in pages for u in page.get("Uploads", [])
-                            if u["UploadId"] == upload_id and u["Key"] == self._key(key))
+                    Bucket=self.bucket, Prefix=self._key(key)
+                )
+                known = any(
+                    str(u.get("ChecksumAlgorithm") or "").upper() == CHECKSUM_ALGORITHM
+                    for page in pages
+                    for u in page.get("Uploads", [])
+                    if u["UploadId"] == upload_id and u["Key"] == self._key(key)
+                )
             except (bex.BotoCoreError, bex.ClientError, OSError) as e:
                 self._fail("upload_part", key, e)
             with self._checksummed_lock:
@@ -81,12 +91,21 @@ class S3Multipart(S3Client):
         return known
 
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
-        body = _as_bytes(data)
+        body = body_bytes(data)
         crc = crc32c_b64(body) if self._uses_checksums(key, upload_id) else None
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
-        r = self._call("upload_part", key, "upload_part", client=self._body_client(crc), Key=self._key(key),
-                       UploadId=upload_id, PartNumber=number, Body=body, **extra)
-        return PartInfo(number, _token(r["ETag"], crc))
+        r = self._call(
+            "upload_part",
+            key,
+            "upload_part",
+            client=self._body_client(crc),
+            Key=self._key(key),
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+            **extra,
+        )
+        return PartInfo(number, part_token(r["ETag"], crc))
 
     def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
         """A hole: UploadPartCopy of a range of a zeros object in the bucket (made once, at the
@@ -97,9 +116,16 @@ class S3Multipart(S3Client):
         for attempt in range(2):
             source = self._zeros_object(zeros_size(length), again=attempt > 0)
             try:
-                r = self._call("upload_part", key, "upload_part_copy", Key=self._key(key), UploadId=upload_id,
-                               PartNumber=number, CopySource={"Bucket": self.bucket, "Key": self._key(source)},
-                               CopySourceRange=f"bytes=0-{length - 1}")
+                r = self._call(
+                    "upload_part",
+                    key,
+                    "upload_part_copy",
+                    Key=self._key(key),
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource={"Bucket": self.bucket, "Key": self._key(source)},
+                    CopySourceRange=f"bytes=0-{length - 1}",
+                )
             except NotFound:
                 if attempt or self.head(source) is not None:
                     raise  # the upload is gone, not the zeros
@@ -107,12 +133,16 @@ class S3Multipart(S3Client):
             except StoreError as exc:
                 if exc.transient:
                     raise
-                log.warning("%s refuses to copy a part from %s (%s): holes are sent as zeros from now on",
-                            self.endpoint, source, exc)
+                log.warning(
+                    "%s refuses to copy a part from %s (%s): holes are sent as zeros from now on",
+                    self.endpoint,
+                    source,
+                    exc,
+                )
                 self._zeros_refused = True
                 return super().upload_zero_part(key, upload_id, number, length)
             result = r["CopyPartResult"]
-            return PartInfo(number, _token(result["ETag"], result.get("ChecksumCRC32C")))
+            return PartInfo(number, part_token(result["ETag"], result.get("ChecksumCRC32C")))
         raise AssertionError("unreachable")
 
     def _zeros_object(self, size: int, again: bool = False) -> str:
@@ -132,14 +162,22 @@ class S3Multipart(S3Client):
             etag, _, crc = p.token.partition(" ")
             return {"PartNumber": p.number, "ETag": etag, **({"ChecksumCRC32C": crc} if crc else {})}
 
-        self._call("complete_multipart", key, "complete_multipart_upload", Key=self._key(key),
-                   UploadId=upload_id, MultipartUpload={"Parts": [entry(p) for p in parts]})
+        self._call(
+            "complete_multipart",
+            key,
+            "complete_multipart_upload",
+            Key=self._key(key),
+            UploadId=upload_id,
+            MultipartUpload={"Parts": [entry(p) for p in parts]},
+        )
         with self._checksummed_lock:
             self._checksummed.pop(upload_id, None)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         try:
-            self._call("abort_multipart", key, "abort_multipart_upload", Key=self._key(key), UploadId=upload_id)
+            self._call(
+                "abort_multipart", key, "abort_multipart_upload", Key=self._key(key), UploadId=upload_id
+            )
         except NotFound:
             pass  # unknown or already finished upload
         with self._checksummed_lock:
@@ -149,10 +187,11 @@ class S3Multipart(S3Client):
         out = []
         try:
             pages = self._client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.bucket, Prefix=self._base + prefix)
+                Bucket=self.bucket, Prefix=self._base + prefix
+            )
             for page in pages:
                 for u in page.get("Uploads", []):
-                    out.append((u["Key"][len(self._base):], u["UploadId"]))
+                    out.append((u["Key"][len(self._base) :], u["UploadId"]))
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
             self._fail("list_multipart", prefix, e)
         return out
@@ -160,7 +199,8 @@ class S3Multipart(S3Client):
     def list_multipart_started(self, prefix: str = "") -> list[float]:
         try:
             pages = self._client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.bucket, Prefix=self._base + prefix)
+                Bucket=self.bucket, Prefix=self._base + prefix
+            )
             return [u["Initiated"].timestamp() for page in pages for u in page.get("Uploads", [])]
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
             self._fail("list_multipart", prefix, e)

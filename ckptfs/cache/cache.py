@@ -1,0 +1,404 @@
+"""The write-back cache: file contents as sequences of fixed-size blocks in two arenas.
+
+Each tier is one pre-sized arena file carved into slots of ``block_size`` bytes
+(``arena.Tier``): the RAM tier lives on tmpfs (mapped once, so writes are a memcpy),
+the NVMe tier in the cache dir (pread/pwrite, so its pages never count against the
+daemon's RSS). Slots are reused, never given back to the OS: fresh memory costs 2-3 s/GiB
+on first touch here (docs/machine-facts.md), reused slots cost nothing. So that a
+save never pays for it, the RAM slots the next save will take are touched ahead
+of it, in the background (``populate``): as many as the largest save so far. Both
+arenas are files, so committed bytes outlive the daemon; the journal maps each
+committed file to its slots.
+
+A block is shared by reference count: committing a staged file snapshots its
+block list, and a later write into a shared block copies it first (copy on
+write; ``contents.Content`` and ``contents.StagedFile``). Budgets are bytes: a RAM
+slot costs a whole block (its pages stay, for reuse), a disk slot only the bytes its
+block holds once that is known for good (a committed file's last block, a fetched
+block): the rest of the slot is a hole, so a directory of 64 KiB files does not take
+8 MiB of budget each. The disk arena grows by a slot whenever its budget has room and
+no slot is free. A writer that finds no room waits (backpressure) until an upload
+finishes or clean data can be evicted.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import humanfriendly
+import trio
+
+from ckptfs.blocks import BlockRef, block_length, n_blocks
+
+# (the arenas, and the contents made of their blocks, are importable from here as before)
+from ckptfs.cache.arena import DISK, MAX_DISK_ARENA, PAGE, RAM, TIER_NAMES, Tier, in_pages
+from ckptfs.cache.contents import Content, StagedFile
+from ckptfs.util import private_files
+
+__all__ = [
+    "BlockRef",
+    "Cache",
+    "CachePolicy",
+    "Content",
+    "DISK",
+    "MAX_DISK_ARENA",
+    "PAGE",
+    "RAM",
+    "StagedFile",
+    "TIER_NAMES",
+    "Tier",
+    "block_length",
+    "in_pages",
+]
+
+log = logging.getLogger(__name__)
+
+
+class CachePolicy:
+    """What the cache asks of the model (ckptfs/model/policy.py implements it); this default,
+    for a cache on its own: nothing pinned, nothing to reclaim, uploads may free space."""
+
+    def pinned(self, owner: object) -> bool:
+        """Whether ``owner``'s clean data goes last (the latest checkpoint)."""
+        return False
+
+    def reclaim(self) -> bool:
+        """Free one block of a file still being written whose part is already uploaded; False
+        when there is none."""
+        return False
+
+    def releases_pending(self) -> bool:
+        """Whether some holder of blocks will let go of them by itself (an upload in progress).
+        When none will, a writer waiting for space would wait forever: it gets ENOSPC instead."""
+        return True
+
+
+class Cache:
+    """Slot allocation with budgets, reference counts, clean-data eviction."""
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        ram_dir: Path,
+        block_size: int,
+        ram_budget: int,
+        disk_budget: int,
+        policy: CachePolicy | None = None,
+        write_timeout: float | None = None,
+    ):
+        self.block_size = block_size
+        for directory, what in ((cache_dir, "cache dir"), (ram_dir, "RAM tier directory")):
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            private_files.ensure_dir(directory, what)
+        self.tiers = (
+            Tier(RAM, ram_dir / "ram.arena", block_size, ram_budget, mapped=True),
+            Tier(DISK, cache_dir / "disk.arena", block_size, disk_budget, mapped=False),
+        )
+        self.ram_arena_id = _arena_id(ram_dir / "ram.arena.id")
+        self.refcounts: dict[BlockRef, int] = {}
+        # Clean (durable, unopened) contents that may be dropped to make room, oldest first.
+        self.clean: OrderedDict[object, tuple[Content, Callable[[], None]]] = OrderedDict()
+        self._space = trio.Event()
+        self.waiters = 0
+        # A writer waits for space at most this long without a block being freed (the store is
+        # down: nothing drains), then gets ENOSPC (--write-timeout; None: as long as it takes).
+        self.write_timeout = write_timeout
+        self._freed_at = 0.0  # time.monotonic() of the last block given back
+        # What only the model knows (model/policy.py): which clean data goes last, blocks of
+        # files being written that may go, whether a waiting writer can expect space.
+        self.policy: CachePolicy = policy or CachePolicy()
+        self.populate_ahead = 0  # free RAM slots to keep touched (the largest save so far)
+        self._populate_wanted = trio.Event()
+        for tier in self.tiers:
+            tier.reset_free(set())
+
+    # -- start-up -----------------------------------------------------------------
+    def adopt(self, files: Iterable[tuple[int, list[BlockRef | None]]]) -> None:
+        """Take ownership of the blocks of files named by the journal, as (size, blocks):
+        one reference each, charged for the bytes they hold."""
+        for size, blocks in files:
+            for index, ref in enumerate(blocks):
+                if ref is not None:
+                    self.refcounts[ref] = self.refcounts.get(ref, 0) + 1
+                    tier, slot = self.tiers[ref[0]], ref[1]
+                    length = (
+                        block_length(size, index, self.block_size) if tier.mm is None else self.block_size
+                    )
+                    tier.charge(slot, max(tier.charged.get(slot, 0), in_pages(length)))
+        for tier in self.tiers:
+            tier.reset_free({slot for (t, slot) in self.refcounts if t == tier.index})
+
+    def valid_ref(self, ref: BlockRef) -> bool:
+        tier, slot = ref
+        return tier in (RAM, DISK) and 0 <= slot < self.tiers[tier].file_size // self.block_size
+
+    # -- allocation -----------------------------------------------------------------
+    def try_alloc(self, only: int | None = None) -> BlockRef | None:
+        """A free slot: RAM first (evicting clean RAM data), then disk; ``only`` forces a tier."""
+        ram, disk = self.tiers
+        if only is None and ram.charged_bytes + self.block_size > ram.budget:
+            self._evict(prefer_tier=RAM)
+        for tier in (ram, disk) if only is None else (self.tiers[only],):
+            if (slot := tier.take()) is not None:
+                if tier.mm is not None and not tier.back(slot):
+                    tier.release(slot)
+                    self._ram_full()  # (retires that slot too): on to the disk tier
+                    continue
+                ref = (tier.index, slot)
+                self.refcounts[ref] = 1
+                return ref
+        if self._evict(prefer_tier=only) or (only is None and self.policy.reclaim()):
+            return self.try_alloc(only)
+        return None
+
+    async def alloc(self, only: int | None = None) -> BlockRef:
+        """A fresh block; waits while the tiers are full of data not yet uploaded, as long as
+        uploads free blocks: ENOSPC after ``write_timeout`` seconds without one freed."""
+        started = time.monotonic()
+        while (ref := self.try_alloc(only)) is None:
+            if not self.policy.releases_pending():
+                raise OSError(
+                    errno.ENOSPC,
+                    "the cache is full of files still open for writing: "
+                    "raise --ram-cache/--cache-size or write fewer files at once",
+                )
+            left = math.inf
+            if self.write_timeout is not None:
+                left = max(started, self._freed_at) + self.write_timeout - time.monotonic()
+                if left <= 0:
+                    raise OSError(
+                        errno.ENOSPC,
+                        f"the cache is full of data not yet in the store and none "
+                        f"was uploaded for {self.write_timeout:g} s (--write-timeout): "
+                        "is the store down? see 'ckptfs status'",
+                    )
+            self.waiters += 1
+            try:
+                with trio.move_on_after(left):
+                    await self._space.wait()
+            finally:
+                self.waiters -= 1
+        return ref
+
+    def incref(self, ref: BlockRef) -> None:
+        self.refcounts[ref] += 1
+
+    def notify_space(self) -> None:
+        """Wake writers waiting for a slot: something may be reclaimable now."""
+        if self.waiters:
+            self._space.set()
+            self._space = trio.Event()
+
+    def decref(self, ref: BlockRef) -> None:
+        n = self.refcounts[ref] - 1
+        if n:
+            self.refcounts[ref] = n
+            return
+        del self.refcounts[ref]
+        self.tiers[ref[0]].release(ref[1])
+        self._freed_at = time.monotonic()
+        self._space.set()
+        self._space = trio.Event()
+
+    def fit(self, ref: BlockRef, length: int) -> None:
+        """Block ``ref`` holds ``length`` bytes for good (see Tier.fit)."""
+        if length < self.block_size:
+            self.tiers[ref[0]].fit(ref[1], length)
+            self.notify_space()
+
+    def fit_last(self, content: Content) -> None:
+        """``content``'s last block is as long as it will be: charge only what it holds."""
+        if content.blocks and content.blocks[-1] is not None:
+            self.fit(content.blocks[-1], content.block_length(len(content.blocks) - 1))
+
+    # -- clean data -------------------------------------------------------------------
+    def mark_clean(
+        self, owner: object, content: Content, on_evict: Callable[[], None], whole: bool = True
+    ) -> None:
+        """``content`` is in the store: its blocks may go. ``whole=False`` (a file open for
+        reading): one block at a time, lowest index first (behind a sequential reader)."""
+        self.clean[owner] = (content, on_evict, whole)
+        self.clean.move_to_end(owner)
+        if self.waiters:
+            self._space.set()
+            self._space = trio.Event()
+
+    def unmark_clean(self, owner: object) -> None:
+        self.clean.pop(owner, None)
+
+    def touch(self, owner: object) -> None:
+        """``owner``'s clean data was just used: it goes to the end of the eviction order."""
+        if owner in self.clean:
+            self.clean.move_to_end(owner)
+
+    def _evict(self, prefer_tier: int | None) -> bool:
+        """Drop the least recently used clean content (holding a block on prefer_tier); the
+        latest checkpoint's only when nothing else is left. One pass, the pinning asked only of
+        contents that hold such a block: a save of many small files can evict on every
+        allocation, with hundreds of clean files to pass over."""
+        first_pinned = None
+        for owner, (content, on_evict, whole) in self.clean.items():
+            if whole and content.in_use:
+                continue  # (a read is gathering blocks of it: see Content.reading)
+            held = [
+                i
+                for i, r in enumerate(content.blocks)
+                if r is not None and prefer_tier in (None, r[0]) and i not in content.in_use
+            ]
+            if not held:
+                continue
+            if not self.policy.pinned(owner):
+                self._drop_clean(owner, content, on_evict, whole, held[0])
+                return True
+            if first_pinned is None:
+                first_pinned = (owner, content, on_evict, whole, held[0])
+        if first_pinned is not None:
+            self._drop_clean(*first_pinned)
+            return True
+        return False
+
+    def _drop_clean(
+        self, owner: object, content: Content, on_evict: Callable[[], None], whole: bool, first_held: int
+    ) -> None:
+        if whole:
+            del self.clean[owner]
+            on_evict()
+            content.drop_blocks()
+        else:  # (the entry stays: the reader fetches more blocks into it)
+            self.decref(content.blocks[first_held])
+            content.blocks[first_held] = None
+
+    # -- block I/O ----------------------------------------------------------------------
+    def write(self, ref: BlockRef, offset: int, data) -> None:
+        self.tiers[ref[0]].write(ref[1], offset, data)
+
+    def fill(self, ref: BlockRef, data) -> None:
+        """``Tier.fill``: a fresh block's bytes, from a worker thread."""
+        self.tiers[ref[0]].fill(ref[1], data)
+
+    def read(self, ref: BlockRef, offset: int, length: int) -> bytes:
+        return self.tiers[ref[0]].read(ref[1], offset, length)
+
+    def read_into(self, ref: BlockRef, offset: int, out: memoryview) -> None:
+        self.tiers[ref[0]].read_into(ref[1], offset, out)
+
+    def view(self, ref: BlockRef, length: int):
+        return self.tiers[ref[0]].view(ref[1], length)
+
+    def view_range(self, ref: BlockRef, offset: int, length: int) -> memoryview:
+        """A view of part of a RAM block (no copy)."""
+        tier = self.tiers[ref[0]]
+        pos = ref[1] * self.block_size + offset
+        return memoryview(tier.mm)[pos : pos + length]
+
+    def copy_block(self, src: BlockRef, dst: BlockRef, length: int) -> None:
+        if length:
+            self.write(dst, 0, self.read(src, 0, length))
+
+    def zero(self, ref: BlockRef, offset: int, length: int) -> None:
+        if length > 0:
+            self.write(ref, offset, bytes(length))
+
+    def sync(self) -> None:
+        for tier in self.tiers:
+            tier.sync()
+
+    async def on_disk(self, content: Content) -> Content:
+        """The same bytes with every block on the disk tier (RAM blocks copied), for fsync.
+        The caller holds ``content`` until this returns."""
+        blocks: list[BlockRef | None] = []
+        copies: list[tuple[BlockRef, BlockRef, int]] = []
+        for i, ref in enumerate(content.blocks):
+            if ref is None or ref[0] == DISK:
+                if ref is not None:
+                    self.incref(ref)
+                blocks.append(ref)
+                continue
+            new = await self.alloc(only=DISK)
+            copies.append((ref, new, content.block_length(i)))
+            blocks.append(new)
+        await trio.to_thread.run_sync(lambda: [self.copy_block(*c) for c in copies])
+        copy = Content(self, content.size, blocks)
+        self.fit_last(copy)
+        copy.key = content.key
+        copy.remote, copy.upload = dict(content.remote), content.upload
+        return copy
+
+    def _ram_full(self) -> None:
+        """The RAM tier's filesystem has no room for a slot: shrink the tier to the slots it has
+        pages for, once, with one warning; allocation goes on in the disk tier."""
+        ram = self.tiers[RAM]
+        before = ram.budget
+        lost = ram.retire_unbacked()
+        if lost:
+            log.warning(
+                "the RAM tier's filesystem (%s) cannot hold more (%s): RAM tier shrunk from %s to %s "
+                "for this mount; the rest goes to the disk tier (free space there, or remount with "
+                "a smaller --ram-cache or another --shm-dir)",
+                ram.path.parent,
+                ram.backing_error,
+                _fmt(before),
+                _fmt(ram.budget),
+            )
+
+    def expect_writes(self, nbytes: int) -> None:
+        """A save of ``nbytes`` happened: keep that many free RAM slots touched for the next one."""
+        slots = min(n_blocks(nbytes, self.block_size), self.tiers[RAM].budget // self.block_size)
+        if slots > self.populate_ahead:
+            self.populate_ahead = slots
+        self._populate_wanted.set()
+
+    def _next_untouched(self) -> int | None:
+        ram = self.tiers[RAM]
+        if ram.mm is None:
+            return None
+        for slot in reversed(ram.free[-self.populate_ahead :] if self.populate_ahead else []):
+            if slot not in ram.touched:  # (the free list is taken from its end)
+                return slot
+        return None
+
+    async def run_populate(self, threads, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Touch the free RAM slots the next save will take (see the module doc)."""
+        task_status.started()
+        while True:
+            await self._populate_wanted.wait()
+            self._populate_wanted = trio.Event()
+            while (slot := self._next_untouched()) is not None:
+                if not await threads.run(self.tiers[RAM].populate, slot):
+                    self._ram_full()
+
+    def charged(self, ref: BlockRef) -> int:
+        return self.tiers[ref[0]].charged.get(ref[1], 0)
+
+    def usage(self) -> dict:
+        out = {}
+        for tier in self.tiers:
+            out[TIER_NAMES[tier.index]] = {"used": tier.charged_bytes, "budget": tier.budget}
+        out["clean_bytes"] = sum(self.charged(r) for c, *_ in self.clean.values() for r in c.refs())
+        out["writers_waiting"] = self.waiters
+        return out
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+
+def _fmt(nbytes: int) -> str:
+    return humanfriendly.format_size(nbytes, binary=True)
+
+
+def _arena_id(path: Path) -> str:
+    """Identifies this incarnation of the RAM arena: a reboot empties tmpfs and makes a new one."""
+    try:
+        return private_files.read_file(path, 64).decode(errors="replace").strip()
+    except FileNotFoundError:
+        new = uuid.uuid4().hex
+        private_files.write_file(path, new.encode())
+        return new

@@ -1,0 +1,370 @@
+"""`ckptfs mount`: its arguments, the checks before anything is mounted, and the daemon, served
+in this process (--foreground) or detached (the parent waits for its "ok" on a pipe)."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import humanfriendly
+
+from ckptfs.cli.common import parse_positive_int, parse_seconds_arg, parse_size_arg
+from ckptfs.config import MountConfig, default_cache_dir, default_store_dir
+from ckptfs.daemon import limits, logs
+from ckptfs.daemon.mount_paths import check_mount_paths, check_mountpoint
+from ckptfs.errors import CkptfsError, MountError, StoreError, UsageError, one_line
+from ckptfs.objects import compression
+from ckptfs.store.base import ObjectStore
+from ckptfs.util import private_files
+
+log = logging.getLogger("ckptfs")
+
+READY_TIMEOUT_S = 60.0  # how long `mount` waits for the detached daemon to serve
+LOG_LEVELS = logs.LEVELS
+
+
+def _compress(text: str) -> int:
+    try:
+        return compression.parse_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--compress {text!r}: ")) from None
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
+
+
+def _umask(text: str) -> int:
+    try:
+        value = int(text, 8)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal umask (examples: 0077, 0022)")
+    return value
+
+
+def add_parser(sub) -> None:
+    fmt = lambda n: humanfriendly.format_size(n, binary=True)  # noqa: E731
+    p = sub.add_parser(
+        "mount",
+        help="mount a store on a directory; returns once the mount serves",
+        description="Mount STORE_URL on MOUNTPOINT. Sizes take binary units: 512M = 512 MiB.",
+    )
+    p.add_argument(
+        "store_url",
+        nargs="?",
+        metavar="STORE_URL",
+        help=f"s3://bucket[/prefix] or file:///path (default: the local store in {default_store_dir()})",
+    )
+    p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory")
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="write-back cache, journal and log (default: under ~/.cache/ckptfs)",
+    )
+    p.add_argument(
+        "--ram-cache",
+        type=parse_size_arg,
+        metavar="SIZE",
+        help=f"RAM tier budget (default {fmt(MountConfig.ram_cache)})",
+    )
+    p.add_argument(
+        "--cache-size",
+        type=parse_size_arg,
+        metavar="SIZE",
+        help=f"disk tier budget (default {fmt(MountConfig.cache_size)})",
+    )
+    p.add_argument(
+        "--endpoint-url", metavar="URL", help="S3-compatible endpoint (MinIO, Ceph RGW, Swift s3api, ...)"
+    )
+    p.add_argument(
+        "--part-size",
+        type=parse_size_arg,
+        metavar="SIZE",
+        help=f"upload part size (default {fmt(MountConfig.part_size)})",
+    )
+    p.add_argument(
+        "--upload-concurrency",
+        type=parse_positive_int,
+        metavar="N",
+        help=f"parts uploading at once (default {MountConfig.upload_concurrency})",
+    )
+    p.add_argument(
+        "--compress",
+        type=_compress,
+        metavar="zstd[:LEVEL]",
+        help="store files as zstd seekable streams, each part compressed on its own with its "
+        "bytes grouped where that helps float tensors (default: off; LEVEL 1..19, default "
+        f"{compression.DEFAULT_LEVEL}); any mount reads them",
+    )
+    p.add_argument(
+        "--list-ttl",
+        type=parse_seconds_arg,
+        metavar="SECONDS",
+        help="how old a directory listing may get before its next use asks the store again, so "
+        "files other mounts made durable show up; also how long a missing name is "
+        f"remembered (default {MountConfig.list_ttl:g}; 0: ask every time)",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=parse_seconds_arg,
+        metavar="SECONDS",
+        help="how long a write waits for cache space while nothing gets uploaded (the store is "
+        f"down) before it fails with ENOSPC (default {MountConfig.write_timeout:g})",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=parse_seconds_arg,
+        metavar="SECONDS",
+        help="how long a read of data not in the cache waits while the store fails or does not "
+        f"answer before it fails with EIO (default {MountConfig.read_timeout:g})",
+    )
+    p.add_argument(
+        "--shm-dir", metavar="DIR", help=f"the tmpfs that holds the RAM tier (default {MountConfig.shm_dir})"
+    )
+    p.add_argument(
+        "--allow-other",
+        action="store_true",
+        help="let other users use the mount (only as far as each file's mode allows); default: only you",
+    )
+    p.add_argument(
+        "--umask",
+        type=_umask,
+        metavar="OCTAL",
+        help="for files and directories whose mode the store does not record: 0666/0777 less "
+        f"this, owned by the mounting user (default {MountConfig.umask:04o}: only you)",
+    )
+    p.add_argument(
+        "--keep-ram-cache",
+        action="store_true",
+        help="leave the RAM tier in the shm dir at a clean umount (default: removed; the disk tier is kept)",
+    )
+    p.add_argument("--foreground", action="store_true", help="serve in this process, logging to stderr")
+    p.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve Prometheus metrics on this TCP port (0: any free port; see 'ckptfs status')",
+    )
+    p.add_argument("--metrics-addr", metavar="ADDR", help="address the metrics listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        metavar="LEVEL",
+        help=f"one of {', '.join(LOG_LEVELS)} (default {MountConfig.log_level}); only TRACE "
+        "adds the S3 libraries' lines, redacted: credentials, signatures and data never reach the log",
+    )
+    p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # set by `mount` for its detached daemon
+    p.set_defaults(func=cmd_mount)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    config = mount_config(args)
+    if args.ready_fd is None:  # the detached daemon's parent already checked these
+        store = _open_store(config)
+        try:
+            check_mountpoint(config.mountpoint)
+            check_mount_paths(config)
+            _check_limits(config)
+            store.check()
+        finally:
+            store.close()
+    else:
+        _check_limits(config)  # again: the machine may have changed (the paths: daemon.run checks them)
+    if args.foreground:
+        return _serve(config, args.ready_fd)
+    return _spawn_daemon(config)
+
+
+def mount_config(args: argparse.Namespace) -> MountConfig:
+    for name, value in (
+        ("MOUNTPOINT", args.mountpoint),
+        ("--cache-dir", args.cache_dir),
+        ("--shm-dir", args.shm_dir),
+    ):
+        if value is not None and not value.strip():  # an unset shell variable: not "the current directory"
+            raise UsageError(f"{name} is empty")
+    if args.metrics_addr is not None and args.metrics_port is None:
+        raise UsageError("--metrics-addr needs --metrics-port")
+    mountpoint = os.path.realpath(args.mountpoint)
+    options = {
+        "ram_cache": args.ram_cache,
+        "cache_size": args.cache_size,
+        "part_size": args.part_size,
+        "upload_concurrency": args.upload_concurrency,
+        "compress": args.compress,
+        "list_ttl": args.list_ttl,
+        "write_timeout": args.write_timeout,
+        "read_timeout": args.read_timeout,
+        "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
+        "umask": args.umask,
+        "log_level": args.log_level,
+        "metrics_port": args.metrics_port,
+        "metrics_addr": args.metrics_addr,
+    }
+    config = MountConfig(
+        mountpoint=mountpoint,
+        store_url=args.store_url or f"file://{default_store_dir()}",
+        cache_dir=os.path.abspath(args.cache_dir or default_cache_dir(mountpoint)),
+        endpoint_url=args.endpoint_url,
+        allow_other=args.allow_other,
+        keep_ram_cache=args.keep_ram_cache,
+        foreground=args.foreground and args.ready_fd is None,  # a person is watching the log
+        **{k: v for k, v in options.items() if v is not None},
+    )
+    return config
+
+
+def _check_limits(config: MountConfig) -> None:
+    for warning in limits.check(config):  # (raises UsageError for what this machine cannot honour)
+        print(f"ckptfs: warning: {warning}", file=sys.stderr)
+
+
+def _open_store(config: MountConfig) -> ObjectStore:
+    from ckptfs.store import open_store  # the s3 store pulls in boto3: only `mount` needs it
+
+    try:
+        return open_store(config.store_url, endpoint_url=config.endpoint_url)
+    except StoreError as e:
+        # open_store does no I/O: what it rejects is the command line itself.
+        raise UsageError(str(e)) if e.errno == errno.EINVAL else e
+
+
+def _serve(config: MountConfig, ready_fd: int | None) -> int:
+    """Run the daemon in this process. With ``ready_fd``, tell the parent `mount` how start-up went."""
+    if ready_fd is not None:
+        os.set_inheritable(ready_fd, False)  # helpers such as fusermount3 must not hold the pipe open
+    logs.setup(config.log_level, sys.stderr)
+    from ckptfs.daemon import run as daemon_run
+
+    ready = False
+
+    def on_ready() -> None:
+        nonlocal ready
+        ready = True
+        log.info("ckptfs: %s mounted on %s", config.store_url, config.mountpoint)
+        if ready_fd is not None:
+            _report(ready_fd, "ok")
+
+    try:
+        daemon_run.run(config, on_ready)
+    except (CkptfsError, StoreError) as e:
+        if ready_fd is not None and not ready:
+            _report(ready_fd, f"error: {one_line(str(e))}")
+        raise
+    return 0
+
+
+def _report(fd: int, line: str) -> None:
+    try:
+        os.write(fd, line.encode() + b"\n")
+        os.close(fd)
+    except OSError:
+        pass  # the parent is gone (Ctrl-C): keep serving anyway
+
+
+def daemon_argv(config: MountConfig) -> list[str]:
+    """The `ckptfs mount ... --foreground` arguments that rebuild ``config`` in the detached daemon."""
+    argv = [
+        "mount",
+        config.store_url,
+        config.mountpoint,
+        "--cache-dir",
+        config.cache_dir,
+        "--ram-cache",
+        str(config.ram_cache),
+        "--cache-size",
+        str(config.cache_size),
+        "--part-size",
+        str(config.part_size),
+        "--upload-concurrency",
+        str(config.upload_concurrency),
+        "--list-ttl",
+        repr(config.list_ttl),
+        "--write-timeout",
+        repr(config.write_timeout),
+        "--read-timeout",
+        repr(config.read_timeout),
+        "--shm-dir",
+        config.shm_dir,
+        "--log-level",
+        config.log_level,
+        "--foreground",
+    ]
+    argv += ["--umask", f"{config.umask:04o}"]
+    argv += ["--compress", f"zstd:{config.compress}"] * bool(config.compress)
+    argv += ["--allow-other"] * config.allow_other + ["--keep-ram-cache"] * config.keep_ram_cache
+    if config.endpoint_url:
+        argv += ["--endpoint-url", config.endpoint_url]
+    if config.metrics_port is not None:
+        argv += ["--metrics-port", str(config.metrics_port), "--metrics-addr", config.metrics_addr]
+    return argv
+
+
+def _spawn_daemon(config: MountConfig) -> int:
+    cache_dir = Path(config.cache_dir)
+    if cache_dir.is_symlink():  # whoever can make the link would choose where root writes the log
+        raise MountError(f"refusing the cache dir {cache_dir}: it is a symbolic link")
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    private_files.ensure_dir(cache_dir, "cache dir")  # ours, 0700, before the log goes in it
+    log_path = cache_dir / "ckptfs.log"
+    # Run the same ckptfs code as this process, from / so the daemon pins no directory.
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    log_fd = logs.open_log_file(log_path)  # 0600, no link followed, ours
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptfs", *daemon_argv(config), "--ready-fd", str(w)],
+            pass_fds=(w,),
+            start_new_session=True,
+            cwd="/",
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=log_fd,
+        )
+    finally:
+        os.close(w)
+        os.close(log_fd)
+    try:
+        line = read_ready(r, READY_TIMEOUT_S)
+    finally:
+        os.close(r)
+    if line == "ok":
+        return 0
+    if line is None:
+        proc.terminate()
+        raise MountError(
+            f"the daemon did not finish mounting within {READY_TIMEOUT_S:g} s (stopped it); see {log_path}"
+        )
+    if line.startswith("error: "):
+        raise MountError(line[len("error: ") :])
+    raise MountError(f"the daemon exited during start-up; see {log_path}")
+
+
+def read_ready(fd: int, timeout: float) -> str | None:
+    """The first line written to ``fd`` ("" on EOF without one), or None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace").strip()

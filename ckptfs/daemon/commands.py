@@ -1,0 +1,239 @@
+"""The control commands a mount's daemon answers (status, sync, warmup, verify, umount) and
+the live figures behind ``ckptfs status`` and the metrics: questions to the parts, on the trio
+loop, never through the mount."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import humanfriendly
+import trio
+
+from ckptfs.admin import verify
+from ckptfs.config import VERIFY_JOBS, MountConfig
+from ckptfs.daemon.wiring import Core
+from ckptfs.errors import CkptfsError, FsError, StoreError, TimedOut
+from ckptfs.store.health import describe
+
+PROGRESS_INTERVAL_S = 0.5
+
+
+class Commands:
+    def __init__(
+        self,
+        core: Core,
+        config: MountConfig,
+        mountpoint: str,
+        cache_dir,
+        started: float,
+        ops,
+        metrics,
+        stop_requested: trio.Event,
+    ):
+        self.config, self.mountpoint, self.cache_dir, self.started = config, mountpoint, cache_dir, started
+        self.store, self.health, self.cache = core.store, core.health, core.cache
+        self.uploader, self.fetcher, self.namespace = core.uploader, core.fetcher, core.namespace
+        self.ops = ops  # fuse_ops.Operations: bytes written, save stalls
+        self.metrics = metrics  # metrics.MetricsServer with --metrics-port, else None
+        self.stop_requested = stop_requested  # set by umount: the daemon unmounts
+
+    def handlers(self) -> dict:
+        """The commands for control.ControlServer, by name."""
+        return {
+            "status": self.status,
+            "sync": self.sync,
+            "warmup": self.warmup,
+            "verify": self.verify,
+            "umount": self.umount,
+        }
+
+    def figures(self) -> dict:
+        """Live figures for status and the metrics (on the trio loop)."""
+        up, usage, health = self.uploader, self.cache.usage(), self.health.status()
+        files, size = up.pending_files_and_size()
+        return {
+            "written_bytes": self.ops.written_bytes,
+            "committed_bytes": up.committed_bytes,
+            "uploaded_bytes": up.uploaded_bytes,
+            "stored_bytes": up.stored_bytes,
+            "fetched_bytes": self.fetcher.fetched_bytes,
+            "durable_files": up.durable_files,
+            "pending_files": files,
+            "pending_size": size,
+            "pending_bytes": up.pending_bytes(),
+            "upload_rate": up.upload_rate.rate(),
+            "oldest_pending_s": up.oldest_pending_age(),
+            "at_risk_s": up.at_risk_seconds(),
+            "cache": {"ram": usage["ram"], "disk": usage["disk"]},
+            "clean_bytes": usage["clean_bytes"],
+            "upload_latency": up.call_latency.snapshot(),
+            "fetch_latency": self.fetcher.get_latency.snapshot(),
+            "save_stall": self.ops.save_stall.snapshot(),
+            "retries": {
+                "upload": up.retries,
+                "fetch": self.fetcher.retries,
+                "integrity": self.fetcher.integrity_retries,
+            },
+            "errors": self.health.failures.snapshot(),
+            "store_up": 1 if health.get("state") == "ok" else 0,
+        }
+
+    # -- control commands -------------------------------------------------------------------------
+    async def status(self, request: dict, progress) -> dict:
+        usage = self.cache.usage()
+        up = self.uploader
+        f = self.figures()
+        return {
+            "mountpoint": self.mountpoint,
+            "store": self.store.url,
+            "cache_dir": str(self.cache_dir),
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "part_size": self.config.part_size,
+            "ram": usage["ram"],
+            "disk": usage["disk"],
+            "clean_bytes": usage["clean_bytes"],
+            "writers_waiting": usage["writers_waiting"],
+            "pending": {"files": up.pending_count(), "bytes": up.pending_bytes()},
+            "uploading": {"parts_in_flight": self.config.upload_concurrency - up.part_slots.value},
+            "uploaded_bytes": up.uploaded_bytes,
+            "stored_bytes": up.stored_bytes,  # (compressed size where compressed)
+            "durable_files": up.durable_files,
+            "fetched_bytes": self.fetcher.fetched_bytes,
+            "page_cache_pushed_bytes": self.namespace.prefill.pushed_bytes,
+            "page_cache_queued_files": self.namespace.prefill.queued_files,
+            "errors": self.health.errors(),
+            "store_health": self.health.status(),
+            # Reads whose bytes never matched their checksum (EIO), and mismatches fetched again.
+            "integrity_errors": list(self.fetcher.integrity_errors),
+            "integrity_retries": self.fetcher.integrity_retries,
+            "unverified_reads": self.fetcher.unverified_reads,
+            "written_bytes": f["written_bytes"],
+            "committed_bytes": f["committed_bytes"],
+            "upload_rate_bytes_per_s": round(f["upload_rate"]),
+            "oldest_pending_s": round(f["oldest_pending_s"], 1),
+            "training_at_risk_s": round(f["at_risk_s"], 1),
+            "retries": f["retries"],
+            "latest_checkpoint": self.namespace.checkpoint_dir or None,  # pinned: evicted last
+            "metrics_url": self.metrics.url if self.metrics is not None else None,
+            "server_checksums": self.store.server_checksums,
+            **self.namespace.status(),
+        }
+
+    async def sync(self, request: dict, progress) -> dict:
+        try:
+            target = self.namespace.sync_target(request.get("paths") or [])
+        except FsError as exc:
+            raise CkptfsError(str(exc)) from None
+        timeout = request.get("timeout")
+        started = time.monotonic()
+        files, size = self.uploader.pending_files_and_size(target)  # what this sync makes durable
+        with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
+            await self._drain(target, progress)
+        if scope.cancelled_caught:
+            up = self.uploader
+            raise TimedOut(
+                f"timed out after {timeout:g} s: {up.pending_count(target)} operations "
+                f"({up.pending_bytes(target)} bytes) not yet in the store "
+                f"(store: {describe(self.health.status())}); nothing is lost, they stay pending"
+            )
+        return {
+            "durable_up_to": target,
+            "files": files,
+            "bytes": size,
+            "seconds": round(time.monotonic() - started, 3),
+        }
+
+    async def warmup(self, request: dict, progress) -> dict:
+        """Fetch the files at or under ``paths`` into the cache, reporting progress."""
+        started = time.monotonic()
+        await self.namespace.refresh_paths(request.get("paths") or [])  # (what other mounts published)
+        try:
+            targets = self.namespace.contents_under(request.get("paths") or [])
+        except FsError as exc:
+            raise CkptfsError(str(exc)) from None
+        last: dict = {}
+
+        async def report(update: dict) -> None:
+            last.update(update)
+            await progress(update)
+
+        timeout = request.get("timeout")
+        try:
+            with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
+                for content, _ in targets:  # blocks kept from the last mount are checked before they count
+                    if content.verify:
+                        await self.namespace.verify_kept(content)
+                result = await self.fetcher.warm(
+                    [content for content, _ in targets], report, PROGRESS_INTERVAL_S
+                )
+        except FsError as exc:
+            raise CkptfsError(str(exc)) from None
+        finally:
+            for _, done in targets:  # in order: the last file becomes the most recently used
+                done()
+        if scope.cancelled_caught:
+            cached, total = (
+                humanfriendly.format_size(last.get(key, 0), binary=True)
+                for key in ("done_bytes", "total_bytes")
+            )
+            raise TimedOut(f"timed out after {timeout:g} s: {cached} of {total} cached")
+        return {**result, "seconds": round(time.monotonic() - started, 3)}
+
+    async def verify(self, request: dict, progress) -> dict:
+        """``ckptfs verify MOUNTPOINT``: read back what is in the store, with the mount's store."""
+        paths, jobs = request.get("paths") or [], request.get("jobs", VERIFY_JOBS)
+        if (
+            not isinstance(paths, list)
+            or not all(isinstance(p, str) for p in paths)
+            or not isinstance(jobs, int)
+            or not 1 <= jobs <= 256
+        ):
+            raise CkptfsError("verify: paths must be a list of strings and jobs 1 to 256")
+        try:
+            return await verify.run(self.store, paths, progress, jobs)
+        except StoreError as exc:
+            raise CkptfsError(str(exc)) from None
+
+    async def umount(self, request: dict, progress) -> dict:
+        if request.get("wait", True):
+            target, timeout = self.uploader.last_seq(), request.get("timeout")
+            with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
+                await self._drain(target, progress)
+            if scope.cancelled_caught:  # the mount stays: the caller decides whether to leave anyway
+                up = self.uploader
+                store = describe(self.health.status())
+                raise TimedOut(
+                    f"gave up after {timeout:g} s: {up.pending_count(target)} files "
+                    f"({humanfriendly.format_size(up.pending_bytes(target), binary=True)}) not yet in the store "
+                    f"(store: {store}); {self.mountpoint} stays mounted. To unmount now: "
+                    f"'ckptfs umount --no-wait {self.mountpoint}' (pending uploads resume at the next mount "
+                    "with the same cache dir)"
+                )
+        self.stop_requested.set()
+        return {"pending_files": self.uploader.pending_count()}
+
+    async def _drain(self, target: int, progress) -> None:
+        """Wait until every op up to ``target`` is in the store, reporting progress."""
+        up = self.uploader
+        total = up.pending_bytes(target)
+        async with trio.open_nursery() as nursery:
+
+            async def report():
+                while True:
+                    left = up.pending_bytes(target)
+                    await progress(
+                        {
+                            "pending_files": up.pending_count(target),
+                            "pending_bytes": left,
+                            "total_bytes": max(total, left),
+                            "store": describe(self.health.status()),
+                        }
+                    )
+                    await trio.sleep(PROGRESS_INTERVAL_S)
+
+            nursery.start_soon(report)
+            await up.wait_durable(target)
+            nursery.cancel_scope.cancel()
+        await progress({"pending_files": 0, "pending_bytes": 0, "total_bytes": total})

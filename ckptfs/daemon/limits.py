@@ -1,0 +1,192 @@
+"""The flags that size memory, disk and threads, checked against the machine at mount.
+
+One place for every such check: ``ckptfs mount`` runs ``check`` before it starts the
+daemon (so a bad value is one line at once, not a daemon dying 50 s later), and the
+daemon runs it again (a foreground mount, or a machine that changed). ``check_ram_room``
+runs in the daemon once the RAM arena is open: only then is it known how much of the
+tmpfs the arena already holds (a remount reuses its pages).
+
+The daemon's memory, stated in docs/architecture.md and tested in tests/test_limits.py:
+RSS <= the RAM tier (--ram-cache: pages of the tmpfs arena the daemon touched) +
+part-sized buffers ((2 x --upload-concurrency + 4) x --part-size: parts uploading, blocks
+being fetched, small files and disk blocks being hashed or sent whole; allocated when first
+needed, then reused) + a fixed overhead (the interpreter, libraries, FUSE buffers).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import humanfriendly
+
+from ckptfs.config import MiB, MountConfig
+from ckptfs.errors import MountError, UsageError
+from ckptfs.store.base import S3_LIMITS
+
+MIN_PART = 4096  # a part is a cache block: at least a page
+MAX_PART = S3_LIMITS.max_part_size  # S3's largest part; larger blocks only make every copy and upload coarser
+S3_MIN_PART = S3_LIMITS.min_part_size
+# Parts in flight are threads and connections (uploads, and as many fetches): past a few dozen
+# they add memory and contention, not throughput. A fixed cap, not one per core: uploads wait
+# on the network, not the CPU.
+MAX_CONCURRENCY = 64
+BODIES_SHARE = 4  # upload bodies (concurrency x part size) may take at most 1/4 of the machine's RAM
+FIXED_OVERHEAD = 128 * MiB  # interpreter, libraries, FUSE and socket buffers (35 MiB measured idle)
+SHM_HINT = (
+    "a container's /dev/shm is 64 MiB unless started with a larger one (docker run --shm-size=2g, "
+    "or an emptyDir with medium: Memory in Kubernetes)"
+)
+
+
+def fmt(n: int) -> str:
+    return humanfriendly.format_size(n, binary=True)
+
+
+def memory_bound(config: MountConfig) -> int:
+    """The most the daemon's RSS may reach with these flags (see the module doc)."""
+    return config.ram_cache + (2 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
+
+
+def machine_memory() -> int:
+    """Bytes of RAM this process may use: the machine's, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_memory_limit()
+    return min(total, limit) if limit else total
+
+
+def _cgroup_memory_limit() -> int | None:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            candidates += [f"/sys/fs/cgroup{path}/memory.max", "/sys/fs/cgroup/memory.max"]
+        elif "memory" in controllers.split(","):  # cgroup v1
+            candidates += [
+                f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes",
+                "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            ]
+    for candidate in candidates:
+        try:
+            text = Path(candidate).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # "max", or v1's huge "no limit"
+            return int(text)
+    return None
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor (the cache dir may not exist yet)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _fs_size(path: Path) -> tuple[int, int]:
+    """(size, bytes free for us) of the filesystem holding ``path``."""
+    st = os.statvfs(_existing(path))
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _allocated(path: Path) -> int:
+    """Bytes a file already holds on its filesystem (0 if absent); never follows a symlink."""
+    try:
+        return os.lstat(path).st_blocks * 512
+    except OSError:
+        return 0
+
+
+def ram_filesystem(config: MountConfig) -> Path:
+    """Where the RAM tier's arena lives: the shm dir, or the cache dir when there is none."""
+    return Path(config.shm_dir) if os.path.isdir(config.shm_dir) else Path(config.cache_dir)
+
+
+def check(config: MountConfig) -> list[str]:
+    """Raise UsageError (one line) for a flag this machine cannot honour; return warnings."""
+    part, threads = config.part_size, config.upload_concurrency
+    if not MIN_PART <= part <= MAX_PART:
+        raise UsageError(
+            f"--part-size {fmt(part)} is out of range: between {fmt(MIN_PART)} and {fmt(MAX_PART)}"
+        )
+    if config.store_url.lower().startswith("s3://") and part < S3_MIN_PART:
+        raise UsageError(
+            f"--part-size {fmt(part)} is out of range: S3 parts must be between {fmt(S3_MIN_PART)} "
+            f"and {fmt(S3_LIMITS.max_part_size)}"
+        )
+    if threads > MAX_CONCURRENCY:
+        raise UsageError(
+            f"--upload-concurrency {threads} is too many: at most {MAX_CONCURRENCY} "
+            "(each part in flight is a thread, a connection and a part-sized buffer)"
+        )
+    memory = machine_memory()
+    bodies = threads * part
+    if bodies * BODIES_SHARE > memory:
+        raise UsageError(
+            f"--upload-concurrency {threads} x --part-size {fmt(part)} = {fmt(bodies)} of upload buffers, "
+            f"more than a quarter of this machine's {fmt(memory)} of RAM: "
+            "lower --part-size or --upload-concurrency"
+        )
+
+    ram = config.ram_cache
+    if 0 < ram < part:
+        raise UsageError(
+            f"--ram-cache {fmt(ram)} cannot hold one part ({fmt(part)}): "
+            "give at least --part-size, or 0 for no RAM tier"
+        )
+    if ram > memory:
+        raise UsageError(
+            f"--ram-cache {fmt(ram)} is more than this machine's RAM ({fmt(memory)}): lower --ram-cache"
+        )
+    if ram + bodies > memory:
+        raise UsageError(
+            f"--ram-cache {fmt(ram)} plus {fmt(bodies)} of upload buffers is more than this machine's "
+            f"RAM ({fmt(memory)}): lower --ram-cache, --part-size or --upload-concurrency"
+        )
+    shm = ram_filesystem(config)
+    shm_size, _ = _fs_size(shm)
+    if ram > shm_size:
+        raise UsageError(
+            f"--ram-cache {fmt(ram)} does not fit in {shm} ({fmt(shm_size)} in all): "
+            f"lower --ram-cache, or pass --shm-dir on a larger tmpfs; {SHM_HINT}"
+        )
+
+    disk = config.cache_size
+    if disk < part:
+        raise UsageError(
+            f"--cache-size {fmt(disk)} cannot hold one part ({fmt(part)}): the disk tier holds "
+            "fsynced files and what the RAM tier cannot; give at least --part-size"
+        )
+    cache_dir = Path(config.cache_dir)
+    disk_size, disk_free = _fs_size(cache_dir)
+    if disk > disk_size:
+        raise UsageError(
+            f"--cache-size {fmt(disk)} is more than the whole filesystem of {_existing(cache_dir)} "
+            f"({fmt(disk_size)}): lower --cache-size or pass --cache-dir on a larger disk"
+        )
+    warnings = []
+    room = disk_free + _allocated(cache_dir / "disk.arena")
+    if disk > room:
+        warnings.append(
+            f"--cache-size {fmt(disk)} but only {fmt(room)} is free for it on {_existing(cache_dir)}: "
+            "writes get ENOSPC once the disk is full"
+        )
+    return warnings
+
+
+def check_ram_room(config: MountConfig, budget: int, arena: int, held: int) -> None:
+    """At mount: the RAM tier's filesystem must have room for the budget now. ``arena`` is the
+    arena file's descriptor, ``held`` the bytes its pages already take (reused, not new)."""
+    st = os.fstatvfs(arena)
+    free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if budget > free + held:
+        where = ram_filesystem(config)
+        raise MountError(
+            f"--ram-cache {fmt(budget)} does not fit in {where}: {fmt(free + held)} free of "
+            f"{fmt(size)}: lower --ram-cache, pass --shm-dir on a larger tmpfs, or free space "
+            f"there; {SHM_HINT}"
+        )

@@ -1,0 +1,383 @@
+"""pyfuse3 request handlers: thin wrappers over the namespace, and the one place errors become errno.
+
+Each handler decodes its arguments, calls the namespace and turns the result into
+pyfuse3's types. What a handler raises becomes ``FUSEError(errors.to_errno(exc))``
+(an FsError's errno; EIO for a bug), because an exception escaping a handler would
+take the whole mount down.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+
+import pyfuse3
+
+from ckptfs.errors import FsError, StoreError, to_errno
+from ckptfs.fuse.openers import Openers
+from ckptfs.model.files import direct_writes
+from ckptfs.model.namespace import Namespace
+from ckptfs.model.tree import Attr
+from ckptfs.util.stats import STALL_BUCKETS, Histogram
+
+log = logging.getLogger(__name__)
+
+ENTRY_TIMEOUT = 1.0  # seconds the kernel may cache names and attributes
+NEGATIVE_TIMEOUT_MAX = 3600.0  # seconds the kernel may remember a name as absent, at most
+STATE_XATTR = b"user.ckptfs.state"
+VERIFIED_XATTR = b"user.ckptfs.verified"  # yes / no / pending: are reads from the store checked
+XXH3_XATTR = b"user.ckptfs.xxh3"  # the whole file's recorded xxh3-64, where the store has one
+
+
+def _errno_boundary(handler):
+    """Every request handler's: what it raises becomes ``FUSEError(to_errno(exc))``. An exception
+    escaping a handler would take the whole mount down; cancellation is not caught (not an Exception)."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:
+            number = to_errno(exc)
+            _log_failure(handler.__name__, exc, number)
+            raise pyfuse3.FUSEError(number) from None
+
+    return wrapper
+
+
+def _no_reply_boundary(handler):
+    """For forget, which has no reply: pyfuse3 answers the kernel first, then awaits the handler
+    with no except around it, so anything it raises (a FUSEError too) ends pyfuse3's request
+    loop and the mount with it. Nothing may escape: the failure is logged and dropped."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        try:
+            await handler(*args, **kwargs)
+        except Exception as exc:
+            _log_failure(handler.__name__, exc, to_errno(exc))
+
+    return wrapper
+
+
+def _log_failure(handler: str, exc: Exception, number: int) -> None:
+    """One log record per failed request: expected refusals (ENOENT, ENOATTR) not at all, an
+    FsError at info, a store or OS failure at error; anything else is a bug, at error, with its
+    traceback when debug logging is on."""
+    if isinstance(exc, FsError):
+        if exc.errno not in (errno.ENOENT, pyfuse3.ENOATTR):
+            log.info("%s: %s", handler, exc)
+    elif isinstance(exc, (StoreError, OSError)):
+        log.error("%s failed: %s (%s)", handler, exc, errno.errorcode.get(number, number))
+    else:
+        log.error(
+            "%s failed unexpectedly: %s: %s",
+            handler,
+            type(exc).__name__,
+            exc,
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )
+
+
+def _name(raw: bytes) -> str:
+    # surrogateescape keeps undecodable bytes; the namespace refuses them with EINVAL.
+    return os.fsdecode(raw)
+
+
+class Operations(pyfuse3.Operations):
+    enable_writeback_cache = False  # measured slower here (docs/machine-facts.md)
+
+    def __init__(self, namespace: Namespace, block_size: int, mountpoint: str | None = None):
+        super().__init__()
+        self.ns = namespace
+        self.block_size = block_size
+        # Who opened each writer, so a forked child's close does not commit it (openers.py).
+        # Without the mountpoint every flush commits.
+        self.openers = Openers(mountpoint)
+        self._dir_listings: dict[int, list] = {}
+        self._next_dir_fh = 1 << 40
+        # Names are cached by the kernel no longer than the namespace trusts a listing, so a
+        # path walk reaches our lookup (which refreshes from the store) at least that often.
+        ttl = namespace.list_ttl
+        self.entry_timeout = ENTRY_TIMEOUT if ttl is None else min(ENTRY_TIMEOUT, ttl)
+        # The save stall as the daemon sees it: open to the committing close of each file written.
+        self.written_bytes = 0
+        self.save_stall = Histogram(STALL_BUCKETS)
+        self._opened_at: dict[int, float] = {}  # writable handles, by fh
+        self._wrote: set[int] = set()
+        # The largest file the store can hold (one object of at most 10,000 parts): a size or a
+        # write beyond it gets EFBIG at once, before any cache, journal or upload work.
+        self.max_file_size = namespace.store.limits.max_file_size
+
+    def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = attr.ino
+        entry.generation = 0
+        entry.entry_timeout = self.entry_timeout
+        # A file open for writing: no attribute caching, so every descriptor sees its size as
+        # it is written, and a cached reader's next read() finds the changed size or mtime and
+        # drops its stale pages (auto_inval_data). Otherwise cached like names:
+        # every read() asks for attributes when they have expired (auto_inval_data), one
+        # daemon round trip per read of a torch.load. A later write through this mount
+        # invalidates them in the kernel.
+        entry.attr_timeout = 0 if attr.writing else self.entry_timeout
+        entry.st_mode = attr.mode
+        entry.st_nlink = attr.nlink
+        entry.st_uid = attr.uid
+        entry.st_gid = attr.gid
+        entry.st_rdev = 0
+        entry.st_size = attr.size
+        entry.st_blksize = 1 << 20  # tells cp, tar and friends to use large I/O
+        entry.st_blocks = (attr.size + 511) // 512
+        entry.st_atime_ns = attr.atime_ns
+        entry.st_mtime_ns = attr.mtime_ns
+        entry.st_ctime_ns = attr.ctime_ns
+        return entry
+
+    # -- names ---------------------------------------------------------------------------
+    def _checked_name(self, parent_inode: int, raw: bytes) -> str:
+        """The name of any call that takes one; ENAMETOOLONG for a name that cannot be in the
+        store (over 255 bytes, or a key longer than the store's), whether or not the call would
+        create it, as a disk answers. (The namespace refuses a new name one byte earlier.)"""
+        if raw not in (b".", b".."):
+            self.ns.check_name_length(self.ns.node(parent_inode), raw, spare=0)
+        return _name(raw)
+
+    @_errno_boundary
+    async def lookup(self, parent_inode, name, ctx=None):
+        name = self._checked_name(parent_inode, name)
+        try:
+            return self._entry(await self.ns.lookup_async(parent_inode, name))
+        except FsError as exc:
+            ttl = self.ns.negative_ttl(parent_inode, name) if exc.errno == errno.ENOENT else 0
+            if not ttl:
+                raise
+        # Absent, and the namespace will say so without asking the store for ``ttl`` seconds:
+        # the kernel may remember it as long (a negative entry: inode 0).
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = 0
+        entry.entry_timeout = min(ttl, NEGATIVE_TIMEOUT_MAX)
+        return entry
+
+    @_no_reply_boundary
+    async def forget(self, inode_list):
+        for inode, count in inode_list:
+            self.ns.forget(inode, count)
+
+    @_errno_boundary
+    async def getattr(self, inode, ctx=None):
+        return self._entry(self.ns.getattr(inode))
+
+    @_errno_boundary
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        if fields.update_size and attr.st_size > self.max_file_size:
+            raise FsError(errno.EFBIG, f"{attr.st_size} bytes: larger than the store's largest object")
+        result = await self.ns.setattr(
+            inode,
+            fh,
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return self._entry(result)
+
+    @_errno_boundary
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        name = self._checked_name(parent_inode, name)
+        return self._entry(self.ns.mkdir(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
+
+    @_errno_boundary
+    async def rmdir(self, parent_inode, name, ctx):
+        self.ns.rmdir(parent_inode, self._checked_name(parent_inode, name))
+
+    @_errno_boundary
+    async def unlink(self, parent_inode, name, ctx):
+        self.ns.unlink(parent_inode, self._checked_name(parent_inode, name))
+
+    @_errno_boundary
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self.ns.rename(
+            parent_inode_old,
+            self._checked_name(parent_inode_old, name_old),
+            parent_inode_new,
+            self._checked_name(parent_inode_new, name_new),
+            flags,
+        )
+
+    @_errno_boundary
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        name = self._checked_name(parent_inode, name)
+        if stat.S_IFMT(mode) not in (0, stat.S_IFREG):
+            # mkfifo, device nodes, bind() of an AF_UNIX socket: an object store holds only
+            # files and directories.
+            raise FsError(errno.EPERM, "FIFOs, devices and sockets cannot be stored")
+        # A regular file: made, committed and closed as open(O_CREAT | O_EXCL) + close make it.
+        handle, attr = self.ns.create(
+            parent_inode, name, mode & ~ctx.umask, os.O_WRONLY | os.O_CREAT | os.O_EXCL, ctx.uid, ctx.gid
+        )
+        try:
+            self.ns.flush(handle.fh)
+        finally:
+            self.ns.release(handle.fh)
+        return self._entry(self.ns.getattr(attr.ino))
+
+    @_errno_boundary
+    async def symlink(self, parent_inode, name, target, ctx):
+        name = self._checked_name(parent_inode, name)
+        return self._entry(await self.ns.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @_errno_boundary
+    async def readlink(self, inode, ctx):
+        return await self.ns.readlink(inode)  # (bytes: pyfuse3 hands them to the kernel as they are)
+
+    @_errno_boundary
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        self._checked_name(new_parent_inode, new_name)
+        raise FsError(errno.EPERM, "hard links cannot be stored (one object per name)")
+
+    # -- directories -------------------------------------------------------------------------
+    @_errno_boundary
+    async def opendir(self, inode, ctx):
+        # Snapshot the listing at open so offsets stay stable while entries change.
+        await self.ns.refresh(inode)  # list it again from the store if the last listing is old
+        fh = self._next_dir_fh
+        self._next_dir_fh += 1
+        self._dir_listings[fh] = self.ns.readdir(inode)
+        return fh
+
+    @_errno_boundary
+    async def readdir(self, fh, start_id, token):
+        entries = self._dir_listings.get(fh, [])
+        for index in range(start_id, len(entries)):
+            name, attr = entries[index]
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), index + 1):
+                break
+            self.ns.looked_up(attr.ino)  # READDIRPLUS: the kernel now holds the entry, as after a lookup
+
+    @_errno_boundary
+    async def releasedir(self, fh):
+        self._dir_listings.pop(fh, None)
+
+    @_errno_boundary
+    async def fsyncdir(self, fh, datasync):
+        pass
+
+    # -- files -----------------------------------------------------------------------------------
+    @_errno_boundary
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        name = self._checked_name(parent_inode, name)
+        handle, attr = self.ns.create(parent_inode, name, mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
+        self.openers.opened(handle.fh, attr.ino, ctx.pid, flags)
+        self._opened_at[handle.fh] = time.monotonic()
+        # direct_io for write-only handles: the kernel hands large writes straight to us
+        # (1 MiB requests) instead of splitting them through its page cache (files.direct_writes).
+        entry = self._entry(attr)
+        # The new file's attributes may be cached although it is open for writing: the kernel
+        # drops its cached size, times and blocks itself at every write and truncate through
+        # it, and nothing else changes them. Saves the GETATTR that the open's permission
+        # check would send next: a small file takes six requests instead of seven
+        # (docs/benchmarks.md, "What one small file costs").
+        entry.attr_timeout = self.entry_timeout
+        return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_writes(flags)), entry
+
+    @_errno_boundary
+    async def open(self, inode, flags, ctx):
+        handle, keep_cache, direct_io = await self.ns.open(inode, flags)
+        self.openers.opened(handle.fh, inode, ctx.pid, flags)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            self._opened_at[handle.fh] = time.monotonic()
+        return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_io, keep_cache=keep_cache)
+
+    @_errno_boundary
+    async def read(self, fh, off, size):
+        # A view of the RAM tier where it can be (no copy per read): pyfuse3 hands it to the
+        # kernel before anything else runs, so the block cannot change or go away meanwhile.
+        return await self.ns.read(fh, off, size, view=True)
+
+    @_errno_boundary
+    async def write(self, fh, off, buf):
+        if off + len(buf) > self.max_file_size:  # as a disk: short up to the limit, EFBIG at it
+            if off >= self.max_file_size:
+                raise FsError(errno.EFBIG, "a write past the store's largest object")
+            buf = buf[: self.max_file_size - off]
+        written = await self.ns.write(fh, off, buf)
+        self.written_bytes += written
+        self._wrote.add(fh)
+        return written
+
+    @_errno_boundary
+    async def flush(self, fh):
+        # Every close of a descriptor sends FLUSH, a forked child's too: commit only at the
+        # close after which the opening process holds the file no more (openers.py).
+        commit = await self.openers.opener_closed(fh)
+        self.ns.flush(fh, commit=commit)
+        if commit:
+            self._saved(fh)
+
+    @_errno_boundary
+    async def release(self, fh):
+        self.openers.released(fh)
+        try:
+            self.ns.release(fh)  # commits a handle still dirty (its opener's close was not seen)
+        finally:
+            self._saved(fh)
+
+    def _saved(self, fh: int) -> None:
+        opened = self._opened_at.pop(fh, None)
+        if fh in self._wrote and opened is not None:
+            self.save_stall.observe(time.monotonic() - opened)
+        self._wrote.discard(fh)
+
+    @_errno_boundary
+    async def fsync(self, fh, datasync):
+        await self.ns.fsync(fh)
+
+    @_errno_boundary
+    async def statfs(self, ctx):
+        usage = self.ns.statfs()
+        stats = pyfuse3.StatvfsData()
+        stats.f_bsize = stats.f_frsize = 4096
+        # The store has no fixed size: report a large one, with the cache's use as used space.
+        total = max(1 << 50, usage["ram"]["budget"] + usage["disk"]["budget"])
+        used = usage["ram"]["used"] + usage["disk"]["used"]
+        stats.f_blocks = total // 4096
+        stats.f_bfree = stats.f_bavail = (total - used) // 4096
+        stats.f_files = 1 << 32
+        stats.f_ffree = stats.f_favail = (1 << 32) - usage["files"]
+        stats.f_namemax = 255
+        return stats
+
+    # -- extended attributes ------------------------------------------------------------------------
+    @_errno_boundary
+    async def getxattr(self, inode, name, ctx):
+        if name == STATE_XATTR:
+            return self.ns.state(inode).encode()
+        if name in (VERIFIED_XATTR, XXH3_XATTR) and not self.ns.node(inode).is_dir:
+            verified, xxh3 = await self.ns.verification(inode)
+            value = verified if name == VERIFIED_XATTR else xxh3
+            if value:
+                return value.encode()
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    @_errno_boundary
+    async def listxattr(self, inode, ctx):
+        if self.ns.node(inode).is_dir:
+            return [STATE_XATTR]
+        return [STATE_XATTR, VERIFIED_XATTR, XXH3_XATTR]
+
+    @_errno_boundary
+    async def setxattr(self, inode, name, value, ctx):
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    @_errno_boundary
+    async def removexattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.ENOTSUP)

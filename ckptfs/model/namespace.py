@@ -1,0 +1,365 @@
+"""The namespace: the directory tree, open handles, and committed versus staged file contents,
+as one object for the FUSE glue (fuse_ops.py), the control commands and the catalog.
+
+The store is the source of truth: on start the tree is the store's listing with the journal's
+pending ops laid over it. Each file node has one committed ``Version``; while it is open for
+writing, one working copy (``Writing``, a ``StagedFile``) shared by all its writers, which every
+descriptor reads (POSIX on the node). When its last writer closes, the snapshot becomes the new
+version, a ``put`` op goes to the journal and the uploader (atomic in the store). Renames, unlinks and mkdirs become ops too, so the store ends with exactly what the
+namespace says.
+
+``Namespace`` is a facade: the work is done by the parts in ``ckptfs/model/`` (the tree, the
+cache policy, the commit path, start-up, the refresh from the store, file and name operations;
+see docs/architecture.md). Every method that changes state does so without awaiting in the
+middle (trio is single-threaded), so a change and its journal record are one atomic step.
+Errors a user can hit are ``FsError`` with an errno.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable, Iterable
+
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.clean_index import CleanEntry
+from ckptfs.cache.contents import Content
+from ckptfs.cache.journal import Journal, Op
+from ckptfs.errors import FsError
+from ckptfs.model import startup
+from ckptfs.model.commits import Commits
+from ckptfs.model.dirs import Dirs
+from ckptfs.model.files import Files
+from ckptfs.model.policy import CachePolicy
+from ckptfs.model.prefill import Prefill
+from ckptfs.model.refresh import Refresher
+from ckptfs.model.tree import (
+    LINK_MODE,
+    MAX_LINK_TARGET,
+    ROOT_INODE,
+    Attr,
+    Handle,
+    Node,
+    Tree,
+)
+from ckptfs.store.base import ObjectInfo
+from ckptfs.store.health import StoreHealth
+from ckptfs.transfer.fetcher import Fetcher
+from ckptfs.transfer.uploader import Uploader
+
+
+class Namespace:
+    """``policy``: the cache policy the cache was built with (``build_core`` makes both, with
+    the tree); without one (parts built by hand), a tree and policy are made here and given to
+    the cache."""
+
+    def __init__(
+        self,
+        cache: Cache,
+        journal: Journal,
+        uploader: Uploader,
+        fetcher: Fetcher,
+        uid: int,
+        gid: int,
+        list_ttl: float | None = None,
+        umask: int = 0o022,
+        root: tuple[int, int, int] | None = None,
+        policy: CachePolicy | None = None,
+        health: StoreHealth | None = None,
+    ):
+        if policy is None:
+            policy = cache.policy = CachePolicy(
+                Tree(uid, gid, umask, root, max_key_bytes=fetcher.store.key_room())
+            )
+        policy.bind(cache, uploader)
+        self.tree = tree = policy.tree
+        self.policy = policy
+        self.cache = cache
+        self.uploader = uploader
+        self.fetcher = fetcher
+        self.store = fetcher.store
+        self.health = health or fetcher.health  # one StoreHealth, shared with the uploader and fetcher
+        self.prefill = Prefill(busy=policy.busy)
+        self.commits = Commits(tree, cache, journal, uploader, policy, self.prefill)
+        uploader.retained_ops = self.commits.retained_ops  # (uploader.py is built before the model)
+        self.files = Files(self.commits, fetcher)
+        self.dirs = Dirs(self.commits)
+        self.refresher = Refresher(tree, self.commits, cache, fetcher.store, self.health, list_ttl)
+        self.root, self.inodes, self.handles = tree.root, tree.inodes, tree.handles
+
+    # -- settings shared with the parts ------------------------------------------------------------
+    @property
+    def list_ttl(self) -> float | None:
+        return self.refresher.list_ttl
+
+    @list_ttl.setter
+    def list_ttl(self, seconds: float | None) -> None:
+        self.refresher.list_ttl = seconds
+
+    @property
+    def forget_name(self) -> Callable[[int, str], None]:
+        return self.refresher.forget_name
+
+    @forget_name.setter
+    def forget_name(self, fn: Callable[[int, str], None]) -> None:
+        self.refresher.forget_name = fn
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """The latest checkpoint's directory key (its clean data is evicted last)."""
+        return self.policy.checkpoint_dir
+
+    # -- start-up and shutdown ---------------------------------------------------------------------
+    def load(
+        self, listing: Iterable[ObjectInfo], pending: list[Op], clean: dict[str, CleanEntry] | None = None
+    ) -> None:
+        startup.load(self.commits, listing, pending, clean)
+
+    def clean_contents(self) -> list[tuple[str, Content]]:
+        """Durable files with cached blocks (what the clean cache index keeps for the next mount)."""
+        return [
+            (n.key(), n.version.content)
+            for n in self.tree.files()
+            if n.version is not None and n.version.seq is None and n.version.content.refs()
+        ]
+
+    async def verify_kept(self, content: Content) -> None:
+        await self.policy.verify_kept(content)
+
+    # -- lookups -----------------------------------------------------------------------------------
+    def node(self, ino: int) -> Node:
+        return self.tree.node(ino)
+
+    def check_name_length(self, parent: Node, name: bytes, spare: int = 1) -> None:
+        self.tree.check_name_length(parent, name, spare)
+
+    def attr(self, node: Node) -> Attr:
+        return self.tree.attr(node)
+
+    def lookup(self, parent_ino: int, name: str) -> Attr:
+        parent = self.tree.dir(parent_ino)
+        if name == ".":
+            node = parent
+        elif name == "..":
+            node = parent.parent or parent
+        else:
+            node = self.tree.child(parent, name)
+        node.nlookup += 1
+        return self.tree.attr(node)
+
+    async def lookup_async(self, parent_ino: int, name: str) -> Attr:
+        """``lookup`` that keeps up with the store: the directory is listed again first if its
+        listing is older than ``list_ttl`` (so known names follow changes and deletions too); a
+        name still unknown is asked of the store itself, unless it was found absent less than
+        ``list_ttl`` ago (``negative_ttl`` says for how much longer)."""
+        await self.refresher.lookup(self.tree.dir(parent_ino), name)
+        parent = self.tree.dir(parent_ino)
+        node = parent.children.get(name)
+        if node is not None and not await self.refresher.learn_attrs([node]):
+            raise FsError(errno.EIO, "the store did not say who may read this file (its attributes)")
+        return self.lookup(parent_ino, name)
+
+    def negative_ttl(self, parent_ino: int, name: str) -> float:
+        """How long the kernel may cache that ``name`` is absent from ``parent_ino``: as long as
+        this mount will answer so without asking the store (0: not at all)."""
+        return self.refresher.missing.ttl_left(parent_ino, name)
+
+    async def refresh(self, ino: int) -> None:
+        """List directory ``ino`` again from the store if its listing is older than the TTL
+        (opendir calls it before taking the directory's entries)."""
+        node = self.tree.node(ino)
+        if node.is_dir and self.refresher.due(node):
+            await self.refresher.refresh_dir(node)
+        if node.is_dir:  # READDIRPLUS gives the kernel each entry's attributes: read them first
+            await self.refresher.learn_attrs(list(node.children.values()))
+
+    async def refresh_paths(self, paths: list[str]) -> None:
+        await self.refresher.refresh_paths(paths)
+
+    def looked_up(self, ino: int) -> None:
+        """The kernel learned ``ino`` other than by lookup (a READDIRPLUS entry): it will forget it too."""
+        node = self.inodes.get(ino)
+        if node is not None:
+            node.nlookup += 1
+
+    def forget(self, ino: int, count: int) -> None:
+        node = self.inodes.get(ino)
+        if node is None or ino == ROOT_INODE:
+            return
+        node.nlookup = max(0, node.nlookup - count)
+        self.tree.maybe_drop(node)
+
+    def getattr(self, ino: int) -> Attr:
+        node = self.tree.node(ino)
+        if node.gone and not node.handles:  # the kernel's entry for it has not expired yet
+            raise FsError(errno.ENOENT)
+        return self.tree.attr(node)
+
+    def readdir(self, ino: int) -> list[tuple[str, Attr]]:
+        parent = self.tree.dir(ino)
+        return [(name, self.tree.attr(child)) for name, child in sorted(parent.children.items())]
+
+    def state(self, ino: int) -> str:
+        """user.ckptfs.state: writing, pending (committed, not yet in the store) or durable."""
+        node = self.tree.node(ino)
+        if node.is_dir:
+            return (
+                "durable"
+                if all(n.version is None or n.version.seq is None for n in node.walk())
+                else "pending"
+            )
+        if node.version is None:
+            return "writing"
+        return "pending" if node.version.seq is not None else "durable"
+
+    async def verification(self, ino: int) -> tuple[str, str]:
+        """user.ckptfs.verified and user.ckptfs.xxh3: whether the bytes read from the store are
+        checked ("yes"; "no" for an object with no checksums, e.g. put by another tool; "pending"
+        before the file is in the store) and the whole file's recorded xxh3 ("" if none)."""
+        node = self.tree.node(ino)
+        if node.is_dir or node.version is None or node.version.seq is not None:
+            return ("pending" if not node.is_dir else ""), ""
+        content = node.version.content.hold()
+        try:
+            checks = await self.fetcher.checksums_of(content)
+        finally:
+            content.release()
+        if checks is None:
+            return "pending", ""
+        return ("yes" if checks.verified else "no"), checks.xxh3
+
+    # -- operations (see model/files.py and model/dirs.py) -----------------------------------------
+    def mkdir(self, parent_ino: int, name: str, mode: int, uid: int, gid: int) -> Attr:
+        return self.dirs.mkdir(parent_ino, name, mode, uid, gid)
+
+    def rmdir(self, parent_ino: int, name: str) -> None:
+        self.dirs.rmdir(parent_ino, name)
+
+    def unlink(self, parent_ino: int, name: str) -> None:
+        self.dirs.unlink(parent_ino, name)
+
+    def rename(
+        self, old_parent_ino: int, old_name: str, new_parent_ino: int, new_name: str, flags: int
+    ) -> None:
+        self.dirs.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags)
+
+    def create(
+        self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int
+    ) -> tuple[Handle, Attr]:
+        return self.files.create(parent_ino, name, mode, flags, uid, gid)
+
+    async def symlink(self, parent_ino: int, name: str, target: bytes, uid: int, gid: int) -> Attr:
+        """A symbolic link, stored as s3fs stores one: a small file whose content is the target
+        and whose mode is S_IFLNK | 0777. Created, written and committed at once (as mknod
+        makes a file), so it is journaled and uploaded like any small file."""
+        if len(target) > MAX_LINK_TARGET:
+            raise FsError(errno.ENAMETOOLONG, f"a link target is at most {MAX_LINK_TARGET} bytes")
+        handle, _ = self.files.create(parent_ino, name, 0o777, os.O_WRONLY | os.O_CREAT | os.O_EXCL, uid, gid)
+        node = handle.node
+        node.mode = LINK_MODE  # before the commit, whose metadata says what it is
+        try:
+            await self.files.write(handle.fh, 0, target)
+            self.files.flush(handle.fh)
+        except BaseException:
+            # No link without its target is left behind (taken out first: the release then commits
+            # nothing; wherever a rename meanwhile put it), and the kernel, which gets the error,
+            # holds no reference to it.
+            node.nlookup -= 1
+            if not node.unlinked:
+                self.commits.detach(node)
+            self.files.release(handle.fh)
+            raise
+        self.files.release(handle.fh)
+        return self.tree.attr(node)
+
+    async def readlink(self, ino: int) -> bytes:
+        """A link's target: its content, read as any file's (from the cache or the store)."""
+        if not stat.S_ISLNK(self.tree.node(ino).mode):
+            raise FsError(errno.EINVAL, "not a symbolic link")
+        handle, _, _ = await self.files.open(ino, os.O_RDONLY)
+        try:
+            size = handle.content.size
+            if size > MAX_LINK_TARGET:
+                raise FsError(errno.EIO, f"the stored link target is {size} bytes, over {MAX_LINK_TARGET}")
+            return bytes(await self.files.read(handle.fh, 0, size))
+        finally:
+            self.files.release(handle.fh)
+
+    async def open(self, ino: int, flags: int) -> tuple[Handle, bool, bool]:
+        return await self.files.open(ino, flags)
+
+    async def read(self, fh: int, offset: int, size: int, view: bool = False) -> bytes | memoryview:
+        """``view``: a block's own bytes may come back as a view of the arena (for a reply sent
+        before anything else runs: fuse_ops)."""
+        return await self.files.read(fh, offset, size, view)
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        return await self.files.write(fh, offset, data)
+
+    def flush(self, fh: int, commit: bool = True) -> None:
+        self.files.flush(fh, commit)
+
+    def release(self, fh: int) -> None:
+        self.files.release(fh)
+
+    async def fsync(self, fh: int) -> None:
+        await self.files.fsync(fh)
+
+    async def setattr(
+        self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None
+    ) -> Attr:
+        if not await self.refresher.learn_attrs([self.tree.node(ino)]):  # (a change starts from them)
+            raise FsError(errno.EIO, "the store did not say this file's attributes")
+        return await self.files.setattr(ino, fh, size, mode, uid, gid, atime_ns, mtime_ns)
+
+    # -- control commands --------------------------------------------------------------------------
+    def statfs(self) -> dict:
+        usage = self.cache.usage()
+        return {"ram": usage["ram"], "disk": usage["disk"], "files": len(self.inodes)}
+
+    def sync_target(self, paths: list[str]) -> int:
+        """The op sequence number ``sync`` must wait for (everything if no paths)."""
+        if not paths:
+            return self.uploader.last_seq()
+        target = 0
+        for path in paths:
+            node = self.tree.find_path(path)
+            if node is None:
+                raise FsError(errno.ENOENT, f"no such file on the mount: {path}")
+            for n in node.walk():
+                pending = n.version.seq if n.version is not None and n.version.seq is not None else 0
+                target = max(target, n.last_seq, pending)
+        return target
+
+    def contents_under(self, paths: list[str]) -> list[tuple[Content, Callable[[], None]]]:
+        """For warmup: the committed contents of the files at or under ``paths`` (all if none),
+        each held and kept out of the clean-eviction list, with the call that ends that (once):
+        it releases the content and lets the file's cached blocks be evicted again, now as the
+        most recently used."""
+        nodes: dict[int, Node] = {}
+        for path in paths or [""]:
+            node = self.tree.find_path(path)
+            if node is None:
+                raise FsError(errno.ENOENT, f"no such file or directory on the mount: {path}")
+            nodes.update((n.ino, n) for n in node.walk() if not n.is_dir and n.version is not None)
+        out = []
+        for node in nodes.values():
+            content = node.version.content.hold()
+            self.policy.keep(node)
+
+            def done(node: Node = node, content: Content = content) -> None:
+                content.release()
+                self.policy.maybe_clean(node)
+
+            out.append((content, done))
+        return out
+
+    def status(self) -> dict:
+        writing = sum(1 for h in self.handles.values() if h.staged is not None)
+        return {
+            "open_handles": len(self.handles),
+            "open_writers": writing,
+            "inodes": len(self.inodes),
+            "attr_heads": self.refresher.attr_heads,
+        }

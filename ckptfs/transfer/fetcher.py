@@ -1,0 +1,406 @@
+"""Reads of data that is not cached: ranged GETs of whole blocks into the cache.
+
+A block is fetched once however many readers want it at the same time: the first
+one starts the GET, the others wait on its event. Fetched blocks become part of
+the file's cached content, so the next read is local. A reader going through a
+file sequentially gets the next blocks fetched ahead, in parallel, in the background.
+``warm`` (``ckptfs warmup``) fetches every missing block of a set of files the same way.
+
+Every fetched range is checked against its object's part checksums (``integrity``) before a
+byte enters the cache: the range is widened to whole parts, the checksums come from the GET's
+own metadata (a one-PUT file) or from the object's manifest (fetched once per version). A
+mismatch is fetched again (a fault on the wire); one that persists fails the read with EIO and
+is kept for ``ckptfs status`` (``integrity_errors``). Objects with no checksums (written by
+other tools) are read unchecked and say so (``user.ckptfs.verified``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import humanfriendly
+import trio
+
+from ckptfs.blocks import n_blocks
+from ckptfs.cache.arena import in_pages
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.contents import Content
+from ckptfs.errors import FsError, NotFound, StoreError
+from ckptfs.objects import compression
+from ckptfs.objects.integrity import IntegrityError
+from ckptfs.store.base import ObjectStore
+from ckptfs.store.health import StoreHealth
+from ckptfs.transfer import retry
+from ckptfs.transfer.fetch_checks import VERIFY_ATTEMPTS, FetchChecks
+from ckptfs.util.stats import LATENCY_BUCKETS, Histogram
+
+log = logging.getLogger(__name__)
+
+READ_ATTEMPTS = retry.READ_ATTEMPTS  # a reader waits through short glitches, not through an outage
+MOVE_WAIT = 30.0  # how long a reader that got NotFound waits for content.key to follow a move
+
+
+class _ShortRead(Exception):
+    """The store sent fewer bytes than asked for (asked again at once, see retry.reading)."""
+
+    def __init__(self, got: int):
+        super().__init__(f"short read: {got} bytes")
+        self.got = got
+
+
+class Fetcher(FetchChecks):
+    """Ranged GETs of uncached blocks into the cache (the checks of what they bring: FetchChecks)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        cache: Cache,
+        concurrency: int,
+        health: StoreHealth | None = None,
+        read_timeout: float | None = None,
+    ):
+        self.store = store
+        self.cache = cache
+        self.threads = trio.CapacityLimiter(concurrency)
+        # Fetched blocks held in memory at once, GET to cache (one may wait for cache space):
+        # without it, many readers' read-ahead could hold any number of part-sized bodies.
+        self.bodies = trio.Semaphore(concurrency)
+        self.inflight: dict[tuple[int, int], trio.Event] = {}
+        self.fetched_bytes = 0
+        self.get_latency = Histogram(LATENCY_BUCKETS)  # each ranged GET that answered
+        self.retries = 0  # GETs tried again after a transient failure
+        self.read_ahead = concurrency  # blocks fetched ahead of a sequential reader
+        self.nursery: trio.Nursery | None = None
+        self.health = health or StoreHealth()  # the daemon shares one with the uploader and the namespace
+        self.read_timeout = read_timeout  # see MountConfig.read_timeout; None: wait for the store
+        self.integrity_errors: deque[dict] = deque(maxlen=20)  # reads failed: bytes never matched
+        self.integrity_retries = 0  # ranges that did not match once and were fetched again
+        self.unverified_reads = 0  # ranges of objects with no checksums, read unchecked
+        self._logged: set[tuple[str, str]] = set()
+        self._manifests: dict[str, trio.Event] = {}  # manifest loads in flight, by upload id
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Host the background read-ahead tasks."""
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def prefetch(self, content: Content, first: int) -> None:
+        """Start fetching the blocks after ``first`` that are neither cached nor on their way."""
+        if self.nursery is None or not content.in_store:
+            return
+        last = min(len(content.blocks), first + self.read_ahead)
+        for index in range(first, last):
+            if content.blocks[index] is None and (id(content), index) not in self.inflight:
+                self.nursery.start_soon(self._prefetch_block, content.hold(), index)
+
+    async def _prefetch_block(self, content: Content, index: int) -> None:
+        try:
+            await self._fetch_block(content, index)
+        except Exception as exc:  # the reader fetches it again itself and sees any error
+            log.debug("read-ahead of %s block %d failed: %s", content.key, index, exc)
+        finally:
+            content.release()
+
+    async def fill(self, content: Content, indexes: list[int]) -> None:
+        """Make sure the given blocks of ``content`` are cached."""
+        if not indexes:
+            return
+        if len(indexes) == 1:
+            await self._fetch_block(content, indexes[0])
+            return
+        async with trio.open_nursery() as nursery:
+            for index in indexes:
+                nursery.start_soon(self._fetch_block, content, index)
+
+    async def warm(
+        self, contents: list[Content], progress: Callable[[dict], Awaitable[None]], interval: float = 0.5
+    ) -> dict:
+        """Fetch every block of ``contents`` that is not cached (``ckptfs warmup``).
+
+        Blocks go in file order, a bounded number at a time (the GETs themselves share the
+        readers' thread limiter), through ``_fetch_block``: a block a reader is already fetching
+        is waited for, not fetched again. Contents not in the store (local only) are fully
+        cached already. ``progress`` gets {"done_bytes", "total_bytes", "files", "files_done"}
+        every ``interval`` seconds. The caller holds the contents and keeps them from eviction
+        until this returns: a file warmed early must not make room for the ones after it.
+        Raises FsError: ENOSPC when the cache cannot hold them all, or the store's error.
+        """
+        total = sum(c.size for c in contents)
+        if not self._fits(contents):
+            capacity = sum(tier.budget for tier in self.cache.tiers)
+            raise FsError(
+                errno.ENOSPC,
+                f"{_fmt(total)} asked but the cache holds at most {_fmt(capacity)} "
+                "(--ram-cache + --cache-size): warm fewer files or mount with a larger cache",
+            )
+        todo = [c.missing(0, c.size) for c in contents]
+        left = [len(indexes) for indexes in todo]
+        missing = sum(c.block_length(i) for c, indexes in zip(contents, todo) for i in indexes)
+        state = {
+            "done_bytes": total - missing,
+            "total_bytes": total,
+            "files": len(contents),
+            "files_done": left.count(0),
+        }
+        failure: BaseException | None = None
+        window = trio.Semaphore(2 * self.threads.total_tokens)  # blocks on their way at once
+
+        async def one(blocks: trio.Nursery, i: int, index: int) -> None:
+            nonlocal failure
+            try:
+                await self._fetch_block(contents[i], index)
+            except (OSError, FsError) as exc:
+                failure = failure or exc
+                blocks.cancel_scope.cancel()
+                return
+            finally:
+                window.release()
+            state["done_bytes"] += contents[i].block_length(index)
+            left[i] -= 1
+            if not left[i]:
+                state["files_done"] += 1
+
+        async def report() -> None:
+            while True:
+                await progress(dict(state))
+                await trio.sleep(interval)
+
+        async with trio.open_nursery() as outer:
+            outer.start_soon(report)
+            async with trio.open_nursery() as blocks:
+                for i, indexes in enumerate(todo):
+                    for index in indexes:
+                        await window.acquire()
+                        blocks.start_soon(one, blocks, i, index)
+            outer.cancel_scope.cancel()
+        if failure is not None:
+            if isinstance(failure, OSError) and failure.errno == errno.ENOSPC:
+                raise FsError(
+                    errno.ENOSPC,
+                    f"the cache is full of data not yet in the store or open for writing "
+                    f"(warmed {_fmt(state['done_bytes'])} of {_fmt(total)}): "
+                    "raise --ram-cache/--cache-size or warm fewer files",
+                ) from None
+            raise FsError(getattr(failure, "errno", None) or errno.EIO, str(failure)) from None
+        # A file closed by a reader meanwhile is clean data again, and may have been evicted.
+        lost = sum(c.block_length(i) for c in contents if c.holders > 0 for i in c.missing(0, c.size))
+        if lost:
+            raise FsError(
+                errno.ENOSPC,
+                f"{_fmt(lost)} of the {_fmt(total)} warmed was evicted again to make room "
+                "for other data: raise --ram-cache/--cache-size or warm fewer files",
+            )
+        await progress(dict(state))
+        return {"files": len(contents), "total_bytes": total, "fetched_bytes": missing}
+
+    async def _fetch_block(self, content: Content, index: int) -> None:
+        while content.blocks[index] is None:
+            slot = (id(content), index)
+            event = self.inflight.get(slot)
+            if event is not None:  # someone is fetching it: wait, then look again
+                await event.wait()
+                continue
+            event = self.inflight[slot] = trio.Event()
+            try:
+                async with self.bodies:
+                    await self._download_in_time(content, index)
+            finally:
+                del self.inflight[slot]
+                event.set()
+            if content.blocks[index] is None and content.holders <= 0:
+                # _attach keeps no block for a content nobody holds: fetching again would spin
+                # forever (seen once in the model test: a read of a content whose holders had
+                # dropped to 0 while the kernel still read it). Fail the read instead.
+                log.error(
+                    "%s: block %d fetched for a version no open file holds (holders %d): read fails",
+                    content.key,
+                    index,
+                    content.holders,
+                )
+                raise FsError(errno.EIO, f"{content.key}: this version is no longer held open")
+
+    async def _download_in_time(self, content: Content, index: int) -> None:
+        """``_download``, given up with EIO once the store has been in trouble for ``read_timeout``
+        seconds of this read: a reader never waits out a whole outage (the GETs in flight are
+        abandoned: their threads touch nothing shared)."""
+        if self.read_timeout is None or self.nursery is None:
+            return await self._download(content, index)
+        watch = trio.CancelScope()
+        with trio.CancelScope() as download:
+            self.nursery.start_soon(self._give_up_in_an_outage, download, watch, time.time())
+            try:
+                await self._download(content, index)
+            finally:
+                watch.cancel()
+        if download.cancelled_caught:
+            message = (
+                f"{content.key}: the store has failed or not answered for {self.read_timeout:g} s "
+                "(--read-timeout); the read fails, later reads try again"
+            )
+            self._log_once(content.key or "", "read timeout", logging.ERROR, "%s", message)
+            self.health.failed("read", content.key or "", f"EIO: {message}")
+            raise FsError(errno.EIO, message)
+
+    async def _give_up_in_an_outage(
+        self, download: trio.CancelScope, watch: trio.CancelScope, started: float
+    ) -> None:
+        with watch:
+            while True:
+                await trio.sleep(0.25)
+                since = self.health.trouble_since()
+                if since is not None and time.time() - max(since, started) >= self.read_timeout:
+                    download.cancel()
+                    return
+
+    async def _download(self, content: Content, index: int) -> None:
+        bs = self.cache.block_size
+        start, length = index * bs, content.block_length(index)
+        attempt = 0
+        if content.checksums is None:
+            await self._known_compressed(content)
+        for _ in range(2 * VERIFY_ATTEMPTS):  # (a changing object must not keep us here)
+            checks = content.checksums
+            begin, span = checks.span(start, length) if checks is not None else (start, length)
+            if checks is not None and checks.compressed:  # the frames holding those parts
+                stored, stored_length, first, last = checks.stored_range(begin, span)
+                data, metadata = await self._get(content, stored, stored_length)
+            else:
+                data, metadata = await self._get(content, begin, span)
+            try:
+                fresh = await self._checksums(content, metadata)
+                layout = checks.frames if checks is not None else ()
+                if fresh.span(start, length) != (begin, span) or layout != fresh.frames:
+                    continue  # first fetch of this object: the parts (or frames) cover another range
+                if not fresh.compressed and metadata.get(compression.FORMAT_META) == compression.FORMAT:
+                    raise IntegrityError(
+                        "stored compressed, but its frames are not recorded: it cannot be decoded"
+                    )
+                if fresh.compressed:
+                    data = await trio.to_thread.run_sync(
+                        fresh.decompress, first, last, data, limiter=self.threads
+                    )
+                if fresh.verified:
+                    await trio.to_thread.run_sync(fresh.check, begin, data, limiter=self.threads)
+                break
+            except IntegrityError as exc:
+                attempt += 1
+                content.checksums = None  # (a manifest bent on the wire is read again too)
+                self._mismatch(content, index, exc, final=attempt == VERIFY_ATTEMPTS)
+        else:
+            self._mismatch(content, index, IntegrityError("the object kept changing while read"), final=True)
+        if not fresh.verified:
+            self.unverified_reads += 1
+        await self._attach(content, begin, data)
+
+    async def _attach(self, content: Content, begin: int, data: bytes) -> None:
+        """Put the blocks that ``data`` (checked bytes from ``begin``) covers whole into the cache."""
+        bs = self.cache.block_size
+        end = begin + len(data)
+        self.fetched_bytes += len(data)
+        for index in range(n_blocks(begin, bs), len(content.blocks)):
+            lo, length = index * bs, content.block_length(index)
+            if lo + length > end:
+                break
+            if content.blocks[index] is not None:
+                continue
+            ref = await self.cache.alloc()
+            try:  # (copied in a thread: 8 MiB on the trio thread would hold up every request)
+                await trio.to_thread.run_sync(
+                    self.cache.fill,
+                    ref,
+                    memoryview(data)[lo - begin : lo - begin + length],
+                    limiter=self.threads,
+                )
+            except BaseException:
+                self.cache.decref(ref)
+                raise
+            self.cache.fit(ref, length)
+            if content.blocks[index] is None and content.holders > 0:
+                content.blocks[index] = ref
+            else:  # raced, or the content was dropped meanwhile
+                self.cache.decref(ref)
+
+    async def _get(self, content: Content, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+        """Bytes [start, start + length) of ``content``'s object and the metadata of that answer,
+        through transient failures and short bodies (retry.reading)."""
+        key = content.key
+
+        async def once() -> tuple[bytes, dict[str, str]]:
+            nonlocal key
+            key = content.key
+            started = time.monotonic()
+            data, metadata = await self._get_range(content, start, length)
+            self.get_latency.observe(time.monotonic() - started)
+            if len(data) != length:
+                raise _ShortRead(len(data))
+            return data, metadata
+
+        def retrying(exc: BaseException) -> None:
+            self.retries += 1
+
+        try:
+            return await retry.call(lambda: retry.reading(retrying, at_once=(_ShortRead,)), once)
+        except StoreError as exc:
+            log.error("read of %s failed: %s", key, exc)
+            self.health.failed("read", key, f"{_errno_name(exc.errno)}: {exc}")
+            raise FsError(exc.errno, str(exc)) from exc
+        except _ShortRead as short:
+            message = f"{key}: short read from the store ({short.got} of {length} bytes)"
+            self.health.failed("read", key, f"EIO: {message}")
+            raise FsError(errno.EIO, message) from None
+
+    def _fits(self, contents: list[Content]) -> bool:
+        """Whether the cache can hold all of ``contents`` at once, at worst: a RAM slot takes a
+        whole block, the disk the pages of one, and RAM may get the shortest blocks."""
+        ram, disk = self.cache.tiers
+        lengths = sorted(
+            (in_pages(c.block_length(i)) for c in contents for i in range(len(c.blocks))), reverse=True
+        )
+        return sum(lengths[: max(0, len(lengths) - ram.budget // self.cache.block_size)]) <= disk.budget
+
+    async def _get_range(self, content: Content, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+        """A ranged GET of ``content``, following its key when a rename moves the object.
+
+        The server-side move of a rename (copy, then delete) may run under the GET, which then
+        answers NotFound. The namespace points content.key at the new key once the move is
+        durable (after the delete), so on NotFound: read at the new key, waiting a while for
+        the key to change if the move is still in flight.
+        """
+        key = content.key
+        deadline = None
+        while True:
+            try:
+                # Abandoned when cancelled (shutdown, an interrupted reader): the thread touches no
+                # shared state, its answer is dropped; the limiter still counts it until it ends.
+                return await trio.to_thread.run_sync(
+                    self.store.get_range_meta,
+                    key,
+                    start,
+                    length,
+                    limiter=self.threads,
+                    abandon_on_cancel=True,
+                )
+            except NotFound as exc:
+                if deadline is None:
+                    deadline = trio.current_time() + MOVE_WAIT
+                while content.key == key and trio.current_time() < deadline:
+                    await trio.sleep(0.05)
+                if content.key == key:
+                    self.health.failed("read", key, "EIO: gone from the store")
+                    raise FsError(errno.EIO, f"{key} is gone from the store") from exc
+                log.info("%s moved to %s during a read: reading there", key, content.key)
+                key = content.key
+
+
+def _fmt(n: int) -> str:
+    return humanfriendly.format_size(n, binary=True)
+
+
+def _errno_name(number: int) -> str:
+    return errno.errorcode.get(number, str(number))

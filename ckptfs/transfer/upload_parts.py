@@ -1,0 +1,338 @@
+"""The uploader's data path before publication: a put's preparation (the whole file's hash, the
+parts of an upload evicted from the cache, a stream's parts adopted), its multipart parts sent in
+parallel (``part_slots`` of them at once), the streamed parts of files still open for writing,
+completing a multipart upload, and the multipart bookkeeping that keeps no upload unknown
+(journaled before it is created, swept when its answer was lost, aborted when given up).
+
+``uploader.Uploader`` inherits these; their state (``uploads``, ``creating``, ``streams``,
+``part_slots``, ...) is set up in ``Uploader.__init__``. See uploader.py's module doc.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import replace
+
+import trio
+
+from ckptfs.blocks import BlockRef, zeros_xxh3
+from ckptfs.errors import NotFound, StoreError
+from ckptfs.objects import compression, integrity
+from ckptfs.store.base import PartInfo
+from ckptfs.transfer.upload_tasks import Stream, Task, Upload, in_thread_if_large
+
+log = logging.getLogger(__name__)
+
+
+class PartSender:
+    """Uploader's preparation of puts, streamed and multipart parts, multipart uploads."""
+
+    async def _prepare(self, task: Task) -> None:
+        try:
+            with task.scope:
+                await self._until_done(task, self._prepare_once)
+        finally:
+            task.preparing = False
+            task.ready.set()
+            if task.cancelled:
+                if task.upload is not None:
+                    self.nursery.start_soon(self._abort, task.upload)
+                    task.upload = None
+                self._finish(task)
+
+    async def _prepare_once(self, task: Task) -> None:
+        if task.op.upload and task.upload is None:  # parts evicted from the cache are only there
+            task.upload = Upload(*task.op.upload)
+            task.parts = [None] * task.n_parts()
+            for index, token in task.op.parts.items():
+                task.parts[index] = PartInfo(index + 1, token, task.op.hashes.get(index, ""))
+                task.bytes_sent += task.part_size
+            # (those parts say whether the upload holds frames, whatever this mount's --compress)
+            task.compressed = any(compression.untag(h)[1] is not None for h in task.op.hashes.values())
+        if task.stream is not None:
+            await self._adopt_stream(task)
+        await self._hash_whole_file(task)
+        if task.multipart:
+            await self._upload_parts(task)
+
+    async def _hash_whole_file(self, task: Task) -> None:
+        """The whole file's xxh3, for its metadata. Not where it would cost more than it tells:
+        parts evicted to the store (not here to hash), or a multipart file with holes (hashing
+        them reads a byte per byte of hole; the part checksums cover every byte anyway)."""
+        content = task.content
+        if task.xxh3 or content.remote or (task.multipart and content.sparse()):
+            return
+        task.xxh3 = await in_thread_if_large(self.hash_threads, content.size, self._hash, content)
+
+    async def _adopt_stream(self, task: Task) -> None:
+        """Take over the parts a stream sent that still match the committed content."""
+        stream = task.stream
+        stream.closed = True
+        await stream.idle.wait()  # (cancelled here, the stream is still the task's to abandon)
+        task.stream = None
+        self.streams.discard(stream)
+        if stream.upload is None:
+            return
+        usable = (
+            task.multipart and task.part_size == self.cache.block_size and stream.upload.key == task.op.key
+        )
+        if stream.upload != task.upload and (task.upload is not None or not usable):
+            self.nursery.start_soon(self._abort, stream.upload)
+            return
+        if task.upload is None:
+            task.upload = stream.upload
+            task.parts = [None] * task.n_parts()
+            task.compressed = self.codec is not None
+        for index, (stamp, part) in stream.sent.items():
+            full = task.content.block_length(index) == task.part_size
+            if task.compressed and index == len(task.parts) - 1:
+                continue  # the last part carries the seek table: sent at commit
+            if (
+                index < len(task.parts)
+                and task.parts[index] is None
+                and index < len(task.stamps)
+                and task.stamps[index] == stamp
+                and full
+            ):
+                task.parts[index] = part
+                task.bytes_sent += task.part_size
+
+    async def _upload_parts(self, task: Task) -> None:
+        if task.upload is None:
+            # A rename may retarget the op while we work: the upload stays under this key.
+            task.compressed = self.codec is not None
+            task.upload = await self._create_upload(
+                task.op.key,
+                {
+                    **task.op.meta,
+                    **({"xxh3": task.xxh3} if task.xxh3 else {}),
+                    "ckptfs-part-size": str(task.part_size),
+                    integrity.MANIFEST_META: integrity.ALGORITHM,
+                    **self._format_meta(task.compressed),
+                },
+            )
+            task.parts = [None] * task.n_parts()
+            task.bytes_sent = 0
+        upload = task.upload
+        gone: list[int] = []
+        # A compressed object's last part holds the seek table, made of every frame's size: it
+        # goes once the others are sent (sent before, as by an earlier try, it goes again).
+        last = len(task.parts)
+        if task.compressed and task.parts[last - 1] is not None:
+            task.parts[last - 1] = None
+            task.bytes_sent -= task.op.size - (last - 1) * task.part_size
+        async with trio.open_nursery() as parts:
+            for number in range(1, last + (not task.compressed)):
+                if task.parts[number - 1] is None:
+                    await self.part_slots.acquire()
+                    parts.start_soon(self._send_part, task, upload, number, gone)
+        if task.compressed and not gone:
+            await self.part_slots.acquire()
+            await self._send_part(task, upload, last, gone)
+        if gone and await self._is_complete(upload):  # completed just before a crash
+            task.completed = True
+            return
+        if gone:  # the store lost the upload (expired, aborted by hand): start over
+            log.warning("multipart upload of %s vanished; uploading it again", upload.key)
+            self._forget(upload)
+            task.upload = None
+            await self._upload_parts(task)
+
+    async def _send_part(self, task: Task, upload: Upload, number: int, gone: list[int]) -> None:
+        try:
+            start = (number - 1) * task.part_size
+            length = min(task.part_size, task.op.size - start)
+            content = task.content
+            hole = content.holes(start, length)
+
+            def send() -> PartInfo:
+                if hole:  # a sparse file's hole: neither read, hashed nor sent byte by byte
+                    if task.compressed:
+                        return self._send_frame(
+                            upload,
+                            number,
+                            None,
+                            zeros_xxh3(length),
+                            self._seek_table_after(task, number),
+                            zeros=length,
+                        )
+                    return replace(
+                        self.store.upload_zero_part(upload.key, upload.upload_id, number, length),
+                        xxh3=zeros_xxh3(length),
+                    )
+                with self.part_buffers.body(
+                    length, lambda out: self._from_cache(content.read_into, start, out)
+                ) as body:
+                    digest = integrity.part_hash(body)  # sealed: what the manifest records
+                    if task.compressed:
+                        return self._send_frame(
+                            upload, number, body, digest, self._seek_table_after(task, number)
+                        )
+                    return replace(
+                        self.store.upload_part(upload.key, upload.upload_id, number, body), xxh3=digest
+                    )
+
+            try:
+                task.parts[number - 1] = await self._call(upload.key, send)
+            except NotFound:
+                gone.append(number)
+                return
+            task.bytes_sent += length
+            self.uploaded_bytes += length
+            if not task.compressed and not hole:  # (a hole's bytes were never sent)
+                self._count_stored(length)
+        finally:
+            self.part_slots.release()
+
+    async def _stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                stream.scopes.add(scope)
+                if stream.abandoned:
+                    scope.cancel()
+                async with self.part_slots:
+                    async with stream.creating:
+                        if stream.upload is None:
+                            stream.upload = await self._create_upload(
+                                stream.key,
+                                {
+                                    **stream.meta,
+                                    "ckptfs-part-size": str(self.part_size),
+                                    integrity.MANIFEST_META: integrity.ALGORITHM,
+                                    **self._format_meta(self.codec is not None),
+                                },
+                            )
+                    upload, size = stream.upload, self.cache.block_size
+                    compressed = self.codec is not None
+
+                    def send() -> PartInfo:
+                        with self.part_buffers.body(
+                            size, lambda out: self._from_cache(self.cache.read_into, ref, 0, out)
+                        ) as body:
+                            digest = integrity.part_hash(body)  # sealed: what the manifest records
+                            if compressed:
+                                return self._send_frame(upload, index + 1, body, digest, None)
+                            return replace(
+                                self.store.upload_part(upload.key, upload.upload_id, index + 1, body),
+                                xxh3=digest,
+                            )
+
+                    try:
+                        part = await self._call(upload.key, send)
+                    except NotFound:
+                        return  # the upload vanished: the commit sends this part again
+                    stream.sent[index] = (stamp, part)
+                    self.uploaded_bytes += size
+                    if not compressed:
+                        self._count_stored(size)
+                    self.streamed_bytes += size
+        finally:
+            stream.scopes.discard(scope)
+            self.cache.decref(ref)
+            stream.sending.discard(index)
+            if not stream.sending:
+                stream.idle.set()
+            self.cache.notify_space()  # the block may be reclaimable now (or a waiter must give up)
+
+    async def _close_stream(self, stream: Stream) -> None:
+        await stream.idle.wait()
+        self.streams.discard(stream)
+        if stream.upload is not None:
+            await self._abort(stream.upload)
+
+    async def _publish_multipart(self, task: Task) -> None:
+        op = task.op
+        if task.upload is None or task.upload.key != op.key:  # retargeted after the upload began
+            if task.upload is not None:
+                await self._abort(task.upload)
+                task.upload = None
+            await self._hash_whole_file(task)
+            await self._upload_parts(task)
+        upload = task.upload
+        checksums = None if task.completed else self._checksums(task)
+        try:
+            if not task.completed:
+                # The manifest first: an object that is visible has its part checksums.
+                # (Found already complete: the manifest was written before that completion.)
+                if task.compressed:
+                    await self._mark_compressed(op.key)
+                if checksums is not None:
+                    await self._put_manifest(op.key, checksums)
+                await self._call(op.key, self.store.complete_multipart, op.key, upload.upload_id, task.parts)
+        except NotFound:
+            # A retry after a completion whose answer was lost: the upload id is gone.
+            if not await self._is_complete(upload):
+                self._forget(upload)
+                task.upload = None
+                if checksums is not None:  # (that upload never became an object)
+                    await self._drop_manifest(op.key, checksums.upload)
+                await self._publish_multipart(task)  # start over with a new upload
+                return
+        self._forget(upload)
+        task.upload = None
+        if task.content is not None and checksums is not None:
+            task.content.checksums = checksums  # reads of evicted blocks need no manifest GET
+
+    # -- multipart bookkeeping ---------------------------------------------------------------
+    async def _create_upload(self, key: str, metadata: dict[str, str]) -> Upload:
+        """CreateMultipartUpload, journaled first: it is not idempotent, so a crash or a lost
+        answer could otherwise leave an upload nobody knows about."""
+        journal_id = uuid.uuid4().hex[:16]
+        self.journal.multipart_started(journal_id, key, None)
+        self.creating[journal_id] = key
+        attempts = 0
+
+        def create() -> str:
+            nonlocal attempts
+            attempts += 1
+            return self.store.create_multipart(key, {**metadata, "ckptfs-upload": journal_id})
+
+        try:
+            upload_id = await self._call(key, create)
+        except BaseException:
+            del self.creating[journal_id]
+            # Cancelled or failed mid-call: the store may have created it anyway.
+            self.nursery.start_soon(self._sweep, key, journal_id)
+            raise
+        del self.creating[journal_id]
+        upload = Upload(key, upload_id, journal_id)
+        self.uploads[journal_id] = upload
+        self.journal.multipart_started(journal_id, key, upload_id)
+        if attempts > 1:  # an earlier attempt may have created one whose answer was lost
+            await self._sweep(key)
+        return upload
+
+    async def _is_complete(self, upload: Upload) -> bool:
+        info = await self._call(upload.key, self.store.head, upload.key)
+        return info is not None and info.metadata.get("ckptfs-upload") == upload.journal_id
+
+    async def _sweep(self, key: str, journal_id: str | None = None) -> None:
+        """Abort the uploads under ``key`` that nobody here knows (created, answer never heard)."""
+        while key in self.creating.values():  # let creates in flight record their ids first
+            await trio.sleep(0.05)
+        try:
+            found = await self._call(key, self.store.list_multipart, key, attempts=5)
+        except StoreError as exc:
+            log.warning("could not list multipart uploads of %s: %s", key, exc)
+            return
+        known = {u.upload_id for u in self.uploads.values()}
+        for found_key, upload_id in found:
+            if found_key == key and upload_id not in known:
+                await self._abort(Upload(key, upload_id, ""))
+        if journal_id:
+            self.journal.multipart_ended(journal_id)
+
+    async def _abort(self, upload: Upload) -> None:
+        try:
+            await self._call(upload.key, self.store.abort_multipart, upload.key, upload.upload_id, attempts=5)
+        except StoreError as exc:
+            log.warning("could not abort multipart upload of %s: %s", upload.key, exc)
+            return
+        self._forget(upload)
+
+    def _forget(self, upload: Upload) -> None:
+        """The upload is finished (completed, aborted or gone)."""
+        self.uploads.pop(upload.journal_id, None)
+        if upload.journal_id:
+            self.journal.multipart_ended(upload.journal_id)
