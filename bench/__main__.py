@@ -235,8 +235,8 @@ def _interrupt(signum, frame):
 def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progress) -> int:
     import torch
 
-    from tests.checkpoints import make_checkpoint
-    from tests.swift import SwiftServer
+    from tests.support.checkpoints import make_checkpoint
+    from tests.support.swift import SwiftServer
 
     machine = sysinfo.describe()  # before the bench loads the machine
     server = SwiftServer(work / "swift")

@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.faultproxy import FaultProxy, Rule, blackhole
-from tests.mounting import Mount
-from tests.swift import SwiftServer
+from tests.support.faultproxy import FaultProxy, Rule, blackhole
+from tests.support.mounting import Mount
+from tests.support.swift import SwiftServer
 
 UPLOADS = ("put", "upload_part", "create_multipart", "complete_multipart")
 

@@ -12,7 +12,7 @@
    per GiB to compress and to decompress (one thread).
 2. Time to durable of the realistic checkpoint written through a ckptfs mount on the Swift
    server, with and without ``--compress``: unthrottled, and through the test fault proxy
-   (tests/faultproxy.py) throttled to ``--rate`` MiB/s each way (a slow or shared link).
+   (tests/support/faultproxy.py) throttled to ``--rate`` MiB/s each way (a slow or shared link).
    The throttled proxy runs in a process of its own; the unthrottled link is Swift itself.
    Time to durable: from the start of torch.save to the end of ``ckptfs sync``; the stall is
    torch.save's own time (the save lands in the RAM cache); the stored bytes are the bucket's.
@@ -99,7 +99,7 @@ def codec_figures(name: str, data: bytes, level: int) -> dict:
 
 PROXY = """
 import sys
-from tests.faultproxy import FaultProxy
+from tests.support.faultproxy import FaultProxy
 proxy = FaultProxy(sys.argv[1]).start()
 proxy.rate = float(sys.argv[2])
 print(proxy.url, flush=True)
@@ -132,8 +132,8 @@ def throttled_proxy(endpoint: str, rate: float):
 def durable_figures(state, nbytes: int, rate_mib: float, level: int, work: Path) -> list[dict]:
     import torch
 
-    from tests.mounting import Mount
-    from tests.swift import SwiftServer
+    from tests.support.mounting import Mount
+    from tests.support.swift import SwiftServer
 
     server = SwiftServer(work / "swift").start()
     rows = []
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
     import torch
 
-    from tests.checkpoints import make_checkpoint
+    from tests.support.checkpoints import make_checkpoint
 
     state = make_checkpoint(opts.size)
     realistic = serialized(state)

@@ -26,7 +26,7 @@ def _save(spec: tuple, state, cache: dict) -> None:
         from bench.targets import transfer_config
 
         if "s3" not in cache:
-            from tests.swift import S3Endpoint
+            from tests.support.swift import S3Endpoint
 
             cache["s3"] = S3Endpoint(os.environ["CKPTFS_TEST_S3_ENDPOINT"]).client()
         buf = io.BytesIO()
@@ -47,7 +47,7 @@ def _save(spec: tuple, state, cache: dict) -> None:
 def _serve(conn, rank: int, shard_mib: int) -> None:
     import signal
 
-    from tests.checkpoints import make_checkpoint
+    from tests.support.checkpoints import make_checkpoint
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle: it stops the ranks
 

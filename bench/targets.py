@@ -45,7 +45,7 @@ class Context:
     def client(self):
         """One boto3 client per process (boto3 clients are thread-safe)."""
         if "s3" not in self.clients:
-            from tests.swift import S3Endpoint
+            from tests.support.swift import S3Endpoint
 
             self.clients["s3"] = S3Endpoint(
                 self.endpoint, self.access_key, self.secret_key, self.region

@@ -9,8 +9,8 @@ Sections (add new ones below, each self-contained); one meaning per fixture name
   - a second local user: `other_user`
   - test layers: the unit/store/e2e/slow markers
 
-Helpers that are not fixtures: tests/harness.py (test data, waits, trio), tests/mounting.py
-(real mounts), tests/inprocess.py (the namespace in process).
+Helpers that are not fixtures: tests/support/harness.py (test data, waits, trio), tests/support/mounting.py
+(real mounts), tests/support/inprocess.py (the namespace in process).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.swift import ACCESS_KEY, REGION, SECRET_KEY, S3Endpoint, SwiftServer
+from tests.support.swift import ACCESS_KEY, REGION, SECRET_KEY, S3Endpoint, SwiftServer
 
 # =============================================================================================
 # S3 server
@@ -152,7 +152,7 @@ def s3_bucket(s3_server, request):
 # =============================================================================================
 #
 # local: a checked, empty LocalStore (ckptfs's own store object) in tmp_path/"store": what the
-#   namespace, uploader and fetcher tests drive in process (tests/inprocess.py).
+#   namespace, uploader and fetcher tests drive in process (tests/support/inprocess.py).
 
 
 @pytest.fixture
@@ -181,7 +181,7 @@ def local(tmp_path):
 #   by default), not started; every mount it made is unmounted (and its daemon stopped) at the end
 #   of the test, pass or fail.
 
-from tests.mounting import Mount  # noqa: E402
+from tests.support.mounting import Mount  # noqa: E402
 
 
 class LocalStoreView:
@@ -272,10 +272,10 @@ def s3_mounts(s3_bucket):
         m.cleanup()
 
 
-# proxy: a FaultProxy (tests/faultproxy.py) in front of s3_server, stopped after the test.
+# proxy: a FaultProxy (tests/support/faultproxy.py) in front of s3_server, stopped after the test.
 @pytest.fixture
 def proxy(s3_server):
-    from tests.faultproxy import FaultProxy
+    from tests.support.faultproxy import FaultProxy
 
     with FaultProxy(s3_server.endpoint) as p:
         yield p
@@ -338,13 +338,13 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from tests.faultproxy import FaultProxy  # noqa: E402 (a global: the layer markers see it reached)
+from tests.support.faultproxy import FaultProxy  # noqa: E402 (a global: the layer markers see it reached)
 
 
 @pytest.fixture(scope="module")
 def moto_endpoint(tmp_path_factory):
     """moto's standalone S3 server on 127.0.0.1 (a process of its own), stopped after the module."""
-    from tests.harness import free_port
+    from tests.support.harness import free_port
 
     port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
@@ -514,7 +514,7 @@ def other_user(tmp_path_factory) -> OtherUser:
 #   unit   neither of the two below: the code in-process, a local store, seconds in all
 #   store  needs the S3 server: the s3_server/s3_bucket/proxy fixtures, the `store` fixture on
 #          its "s3" parameter, or Swift / the fault proxy / an S3 endpoint used directly
-#   e2e    mounts ckptfs through FUSE: the mount_factory fixture, or tests.mounting's Mount (or a
+#   e2e    mounts ckptfs through FUSE: the mount_factory fixture, or tests.support.mounting's Mount (or a
 #          subclass) / `ckptfs` command used by the test, its fixtures or the helpers they call
 #   slow   the long ones: a test reading the module's LONG (CKPTFS_LONG) switch, a hypothesis
 #          state-machine run (run_state_machine_as_test; a plain @given test is not slow by
@@ -532,7 +532,7 @@ _SLOW_TIMEOUT_S = 600
 
 
 def _reach_targets() -> dict[int, str]:
-    from tests import faultproxy, mounting, swift
+    from tests.support import faultproxy, mounting, swift
 
     return {
         id(mounting.Mount): "e2e",

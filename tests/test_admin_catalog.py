@@ -13,9 +13,9 @@ import pytest
 import xxhash
 
 from ckptfs.objects.integrity import MANIFEST_PREFIX, SWEEP_STAMP
-from tests.faultproxy import Rule, blackhole
-from tests.harness import assert_one_line_error
-from tests.mounting import Mount, ckptfs
+from tests.support.faultproxy import Rule, blackhole
+from tests.support.harness import assert_one_line_error
+from tests.support.mounting import Mount, ckptfs
 
 BIG = 6 << 20  # over the 5 MiB part size the mounts use: a multipart object, with a manifest
 
@@ -450,7 +450,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     import subprocess
 
     from ckptfs.store.local import LocalStore
-    from tests.mounting import CKPTFS
+    from tests.support.mounting import CKPTFS
 
     store = LocalStore(tmp_path / "store")
     for n in range(5000):

@@ -14,8 +14,8 @@ import time
 import pytest
 
 import ckptfs
-from tests.faultproxy import Rule, blackhole
-from tests.mounting import ckptfs as ckptfs_cli
+from tests.support.faultproxy import Rule, blackhole
+from tests.support.mounting import ckptfs as ckptfs_cli
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,8 +18,8 @@ import pytest
 from ckptfs.model.tree import Node, apply_attr_metadata
 from ckptfs.store import open_store
 from tests.conftest import S3StoreView
-from tests.harness import can_open, stored
-from tests.mounting import Mount, S3fsMount, fresh_cache, kill_daemon
+from tests.support.harness import can_open, stored
+from tests.support.mounting import Mount, S3fsMount, fresh_cache, kill_daemon
 
 pytestmark = pytest.mark.timeout(240)
 

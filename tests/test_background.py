@@ -11,7 +11,7 @@ import trio
 
 from ckptfs.util import background
 from ckptfs.util.background import BackgroundThreads
-from tests.harness import trio_test, wait_until_async
+from tests.support.harness import trio_test, wait_until_async
 
 
 def test_calls_run_in_parallel_at_a_lower_priority():

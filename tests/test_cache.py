@@ -17,7 +17,7 @@ import trio.testing
 from ckptfs.cache.arena import DISK, RAM
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content, StagedFile
-from tests.harness import trio_test
+from tests.support.harness import trio_test
 
 BS = 64 << 10  # block size: small, so files of a few blocks exercise every boundary
 

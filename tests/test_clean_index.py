@@ -19,7 +19,7 @@ from ckptfs.cache.arena import DISK, RAM
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.clean_index import CleanEntry, cached_digest
 from ckptfs.errors import MountError
-from tests.harness import blob
+from tests.support.harness import blob
 
 BS = 64 << 10
 

@@ -13,7 +13,7 @@ from ckptfs.cli import main as cli_main
 from ckptfs.cli import mount as cli_mount
 from ckptfs.config import MiB, MountConfig, default_cache_dir, default_store_dir
 from ckptfs.errors import UsageError
-from tests.harness import assert_one_line_error, run_cli
+from tests.support.harness import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 

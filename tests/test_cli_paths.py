@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from ckptfs.config import MountConfig, ckptfs_mounts, mount_owner
-from tests.harness import assert_one_line_error, run_cli
-from tests.mounting import Mount
+from tests.support.harness import assert_one_line_error, run_cli
+from tests.support.mounting import Mount
 
 
 def assert_nothing_mounted(mountpoint: Path) -> None:

@@ -1,6 +1,6 @@
 """Opt-in compression (issue 15, compression half): the zstd seekable format (unit tests of the
 codec in ckptfs/compression.py), then real mounts on the real Swift s3api server, some through
-the fault proxy (tests/faultproxy.py) to count and bend requests; the store is read and damaged
+the fault proxy (tests/support/faultproxy.py) to count and bend requests; the store is read and damaged
 straight through the real endpoint (boto3)."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import zstandard
 
 from ckptfs.objects import compression
 from ckptfs.objects.integrity import Checksums, manifest_key
-from tests.faultproxy import Rule, corrupt_response_body
-from tests.harness import floats
+from tests.support.faultproxy import Rule, corrupt_response_body
+from tests.support.harness import floats
 
 pytestmark = pytest.mark.timeout(240)
 

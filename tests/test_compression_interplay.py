@@ -15,8 +15,8 @@ from ckptfs.admin.target import resolve
 from ckptfs.objects import compression, integrity
 from ckptfs.objects.logical_store import LogicalStore
 from ckptfs.store.s3 import S3Store
-from tests.harness import floats
-from tests.mounting import Mount
+from tests.support.harness import floats
+from tests.support.mounting import Mount
 
 pytestmark = pytest.mark.timeout(240)
 

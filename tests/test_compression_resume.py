@@ -1,6 +1,6 @@
 """A compressed upload whose parts were evicted from the cache while the file was written (they
 then exist only in the multipart upload): it completes, also after a restart of a mount without
---compress. On the namespace with its uploader, over the local store (tests/inprocess.py)."""
+--compress. On the namespace with its uploader, over the local store (tests/support/inprocess.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import trio
 from ckptfs.model.tree import ROOT_INODE
 from ckptfs.objects import compression, integrity
 from ckptfs.objects.logical_store import LogicalStore
-from tests.faults import FaultyStore
-from tests.harness import blob, trio_test
-from tests.inprocess import BS, GID, UID, WRITE, aerr, mounted, sync, write_blocks
+from tests.support.faults import FaultyStore
+from tests.support.harness import blob, trio_test
+from tests.support.inprocess import BS, GID, UID, WRITE, aerr, mounted, sync, write_blocks
 
 pytestmark = pytest.mark.timeout(120)
 

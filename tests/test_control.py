@@ -16,7 +16,7 @@ import trio
 from ckptfs.control import client as control_client
 from ckptfs.control.server import ControlServer
 from ckptfs.errors import CkptfsError, ControlError
-from tests.harness import trio_test
+from tests.support.harness import trio_test
 
 
 @pytest.fixture

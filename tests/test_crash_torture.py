@@ -1,6 +1,6 @@
 """Crash torture on the real S3 server: kill -9 the daemon at random moments of a checkpoint save.
 
-Each trial runs ``tests/crash_writer.py`` in its own process: it saves a checkpoint (a few
+Each trial runs ``tests/support/crash_writer.py`` in its own process: it saves a checkpoint (a few
 files of varied sizes around the 8 MiB part size, sometimes a real ``torch.save``, sometimes
 into a temp directory renamed into place) into ``trial-NNN/`` of one long-lived mount, then a
 ``latest`` pointer naming them, and logs every ``close()``/``rename`` that returned to a file
@@ -48,14 +48,14 @@ import xxhash
 
 from ckptfs.config import MountConfig
 from ckptfs.objects.integrity import Checksums, IntegrityError, is_reserved, manifest_key
-from tests import crash_writer
-from tests.harness import proc_state
-from tests.mounting import Mount, kill_daemon
+from tests.support import crash_writer
+from tests.support.harness import proc_state
+from tests.support.mounting import Mount, kill_daemon
 
 LONG = os.environ.get("CKPTFS_LONG") == "1"
 VERBOSE = os.environ.get("CKPTFS_TORTURE_VERBOSE") == "1"  # a line per trial: when the kill landed
 TRIALS = int(os.environ.get("CKPTFS_TORTURE_TRIALS") or (100 if LONG else 6))
-WRITER = Path(__file__).with_name("crash_writer.py")
+WRITER = Path(__file__).parent / "support" / "crash_writer.py"
 PREFIX = "torture"
 # A bug, fixed (test_read_racing_the_move_of_a_renamed_file): a read of an uncached file racing
 # the server-side move of its rename (replayed after the crash) fails with EIO. True: read again
@@ -520,7 +520,7 @@ def test_read_racing_the_move_of_a_renamed_file(s3_server, s3_bucket, tmp_path):
     move of a rename: the fetcher took content.key, the publisher copied and deleted the
     object, the GET reached the store after the delete and the reader got EIO ('is gone from
     the store'). The fetcher now follows content.key on NotFound, waiting for the move."""
-    from tests.faultproxy import FaultProxy, Rule, delay
+    from tests.support.faultproxy import FaultProxy, Rule, delay
 
     data = os.urandom(1 << 20)
     with FaultProxy(s3_server.endpoint) as proxy:
@@ -563,7 +563,7 @@ def test_rename_while_the_multipart_upload_is_being_created(s3_server, s3_bucket
     """Found by the torture (fixed since): a rename retargeting a put while its
     CreateMultipartUpload was in flight recorded the upload under the new key; the parts then
     failed with NoSuchUpload, the publisher stalled 30 s and the first upload leaked."""
-    from tests.faultproxy import FaultProxy, Rule, delay
+    from tests.support.faultproxy import FaultProxy, Rule, delay
 
     data = os.urandom(20 << 20)
     with FaultProxy(s3_server.endpoint) as proxy:
@@ -609,7 +609,7 @@ def _open_uploads(client, bucket: str, wait_s: float = 10) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_kill_during_create_multipart_leaks_no_upload(s3_server, s3_bucket, tmp_path):
-    from tests.faultproxy import FaultProxy, Rule, delay
+    from tests.support.faultproxy import FaultProxy, Rule, delay
 
     data = os.urandom(12 << 20)  # two parts: a multipart upload
     client = s3_server.client()
@@ -635,7 +635,7 @@ def test_kill_during_create_multipart_leaks_no_upload(s3_server, s3_bucket, tmp_
 
 @pytest.mark.timeout(120)
 def test_lost_create_multipart_answer_leaks_no_upload(s3_server, s3_bucket, tmp_path):
-    from tests.faultproxy import FaultProxy, Rule, drop_response
+    from tests.support.faultproxy import FaultProxy, Rule, drop_response
 
     data = os.urandom(12 << 20)
     client = s3_server.client()

@@ -16,8 +16,8 @@ import pytest
 import torch
 import xxhash
 
-from tests.checkpoints import assert_same, make_checkpoint
-from tests.mounting import Mount, is_mounted
+from tests.support.checkpoints import assert_same, make_checkpoint
+from tests.support.mounting import Mount, is_mounted
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,7 +22,7 @@ import trio
 
 from ckptfs.errors import STORE_ERRNOS_KEPT, FsError, NotFound, StoreError, to_errno
 from ckptfs.fuse.ops import Operations, _errno_boundary, _no_reply_boundary
-from tests.harness import trio_test
+from tests.support.harness import trio_test
 
 
 @pytest.mark.parametrize(

@@ -58,8 +58,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
 from ckptfs.control import client
-from tests.harness import blob
-from tests.mounting import Mount
+from tests.support.harness import blob
+from tests.support.mounting import Mount
 
 LONG = os.environ.get("CKPTFS_LONG") == "1"
 OPS = int(os.environ.get("CKPTFS_EXERCISER_OPS") or (100_000 if LONG else 2_000))

@@ -1,4 +1,4 @@
-"""The fault-injecting proxy itself (tests/faultproxy.py), driven by boto3 against the real S3 server."""
+"""The fault-injecting proxy itself (tests/support/faultproxy.py), driven by boto3 against the real S3 server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import botocore.exceptions as bex
 import pytest
 
-from tests.faultproxy import (
+from tests.support.faultproxy import (
     Rule,
     blackhole,
     classify,
@@ -31,7 +31,7 @@ NO_RETRIES = {"total_max_attempts": 1}
 
 def _client(s3_server, proxy, **config):
     """A boto3 client of the S3 server that goes through the proxy."""
-    from tests.swift import S3Endpoint
+    from tests.support.swift import S3Endpoint
 
     config.setdefault("retries", NO_RETRIES)
     return S3Endpoint(proxy.url, s3_server.access_key, s3_server.secret_key, s3_server.region).client(

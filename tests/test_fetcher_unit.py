@@ -1,4 +1,4 @@
-"""The fetcher on its own: a Cache, a LocalStore behind tests/faults.py's FaultyStore, no mount.
+"""The fetcher on its own: a Cache, a LocalStore behind tests/support/faults.py's FaultyStore, no mount.
 
 Range math (a block, the short last block), whole-part fetches checked against the object's
 checksums (one-PUT metadata or a manifest), a range bent on the wire fetched again, one that
@@ -22,8 +22,8 @@ from ckptfs.objects.integrity import Checksums
 from ckptfs.store.local import LocalStore
 from ckptfs.transfer.fetch_checks import VERIFY_ATTEMPTS
 from ckptfs.transfer.fetcher import READ_ATTEMPTS, Fetcher
-from tests.faults import FaultyStore
-from tests.harness import blob, run_trio, trio_test
+from tests.support.faults import FaultyStore
+from tests.support.harness import blob, run_trio, trio_test
 
 BS = 64 << 10
 

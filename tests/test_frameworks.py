@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from tests.conftest import S3StoreView
-from tests.harness import free_port
-from tests.mounting import Mount, ckptfs
+from tests.support.harness import free_port
+from tests.support.mounting import Mount, ckptfs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -155,7 +155,7 @@ def checkpoints_then_gc(
 
 
 class Ranks:
-    """`world` processes of tests/frameworks_dcp.py, as torchrun would start them: they save, say
+    """`world` processes of tests/support/frameworks_dcp.py, as torchrun would start them: they save, say
     "saved", and load when told to. A context manager: whatever happens, none is left running."""
 
     def __init__(self, root: Path, logs: Path, world: int = 2):
@@ -173,7 +173,7 @@ class Ranks:
             with open(log, "w") as err:  # a file, not a pipe: a chatty rank cannot block on it
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "tests.frameworks_dcp", str(root)],
+                        [sys.executable, "-m", "tests.support.frameworks_dcp", str(root)],
                         cwd=REPO,
                         text=True,
                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
@@ -223,7 +223,7 @@ def test_torch_distributed_checkpoint_two_ranks_save_async_save_and_resharded_lo
 ):
     import torch.distributed.checkpoint as dcp
 
-    from tests.frameworks_dcp import expected
+    from tests.support.frameworks_dcp import expected
 
     m = mount_factory().start()
     with Ranks(m.path, tmp_path) as ranks:

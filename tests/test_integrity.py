@@ -1,5 +1,5 @@
 """Every byte checked end to end (issue 15): real mounts on the real Swift s3api server, some of
-them through the fault proxy (tests/faultproxy.py) that flips bytes in GET response bodies or in
+them through the fault proxy (tests/support/faultproxy.py) that flips bytes in GET response bodies or in
 part uploads. The store is checked and damaged straight through the real endpoint (boto3)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import xxhash
 
 from ckptfs.objects.integrity import Checksums, IntegrityError, manifest_key
-from tests.faultproxy import Rule, corrupt_request_body, corrupt_response_body
-from tests.mounting import ckptfs
+from tests.support.faultproxy import Rule, corrupt_request_body, corrupt_response_body
+from tests.support.mounting import ckptfs
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,8 +16,8 @@ from ckptfs.cache.cache import Cache
 from ckptfs.config import MiB, MountConfig
 from ckptfs.daemon import limits
 from tests.conftest import LocalStoreView
-from tests.harness import assert_one_line_error, run_cli
-from tests.mounting import Mount
+from tests.support.harness import assert_one_line_error, run_cli
+from tests.support.mounting import Mount
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
 

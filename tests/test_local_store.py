@@ -25,7 +25,7 @@ from ckptfs.store import localfs
 from ckptfs.store.base import PartInfo
 from ckptfs.store.local import LocalStore
 from ckptfs.store.local_tree import TMP_DIR
-from tests.harness import blob
+from tests.support.harness import blob
 
 KiB, MiB = 1 << 10, 1 << 20
 REPO = Path(__file__).resolve().parent.parent

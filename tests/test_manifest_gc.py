@@ -12,7 +12,7 @@ import pytest
 
 from ckptfs.objects import integrity
 from ckptfs.store.s3 import S3Store
-from tests.mounting import Mount
+from tests.support.mounting import Mount
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -67,8 +67,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tests.harness import blob, proc_state
-from tests.mounting import CKPTFS, Mount, is_mounted, kill_daemon
+from tests.support.harness import blob, proc_state
+from tests.support.mounting import CKPTFS, Mount, is_mounted, kill_daemon
 
 LONG = os.environ.get("CKPTFS_LONG") == "1"
 EXAMPLES = int(os.environ.get("CKPTFS_MODEL_EXAMPLES") or (300 if LONG else 20))

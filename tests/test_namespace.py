@@ -1,5 +1,5 @@
 """The namespace, driven by calling its methods directly (no FUSE), wired like ckptfs/daemon.py
-(tests/inprocess.py): Cache, Journal, Uploader and Fetcher over a LocalStore on tmp_path, inside
+(tests/support/inprocess.py): Cache, Journal, Uploader and Fetcher over a LocalStore on tmp_path, inside
 trio with the uploader and fetcher running in a nursery.
 
 Covers commit on flush (old readers keep their version), rename (over a file, of a pending
@@ -21,9 +21,9 @@ from ckptfs.model.namespace import Namespace
 from ckptfs.model.tree import RENAME_NOREPLACE, ROOT_INODE, Tree
 from ckptfs.store.base import ObjectInfo
 from ckptfs.transfer import retry
-from tests.faults import FaultyStore
-from tests.harness import blob, trio_test
-from tests.inprocess import (
+from tests.support.faults import FaultyStore
+from tests.support.harness import blob, trio_test
+from tests.support.inprocess import (
     BS,
     GID,
     RDWR,

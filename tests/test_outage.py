@@ -1,4 +1,4 @@
-"""A store outage, end to end: a real mount whose S3 endpoint is the fault proxy (tests/faultproxy.py)
+"""A store outage, end to end: a real mount whose S3 endpoint is the fault proxy (tests/support/faultproxy.py)
 in front of the real Swift server. Stopping and the data path stay bounded while the store is down,
 ``ckptfs status`` shows the trouble at once, and nothing committed is lost: once the store is back,
 a new mount with the same cache dir makes it durable."""
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.faultproxy import Rule, blackhole, reset_mid_body, status
-from tests.harness import proc_state, wait_until, write_files
-from tests.mounting import Mount, ckptfs, is_mounted
+from tests.support.faultproxy import Rule, blackhole, reset_mid_body, status
+from tests.support.harness import proc_state, wait_until, write_files
+from tests.support.mounting import Mount, ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faultproxy import Rule, blackhole, delay
-from tests.mounting import ckptfs, is_mounted
+from tests.support.faultproxy import Rule, blackhole, delay
+from tests.support.mounting import ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,7 +17,7 @@ import pytest
 
 from ckptfs.store.base import S3_LIMITS, GiB, TiB
 from ckptfs.store.local_tree import LOCAL_LIMITS
-from tests.mounting import Mount
+from tests.support.mounting import Mount
 
 pytestmark = pytest.mark.timeout(300)
 

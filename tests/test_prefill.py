@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import wait_until
-from tests.mounting import Mount
+from tests.support.harness import wait_until
+from tests.support.mounting import Mount
 
 pytestmark = pytest.mark.timeout(180)
 

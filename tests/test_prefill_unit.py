@@ -20,7 +20,7 @@ from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
 from ckptfs.model.prefill import Prefill
 from ckptfs.model.tree import Node, Version
-from tests.harness import trio_test
+from tests.support.harness import trio_test
 
 BS = 64 << 10
 

@@ -14,8 +14,8 @@ from ckptfs.cli import main as cli_main
 from ckptfs.config import ckptfs_mounts
 from ckptfs.daemon import mount_paths
 from ckptfs.errors import MountError
-from tests.harness import proc_state
-from tests.mounting import Mount
+from tests.support.harness import proc_state
+from tests.support.mounting import Mount
 
 
 def _dead(pid: int) -> bool:

@@ -3,7 +3,7 @@
 Files are written through one mount and read on a second mount with a fresh cache dir (as on
 another node), so the reads are cold: every byte comes from the store by ranged GETs of whole
 8 MiB blocks. The daemon's ``fetched_bytes`` counter (``ckptfs status``) says how much came
-from the store; on S3 a counting proxy (tests/faultproxy.py) counts the GETs themselves.
+from the store; on S3 a counting proxy (tests/support/faultproxy.py) counts the GETs themselves.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 import torch
 import xxhash
 
-from tests.checkpoints import assert_same, make_checkpoint
-from tests.harness import blob
-from tests.mounting import Mount
+from tests.support.checkpoints import assert_same, make_checkpoint
+from tests.support.harness import blob
+from tests.support.mounting import Mount
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -231,7 +231,7 @@ def test_one_read_of_more_blocks_than_the_ram_tier_holds(store, mount_factory):
 
 
 def test_concurrent_cold_readers_fetch_each_block_once(s3_server, s3_bucket, tmp_path):
-    from tests.faultproxy import FaultProxy
+    from tests.support.faultproxy import FaultProxy
 
     size = 48 * MiB
     data = blob(size, seed=4)

@@ -19,9 +19,9 @@ import pytest
 
 from ckptfs.cli import main
 from ckptfs.config import control_socket_path
-from tests.faultproxy import FaultProxy, Rule, status
-from tests.harness import can_open, wait_until
-from tests.mounting import Mount, ckptfs, is_mounted
+from tests.support.faultproxy import FaultProxy, Rule, status
+from tests.support.harness import can_open, wait_until
+from tests.support.mounting import Mount, ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(180)
 

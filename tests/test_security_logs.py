@@ -15,7 +15,7 @@ import pytest
 
 from ckptfs.daemon import logs
 from tests.conftest import S3StoreView
-from tests.mounting import Mount, ckptfs
+from tests.support.mounting import Mount, ckptfs
 
 pytestmark = pytest.mark.timeout(300)
 

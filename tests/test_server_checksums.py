@@ -16,8 +16,8 @@ import pytest
 from ckptfs.store.base import PartInfo
 from ckptfs.store.s3 import S3Store
 from ckptfs.store.s3_client import PROBE_PREFIX, crc32c_b64
-from tests.faultproxy import Rule, corrupt_request_body, delay, status
-from tests.mounting import Mount
+from tests.support.faultproxy import Rule, corrupt_request_body, delay, status
+from tests.support.mounting import Mount
 
 pytestmark = pytest.mark.timeout(240)
 

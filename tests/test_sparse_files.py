@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.harness import stored
+from tests.support.harness import stored
 
 GiB, MiB = 1 << 30, 1 << 20
 pytestmark = pytest.mark.timeout(600)

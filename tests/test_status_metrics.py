@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.faultproxy import Rule, blackhole, status
-from tests.harness import wait_until
-from tests.mounting import CKPTFS, Mount, ckptfs, is_mounted
+from tests.support.faultproxy import Rule, blackhole, status
+from tests.support.harness import wait_until
+from tests.support.mounting import CKPTFS, Mount, ckptfs, is_mounted
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,7 +17,7 @@ from ckptfs.store import open_store
 from ckptfs.store.base import ObjectStore
 from ckptfs.store.local import LocalStore
 from ckptfs.store.local_tree import TMP_DIR
-from tests.harness import blob
+from tests.support.harness import blob
 
 MiB = 1 << 20
 

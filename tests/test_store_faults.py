@@ -1,5 +1,5 @@
 """End to end under store faults: a real mount whose S3 endpoint is a fault-injecting proxy
-(tests/faultproxy.py) in front of the real Swift s3api server. The store is always checked
+(tests/support/faultproxy.py) in front of the real Swift s3api server. The store is always checked
 through the real endpoint, never through the proxy."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.faultproxy import (
+from tests.support.faultproxy import (
     Rule,
     blackhole,
     corrupt_request_body,
@@ -21,8 +21,8 @@ from tests.faultproxy import (
     reset_mid_body,
     status,
 )
-from tests.harness import write_files
-from tests.mounting import ckptfs
+from tests.support.harness import write_files
+from tests.support.mounting import ckptfs
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,8 +19,8 @@ import pytest
 
 from ckptfs.model.tree import Node, apply_attr_metadata
 from tests.conftest import S3StoreView
-from tests.harness import blob, stored
-from tests.mounting import Mount, S3fsMount, ckptfs, fresh_cache, kill_daemon
+from tests.support.harness import blob, stored
+from tests.support.mounting import Mount, S3fsMount, ckptfs, fresh_cache, kill_daemon
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,8 +14,8 @@ import os
 import shutil
 import time
 
-from tests.harness import blob
-from tests.mounting import ckptfs
+from tests.support.harness import blob
+from tests.support.mounting import ckptfs
 
 TTL = 1.0
 SLACK = 4.0  # a loaded 2-core machine: the bound checked is TTL + SLACK

@@ -1,7 +1,7 @@
 """The uploader: part sizes, puts and multipart uploads with xxh3 metadata, ordered publish,
 cancel and retarget before publish, retries of transient store failures, journal ``done``.
 
-Runs over a real LocalStore on tmp_path (wrapped in tests.faults.FaultyStore to hold or fail
+Runs over a real LocalStore on tmp_path (wrapped in tests.support.faults.FaultyStore to hold or fail
 calls), and once over the real S3 server of the test session.
 """
 
@@ -23,8 +23,8 @@ from ckptfs.store.base import MAX_PARTS
 from ckptfs.store.local import LocalStore
 from ckptfs.transfer.upload_tasks import part_size_for
 from ckptfs.transfer.uploader import Uploader
-from tests.faults import FaultyStore
-from tests.harness import blob, trio_test
+from tests.support.faults import FaultyStore
+from tests.support.harness import blob, trio_test
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 BS = 64 * KiB  # block size = base part size

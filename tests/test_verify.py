@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.mounting import CKPTFS, Mount
+from tests.support.mounting import CKPTFS, Mount
 
 pytestmark = pytest.mark.timeout(240)
 

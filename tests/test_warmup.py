@@ -17,9 +17,9 @@ import trio
 
 from ckptfs.errors import FsError
 from ckptfs.model.tree import ROOT_INODE
-from tests.harness import assert_one_line_error, blob, trio_test, write_files
-from tests.inprocess import BS, GID, UID, create, ino, mkdirs, mounted, read_all, sync
-from tests.mounting import CKPTFS, ckptfs
+from tests.support.harness import assert_one_line_error, blob, trio_test, write_files
+from tests.support.inprocess import BS, GID, UID, create, ino, mkdirs, mounted, read_all, sync
+from tests.support.mounting import CKPTFS, ckptfs
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,7 +19,7 @@ from ckptfs.model.tree import ROOT_INODE
 from ckptfs.objects.integrity import is_reserved
 from ckptfs.transfer.fetcher import Fetcher
 from ckptfs.transfer.uploader import Uploader
-from tests.faults import FaultyStore
+from tests.support.faults import FaultyStore
 
 BS = 64 << 10
 UID, GID = os.getuid(), os.getgid()

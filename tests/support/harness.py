@@ -1,6 +1,6 @@
 """Small helpers every kind of test uses: test data, waiting on a condition, running trio code,
-free ports and the ckptfs command's one-line errors. (Mounts: tests/mounting.py; the namespace
-driven in-process: tests/inprocess.py; fixtures: tests/conftest.py.)"""
+free ports and the ckptfs command's one-line errors. (Mounts: tests/support/mounting.py; the namespace
+driven in-process: tests/support/inprocess.py; fixtures: tests/conftest.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import trio
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Hang guard of run_trio/trio_test: turns a deadlock into a failure; nothing waits on it otherwise.
 TRIO_GUARD_S = 120.0

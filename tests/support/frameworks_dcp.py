@@ -1,6 +1,6 @@
 """One rank of a torch.distributed.checkpoint job on CPU (gloo), run by tests/test_frameworks.py.
 
-    python -m tests.frameworks_dcp ROOT
+    python -m tests.support.frameworks_dcp ROOT
 
 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment, as torchrun sets them.
 First it writes ROOT/dcp-sync with dcp.save and ROOT/dcp-async with dcp.async_save: a matrix

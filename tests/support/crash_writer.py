@@ -1,6 +1,6 @@
 """The writer of tests/test_crash_torture.py: a training job saving one checkpoint.
 
-    python tests/crash_writer.py MOUNTPOINT TRIAL LOG
+    python tests/support/crash_writer.py MOUNTPOINT TRIAL LOG
 
 Writes the files of ``plan(TRIAL)`` under MOUNTPOINT, with content that depends only on
 (trial, file), then a ``latest`` pointer naming them (written last, as Megatron's

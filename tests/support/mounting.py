@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ckptfs.control import client
 from ckptfs.daemon.run import recorded_ram_dir
-from tests.harness import proc_state
+from tests.support.harness import proc_state
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 
