@@ -65,7 +65,7 @@ def decode_block_list(raw: Sequence) -> list[BlockRef | None]:
                 raise ValueError(f"a run of {item} holes in a block list")
             blocks.extend([None] * item)
         else:
-            blocks.append(tuple(item))  # type: ignore[arg-type]
+            blocks.append((item[0], item[1]))
     return blocks
 
 

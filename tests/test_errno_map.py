@@ -88,7 +88,7 @@ async def test_cancellation_is_raised_again():
             await trio.sleep(1)
         except trio.Cancelled as cancelled:
             to_errno(cancelled)  # raises it again: the scope absorbs it
-            raise AssertionError("to_errno swallowed trio.Cancelled")
+            raise AssertionError("to_errno swallowed trio.Cancelled") from None
     assert scope.cancelled_caught
 
 

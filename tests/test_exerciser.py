@@ -392,8 +392,9 @@ class Exerciser(RuleBasedStateMachine):
         want = d.node.visible()
         offset %= len(want) + 20 * KiB + 1
         got = os.pread(fd, size, offset)
-        assert got == want[offset : offset + size], (
-            f"pread({size} at {offset}) of {d.name} through fd {fd} ({d.mode}) reads {describe(got, want[offset : offset + size])}"
+        expected = want[offset : offset + size]
+        assert got == expected, (
+            f"pread({size} at {offset}) of {d.name} through fd {fd} ({d.mode}) reads {describe(got, expected)}"
         )
         self.check()
 

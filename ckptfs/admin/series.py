@@ -391,7 +391,8 @@ def _relative(directory: str, step_path: str) -> str:
 
 def _choose_restart(series: Series) -> None:
     """The newest complete numbered step; Lightning's last.ckpt instead when it is complete and
-    no older (what Lightning itself resumes from; stores date objects to the second); in a series with no numbers, the newest complete step by time."""
+    no older (what Lightning itself resumes from; stores date objects to the second); in a series with
+    no numbers, the newest complete step by time."""
     complete = [s for s in series.steps if s.complete]
     numbered = [s for s in complete if s.number is not None]
     best = max(numbered, key=lambda s: (s.number, s.mtime)) if numbered else None
@@ -425,7 +426,7 @@ def plan_gc(
     for one in series:
         in_scope = [s for s in one.steps if s.number is not None and _matches(s, pattern)]
         newest = (
-            {id(s) for s in sorted(in_scope, key=lambda s: s.number)[len(in_scope) - keep_last :]}
+            {id(s) for s in sorted(in_scope, key=lambda s: s.number or 0)[len(in_scope) - keep_last :]}
             if keep_last > 0
             else set()
         )

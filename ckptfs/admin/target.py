@@ -39,7 +39,9 @@ class Target:
         try:
             store = open_store(self.url, endpoint_url=self.endpoint_url, max_connections=max_connections)
         except StoreError as e:  # open_store does no I/O: what it rejects is the command line
-            raise UsageError(str(e)) if e.errno == errno.EINVAL else e
+            if e.errno == errno.EINVAL:
+                raise UsageError(str(e)) from None
+            raise
         root = getattr(store, "root", None)  # a local store: its directory must be there already, as
         if root is not None and not os.path.isdir(root):  # a bucket must; the admin commands never make it
             store.close()

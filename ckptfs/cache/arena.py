@@ -113,6 +113,7 @@ class Tier:
         False when the filesystem cannot back it (MADV_POPULATE_WRITE is not even tried)."""
         if not self.back(slot):
             return False
+        assert self.mm is not None  # (only the RAM tier, which is mapped, is populated)
         try:
             self.mm.madvise(MADV_POPULATE_WRITE, slot * self.block_size, self.block_size)
         except OSError as exc:  # kernels before 5.14 (a populate failure is an error, never a signal)

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Set as AbstractSet
 
 import humanfriendly
 
@@ -99,7 +100,7 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def _table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+def _table(rows: list[list[str]], right: AbstractSet[int] = frozenset()) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for row in rows:

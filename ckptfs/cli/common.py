@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import humanfriendly
 
@@ -16,9 +17,15 @@ from ckptfs.config import ckptfs_mounts
 from ckptfs.control import client
 from ckptfs.errors import UsageError
 
+if TYPE_CHECKING:
+    from tqdm import tqdm  # (imported when a bar is first drawn: it is slow to import)
+
 PROGRESS_LINE_S = 10.0  # not on a terminal: a progress line this often
 # The STORE_URL|MOUNTPOINT argument and --endpoint-url of the admin commands (ls, checkpoints, gc, verify)
-TARGET_HELP = "a store URL (s3://bucket[/prefix], file:///path), read directly, or a ckptfs mountpoint (or a path on one)"
+TARGET_HELP = (
+    "a store URL (s3://bucket[/prefix], file:///path), read directly, "
+    "or a ckptfs mountpoint (or a path on one)"
+)
 ENDPOINT_HELP = "S3-compatible endpoint for an s3:// STORE_URL (as for mount)"
 
 
@@ -123,7 +130,7 @@ class ProgressBar:
         self.desc = desc
         self.start = time.monotonic()
         self.last: dict | None = None
-        self.bar = None
+        self.bar: tqdm | None = None
         self.lined = self.start  # when the last progress line was printed (not on a terminal)
 
     def __call__(self, progress: dict) -> None:
@@ -140,8 +147,9 @@ class ProgressBar:
             postfix = f"{files} file{'' if files == 1 else 's'} left"
             if progress.get("store") not in (None, "ok"):
                 postfix += f"; store {progress['store']}"
-        if self.bar is None:
-            self.bar = tqdm(
+        bar = self.bar
+        if bar is None:
+            bar = self.bar = tqdm(
                 total=total,
                 initial=done,
                 unit="B",
@@ -153,11 +161,11 @@ class ProgressBar:
                 leave=False,
                 dynamic_ncols=True,
             )
-        self.bar.total = total  # grows when more is committed while we wait
-        self.bar.n = done
-        self.bar.set_postfix_str(postfix, refresh=False)
-        self.bar.refresh()
-        if self.bar.disable and time.monotonic() - self.lined >= PROGRESS_LINE_S:  # a log, not a terminal
+        bar.total = total  # grows when more is committed while we wait
+        bar.n = done
+        bar.set_postfix_str(postfix, refresh=False)
+        bar.refresh()
+        if bar.disable and time.monotonic() - self.lined >= PROGRESS_LINE_S:  # a log, not a terminal
             self.lined = time.monotonic()
             print(
                 f"ckptfs: {self.desc}: {format_bytes(done)} of {format_bytes(total)}, {postfix}",

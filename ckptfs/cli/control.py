@@ -148,7 +148,10 @@ def cmd_sync(args: argparse.Namespace) -> int:
         return 0
     if result.get("files") is not None:
         files = result["files"]
-        done = f"{files} file{'' if files == 1 else 's'}, {format_bytes(result.get('bytes'))} in {result.get('seconds', 0):.2f} s"
+        plural = "" if files == 1 else "s"
+        done = (
+            f"{files} file{plural}, {format_bytes(result.get('bytes'))} in {result.get('seconds', 0):.2f} s"
+        )
         print(f"ckptfs: durable ({done if files else 'nothing was pending'})", file=sys.stderr)
     else:
         print(f"ckptfs: durable ({bar.summary() or 'nothing was pending'})", file=sys.stderr)

@@ -45,10 +45,10 @@ class _Parser(argparse.ArgumentParser):
 
     intermixed = False
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         if not self.intermixed:
             return super().parse_known_args(args, namespace)
         self.intermixed = False  # parse_known_intermixed_args calls back into parse_known_args
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     catalog.add_commands(sub)  # ls, checkpoints, gc
     cli_verify.add_parser(sub)  # verify
     for p in sub.choices.values():
-        p.intermixed = True  # type: ignore[attr-defined]
+        p.intermixed = True
     return parser
 
 

@@ -238,7 +238,9 @@ def _open_store(config: MountConfig) -> ObjectStore:
         return open_store(config.store_url, endpoint_url=config.endpoint_url)
     except StoreError as e:
         # open_store does no I/O: what it rejects is the command line itself.
-        raise UsageError(str(e)) if e.errno == errno.EINVAL else e
+        if e.errno == errno.EINVAL:
+            raise UsageError(str(e)) from None
+        raise
 
 
 def _serve(config: MountConfig, ready_fd: int | None) -> int:

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
         "paths",
         nargs="*",
         metavar="PATH",
-        help="files or directories, relative to the target as for ls (or absolute paths inside the mount); default: all",
+        help="files or directories, relative to the target as for ls (or absolute paths inside the mount); "
+        "default: all",
     )
     p.add_argument("--endpoint-url", metavar="URL", help=ENDPOINT_HELP)
     p.add_argument(
@@ -60,7 +61,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # PATHs as for ls: relative to the target (or, on a mount, absolute paths inside it)
         paths = [target.sub_path(where, p) for p in args.paths or [None]]
         paths = [] if "" in paths else paths  # (all of it)
-        if where.is_mount:
+        if where.mountpoint is not None:  # (a mount)
             result = call_mount(
                 where.mountpoint, "verify", {"paths": paths, "jobs": args.jobs}, on_progress=bar
             )

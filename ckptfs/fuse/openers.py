@@ -170,15 +170,15 @@ class Openers:
         return not holds
 
     async def _opener_holds(self, fh: int, tgid: int, ino: int) -> bool:
-        dev = self._our_dev()
-        if dev is None:
+        dev, mountpoint = self._our_dev(), self.mountpoint
+        if dev is None or mountpoint is None:
             return False
         proc = f"/proc/{tgid}"
         try:
             names = os.listdir(f"{proc}/fd")
             # Our files show under our mountpoint to a process that sees paths as we do;
             # elsewhere (a container, a chroot) under some absolute path.
-            prefix = os.fsdecode(self.mountpoint).rstrip("/") + "/" if _same_view(tgid) else "/"
+            prefix = os.fsdecode(mountpoint).rstrip("/") + "/" if _same_view(tgid) else "/"
             if len(names) > INLINE_FDS:
                 mnt_ids = await trio.to_thread.run_sync(_scan, proc, names, ino, prefix)
             else:

@@ -115,7 +115,7 @@ def raw_frame(data) -> bytes:
     """A zstd frame that stores ``data`` as raw blocks (no compression work; any decoder reads it)."""
     view = memoryview(data)
     # Descriptor: 8-byte content size, single segment (no window descriptor), content checksum.
-    out = [struct.pack("<IBQ", _FRAME_MAGIC, 0xE4, len(view))]
+    out: list[bytes | memoryview] = [struct.pack("<IBQ", _FRAME_MAGIC, 0xE4, len(view))]
     offsets = range(0, len(view), _BLOCK_MAX) if len(view) else [0]
     for offset in offsets:
         chunk = view[offset : offset + _BLOCK_MAX]
@@ -279,11 +279,12 @@ class Governor:
     def should_compress(self) -> bool:
         with self._lock:
             self.parts += 1
-            if None in (self.compress_rate, self.upload_rate, self.saving) or self.parts % self.PROBE == 0:
+            compress_rate, upload_rate, saving = self.compress_rate, self.upload_rate, self.saving
+            if compress_rate is None or upload_rate is None or saving is None or self.parts % self.PROBE == 0:
                 return True
             if not self.behind():
                 return True
-            pays = self.saving * self.compress_rate >= self.upload_rate
+            pays = saving * compress_rate >= upload_rate
             if not pays:
                 self.raw_parts += 1
             return pays

@@ -280,7 +280,7 @@ def orphan_manifests(
         return []
     started = store.list_multipart_started()
     orphans: list[str] = []
-    sizes: dict[str, int] = {}
+    sizes: dict[str, set[int]] = {}
     for info in old:
         name = info.key[len(MANIFEST_PREFIX) :]
         if name.startswith(PROBE_NAME):
@@ -297,7 +297,7 @@ def orphan_manifests(
             continue  # not one of ours to judge: kept
     if not sizes:
         return orphans
-    wanted = set().union(*sizes.values())
+    wanted: set[int] = set().union(*sizes.values())
     by_size: dict[int, list[str]] = {}
     for obj in store.list(""):
         if obj.size in wanted and not obj.key.startswith(".ckptfs-") and not obj.key.endswith("/"):

@@ -50,7 +50,7 @@ class LogicalStore(ObjectStore):
         if self._marker_seen:
             return True
         now = time.monotonic()
-        unseen = bool(infos) and self._unseen(infos)
+        unseen = self._unseen(infos) if infos else False
         if unseen or now - self._marker_checked >= self.MARKER_RECHECK_S:
             self._marker_checked = now
             self._marker_seen = self.inner.head(MARKER_KEY) is not None
@@ -116,14 +116,14 @@ class LogicalStore(ObjectStore):
         self.inner.check()
 
     @property
-    def limits(self):
+    def limits(self):  # type: ignore[override]  # (the wrapped store's, never set through the view)
         return self.inner.limits
 
     def key_room(self) -> int:
         return self.inner.key_room()
 
     @property
-    def server_checksums(self) -> bool:
+    def server_checksums(self) -> bool:  # type: ignore[override]  # (as limits)
         return self.inner.server_checksums
 
     def detect_server_checksums(self) -> bool:

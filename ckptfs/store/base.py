@@ -9,6 +9,7 @@ marker (a zero-byte object, as S3 tools make for empty folders).
 
 from __future__ import annotations
 
+import builtins
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -139,8 +140,8 @@ class ObjectStore(ABC):
         version walks ``list``; stores override it with a one-level listing."""
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"list_dir needs a directory prefix, not {prefix!r}")
-        files: list[ObjectInfo] = []
-        dirs: list[str] = []
+        files: builtins.list[ObjectInfo] = []
+        dirs: builtins.list[str] = []
         exists = not prefix
         for info in self.list(prefix):
             exists = True
@@ -185,7 +186,7 @@ class ObjectStore(ABC):
         return self.upload_part(key, upload_id, number, bytes(length))
 
     @abstractmethod
-    def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
+    def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[PartInfo]) -> None:
         """Make the object appear under ``key``, made of ``parts`` in order."""
 
     @abstractmethod
@@ -193,10 +194,10 @@ class ObjectStore(ABC):
         """Drop an unfinished upload and its parts; unknown ids are not an error."""
 
     @abstractmethod
-    def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[tuple[str, str]]:
         """Unfinished uploads under ``prefix`` as (key, upload_id)."""
 
-    def list_multipart_started(self, prefix: str = "") -> list[float]:
+    def list_multipart_started(self, prefix: str = "") -> builtins.list[float]:
         """When each unfinished upload under ``prefix`` was started (seconds since the epoch).
         Stores that cannot tell say every one started at 0 (before anything)."""
         return [0.0 for _ in self.list_multipart(prefix)]

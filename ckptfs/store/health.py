@@ -46,6 +46,8 @@ class StoreHealth:
             return self._next_token
 
     def attempt_ended(self, token: int | None) -> None:
+        if token is None:
+            return
         with self._lock:
             self._attempts.pop(token, None)
 

@@ -288,7 +288,7 @@ class LocalMultipart(LocalTree):
             ):
                 size = self._slot_size(d, upload_id, index, number, length)
                 in_slot = size is not None and length <= size
-                new = _Part(length, (number - 1) * size if in_slot else _OWN_FILE, token)
+                new = _Part(length, (number - 1) * size if size is not None and in_slot else _OWN_FILE, token)
                 old = _read_part(index, number)
                 if old == new:
                     return PartInfo(number, token)  # these very bytes are there already (a retry)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import logging
 import re
 import threading
 import uuid
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 from urllib.parse import unquote, urlsplit
 
 import boto3  # (ckptfs/store/__init__.py has set BOTO_DISABLE_CRT)
@@ -28,6 +29,9 @@ from botocore.config import Config
 
 from ckptfs.errors import NotFound, StoreError, one_line
 from ckptfs.store.base import MAX_KEY_BYTES, ObjectStore, redact_url
+
+if TYPE_CHECKING:
+    from ckptfs.store.health import StoreHealth
 
 TRANSIENT_CODES = {
     "SlowDown",
@@ -172,7 +176,6 @@ class S3Client(ObjectStore):
             ),
         )
         self.endpoint = redact_url(self._client.meta.endpoint_url)  # as printed: without a password
-        self._health = None
         self._attempt = threading.local()  # (token, op, key) of this thread's HTTP attempt
         # Whether the server verifies CRC32C (detect_server_checksums; off until detected), whether
         # it takes it on multipart uploads too, and which uploads were created with it (by id).
@@ -184,29 +187,28 @@ class S3Client(ObjectStore):
         self._zeros_lock = threading.Lock()
         self._zeros_refused = False  # the server refused UploadPartCopy: holes are sent as zeros
 
-    def report_to(self, health) -> None:
+    def report_to(self, health: StoreHealth) -> None:
         """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage
         shows from the first failed attempt, not once the last retry gave up."""
-        self._health = health
         for client in (self._client, self._client_once, self._client_unsigned):
-            client.meta.events.register("before-send.s3", self._attempt_starts)
-            client.meta.events.register("needs-retry.s3", self._attempt_ends)
+            client.meta.events.register("before-send.s3", functools.partial(self._attempt_starts, health))
+            client.meta.events.register("needs-retry.s3", functools.partial(self._attempt_ends, health))
 
-    def _attempt_starts(self, request, event_name: str, **_) -> None:
+    def _attempt_starts(self, health: StoreHealth, request, event_name: str, **_) -> None:
         path = unquote(urlsplit(request.url).path).lstrip("/")  # (no query: no upload ids, no signatures)
         if path.startswith(self.bucket + "/") or path == self.bucket:  # path-style addressing
             path = path[len(self.bucket) + 1 :]
         key = path[len(self._base) :] if path.startswith(self._base) else path
         op = event_name.rsplit(".", 1)[-1]
-        self._attempt.current = (self._health.attempt_started(op, key), op, key)
+        self._attempt.current = (health.attempt_started(op, key), op, key)
 
-    def _attempt_ends(self, response=None, caught_exception=None, **_) -> None:
+    def _attempt_ends(self, health: StoreHealth, response=None, caught_exception=None, **_) -> None:
         token, op, key = getattr(self._attempt, "current", (None, "", ""))
         self._attempt.current = (None, "", "")
-        self._health.attempt_ended(token)
+        health.attempt_ended(token)
         if caught_exception is not None:
             if isinstance(caught_exception, (bex.BotoCoreError, OSError)):
-                self._health.failed(
+                health.failed(
                     op,
                     key,
                     f"cannot reach {self.endpoint}: {connection_reason(caught_exception)}",
@@ -216,9 +218,9 @@ class S3Client(ObjectStore):
         status = response[0].status_code if response else 0
         if status >= 500 or status == 429:
             code = str(((response[1] or {}).get("Error") or {}).get("Code") or "")
-            self._health.failed(op, key, f"HTTP {status} {code}".rstrip(), reachable=True)
+            health.failed(op, key, f"HTTP {status} {code}".rstrip(), reachable=True)
         elif status < 400 or status in (404, 416):  # (404: a HEAD that misses; 416: a read past the end)
-            self._health.answered()
+            health.answered()
 
     # -- helpers ---------------------------------------------------------------
 
