@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 
 from ckptfs.cli import common as cli_common
+from ckptfs.cli import control as cli_control
 from ckptfs.cli import main as cli_main
 from ckptfs.cli import mount as cli_mount
 from ckptfs.config import MiB, MountConfig, default_cache_dir, default_store_dir
 from ckptfs.errors import UsageError
 from tests.support.harness import assert_one_line_error, run_cli
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,7 +90,7 @@ def test_options_between_positionals():
 
 
 def test_mount_config_defaults_and_round_trip(empty_dir):
-    config = cli_main.mount_config(cli_main.build_parser().parse_args(["mount", str(empty_dir)]))
+    config = cli_mount.mount_config(cli_main.build_parser().parse_args(["mount", str(empty_dir)]))
     assert config.store_url == f"file://{default_store_dir()}"
     assert config.cache_dir == str(default_cache_dir(empty_dir))
     assert (config.ram_cache, config.part_size, config.log_level) == (
@@ -96,7 +99,7 @@ def test_mount_config_defaults_and_round_trip(empty_dir):
         "INFO",
     )
 
-    config = cli_main.mount_config(
+    config = cli_mount.mount_config(
         cli_main.build_parser().parse_args(
             [
                 "mount",
@@ -138,8 +141,8 @@ def test_mount_config_defaults_and_round_trip(empty_dir):
     assert config.list_ttl == 0.5 and config.write_timeout == 7.5 and config.read_timeout == 9
     assert (config.metrics_port, config.metrics_addr) == (9400, "10.0.0.5")
     # The detached daemon must rebuild exactly this config from its command line.
-    rebuilt = cli_main.mount_config(
-        cli_main.build_parser().parse_args(cli_main.daemon_argv(config) + ["--ready-fd", "9"])
+    rebuilt = cli_mount.mount_config(
+        cli_main.build_parser().parse_args(cli_mount.daemon_argv(config) + ["--ready-fd", "9"])
     )
     assert rebuilt == config
 
@@ -166,19 +169,19 @@ def test_read_ready():
         r, w = os.pipe()
         os.write(w, written)
         os.close(w)
-        assert cli_main.read_ready(r, 5) == expected
+        assert cli_mount.read_ready(r, 5) == expected
         os.close(r)
     r, w = os.pipe()
-    assert cli_main.read_ready(r, 0.2) is None  # nothing, writer still open: timeout
+    assert cli_mount.read_ready(r, 0.2) is None  # nothing, writer still open: timeout
     os.close(r)
     os.close(w)
 
 
 def test_umount_timeout_default_and_progress_lines_off_a_terminal(monkeypatch, capsys):
-    assert cli_main.build_parser().parse_args(["umount", "/m"]).timeout == cli_main.UMOUNT_TIMEOUT_S
+    assert cli_main.build_parser().parse_args(["umount", "/m"]).timeout == cli_control.UMOUNT_TIMEOUT_S
     assert cli_main.build_parser().parse_args(["umount", "/m", "--timeout", "2"]).timeout == 2
     monkeypatch.setattr(cli_common, "PROGRESS_LINE_S", 0)
-    bar = cli_main.ProgressBar("drain")  # stderr is not a terminal here: lines instead of a bar
+    bar = cli_common.ProgressBar("drain")  # stderr is not a terminal here: lines instead of a bar
     bar(
         {
             "pending_files": 2,
@@ -213,7 +216,7 @@ def test_format_status_tolerates_anything():
         "errors": [{"time": 0, "key": "a/b", "message": "503 Slow Down\nretrying"}],
         "store_health": {"state": "unreachable", "since": 0, "reason": "PutObject: cannot reach h: timeout"},
     }
-    text = cli_main.format_status(full)
+    text = cli_control.format_status(full)
     for needle in [
         "store state:",
         "unreachable since",
@@ -226,8 +229,8 @@ def test_format_status_tolerates_anything():
         "a/b: 503 Slow Down retrying",
     ]:
         assert needle in text, text
-    assert cli_main.format_status({}) == ""
-    cli_main.format_status({"ram": None, "errors": ["x"], "pending": {}, "uptime_s": "?"})
+    assert cli_control.format_status({}) == ""
+    cli_control.format_status({"ram": None, "errors": ["x"], "pending": {}, "uptime_s": "?"})
 
 
 # --- the detached-daemon handshake, with a stand-in for ckptfs.daemon.run ----------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.cli import main
+from ckptfs.cli import main, mount
 from ckptfs.config import control_socket_path
 from tests.support.faultproxy import FaultProxy, Rule, status
 from tests.support.harness import can_open, wait_until
@@ -312,5 +312,5 @@ def test_fstab_options_map_to_the_flags(tmp_path):
     assert done.returncode == 0, done.stderr
     args = done.stdout.split()
     assert args == ["mount", "/mnt/ckpt", "--allow-other", "--umask", "0022", "--keep-ram-cache"]
-    config = main.mount_config(main.build_parser().parse_args(args))
+    config = mount.mount_config(main.build_parser().parse_args(args))
     assert (config.allow_other, config.umask, config.keep_ram_cache) == (True, 0o022, True)

@@ -1,7 +1,7 @@
 """The ``ckptfs`` command: the parser and the dispatcher. Each command group lives in its own
-module and registers its subcommands here: mount_cli (mount), control_cli (sync, warmup, status,
-umount: a running mount's daemon), catalog_cli (ls, checkpoints, gc), verify_cli (verify);
-cli_support holds what they share.
+module of this package and registers its subcommands here: mount.py (mount), control.py (sync,
+warmup, status, umount: a running mount's daemon), catalog.py (ls, checkpoints, gc), verify.py
+(verify); common.py holds what they share.
 
 Errors meant for the user are ``CkptfsError`` or ``StoreError``: printed as one line
 ``ckptfs: <message>``; exit 2 for bad usage, 1 for anything else.
@@ -18,25 +18,7 @@ from collections.abc import Sequence
 from ckptfs.cli import catalog, control
 from ckptfs.cli import mount as cli_mount
 from ckptfs.cli import verify as cli_verify
-from ckptfs.cli.common import ProgressBar, relative_paths
-from ckptfs.cli.control import UMOUNT_TIMEOUT_S, format_status
-from ckptfs.cli.mount import READY_TIMEOUT_S, daemon_argv, mount_config, read_ready
 from ckptfs.errors import CkptfsError, StoreError, UsageError, one_line
-
-# main and the parser; and, for callers of the commands' pieces, the names cli.py held before
-# the command groups moved to their modules.
-__all__ = [
-    "build_parser",
-    "main",
-    "ProgressBar",
-    "relative_paths",
-    "UMOUNT_TIMEOUT_S",
-    "format_status",
-    "READY_TIMEOUT_S",
-    "daemon_argv",
-    "mount_config",
-    "read_ready",
-]
 
 
 class _Parser(argparse.ArgumentParser):
