@@ -21,7 +21,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # ckptfs.checkpoints(url_or_mountpoint): the checkpoint series (ckptfs/catalog.py), loaded on
+    # ckptfs.checkpoints(url_or_mountpoint): the checkpoint series (ckptfs/admin/catalog.py), loaded on
     # first use: the catalog reads stores, which `import ckptfs` alone must not pull in.
     if name == "checkpoints":
         from ckptfs.admin.catalog import checkpoints

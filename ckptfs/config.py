@@ -66,12 +66,12 @@ class MountConfig:
     allow_other: bool = False  # let other users in (the kernel still checks each file's mode)
     # Modes of what the store does not record (objects loaded from it): 0666/0777 less this.
     umask: int = 0o077
-    # --compress zstd[:LEVEL]: the zstd level parts are compressed at (compression.py); 0: off
+    # --compress zstd[:LEVEL]: the zstd level parts are compressed at (objects/compression.py); 0: off
     compress: int = 0
     keep_ram_cache: bool = False  # a clean umount leaves the RAM arena (else it is removed)
     log_level: str = "INFO"
     foreground: bool = False
-    metrics_port: int | None = None  # Prometheus endpoint (metrics.py); None: none; 0: a free port
+    metrics_port: int | None = None  # Prometheus endpoint (daemon/metrics.py); None: none; 0: a free port
     metrics_addr: str = "127.0.0.1"
 
     def to_json(self) -> str:

@@ -38,7 +38,7 @@ class TimedOut(ControlError, TimeoutError):
 
 
 class FsError(Exception):
-    """A filesystem-domain error; ``fuse_ops`` turns it into ``FUSEError(errno)``."""
+    """A filesystem-domain error; ``fuse/ops.py`` turns it into ``FUSEError(errno)``."""
 
     def __init__(self, errno: int, message: str = ""):
         super().__init__(message or os.strerror(errno))

@@ -1,7 +1,7 @@
 """Checkpoint series: which files make up which step, whether each step is complete, which one a
 restart should use, and what retention (gc) keeps. Pure: it is given the list of files and a
 function that reads a small file (pointer files, DCP ``.metadata``, shard indexes); the caller
-(ckptfs/catalog.py) does the I/O on a mount or a store.
+(admin/catalog.py) does the I/O on a mount or a store.
 
 Layouts recognised (the outermost path component that matches makes the step; its parent
 directory holds the series):

@@ -1,5 +1,5 @@
 """`ckptfs ls`, `ckptfs checkpoints` and `ckptfs gc`: argument parsing and printing (the work is
-in ckptfs/catalog.py). ``add_commands`` registers them on the ``ckptfs`` parser."""
+in ckptfs/admin/catalog.py). ``add_commands`` registers them on the ``ckptfs`` parser."""
 
 from __future__ import annotations
 

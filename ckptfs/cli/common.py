@@ -1,6 +1,6 @@
 """What every ``ckptfs`` command shares: argument types, finding the mount a path is on, calling
-its daemon, and showing sizes and progress. The commands live in their own modules (mount_cli,
-control_cli, catalog_cli, verify_cli), which import this one; cli.py is the parser over them."""
+its daemon, and showing sizes and progress. The commands live in their own modules (mount.py,
+control.py, catalog.py, verify.py), which import this one; main.py is the parser over them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The ``ckptfs verify`` command: its arguments, where it runs (the store itself for a URL, the
-mount's daemon for a mountpoint) and its report. The check itself is ckptfs/verify.py."""
+mount's daemon for a mountpoint) and its report. The check itself is ckptfs/admin/verify.py."""
 
 from __future__ import annotations
 

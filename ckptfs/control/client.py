@@ -5,7 +5,7 @@ JSON. The client sends one request ``{"cmd": NAME, ...args}``; the server answer
 with zero or more ``{"progress": {...}}`` lines, then exactly one
 ``{"result": {...}}`` or ``{"error": "one line"}``, and closes the connection.
 
-A new command is a new entry in the handler dict given to ``control_server.ControlServer``::
+A new command is a new entry in the handler dict given to ``ckptfs.control.server.ControlServer``::
 
     async def handle_sync(request: dict, progress: Progress) -> dict:
         await progress({"pending_files": 3, "pending_bytes": 10, "total_bytes": 20})

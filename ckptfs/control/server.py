@@ -1,4 +1,4 @@
-"""The daemon's side of the admin channel (the protocol and the client are in control.py):
+"""The daemon's side of the admin channel (the protocol and the client are in control/client.py):
 a trio server on the mount's Unix socket, one handler per command, peers checked with
 SO_PEERCRED. Kept apart so the ``ckptfs`` commands start without importing trio."""
 

@@ -97,7 +97,7 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.ns = namespace
         self.block_size = block_size
-        # Who opened each writer, so a forked child's close does not commit it (openers.py).
+        # Who opened each writer, so a forked child's close does not commit it (fuse/openers.py).
         # Without the mountpoint every flush commits.
         self.openers = Openers(mountpoint)
         self._dir_listings: dict[int, list] = {}
@@ -317,7 +317,7 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def flush(self, fh):
         # Every close of a descriptor sends FLUSH, a forked child's too: commit only at the
-        # close after which the opening process holds the file no more (openers.py).
+        # close after which the opening process holds the file no more (fuse/openers.py).
         commit = await self.openers.opener_closed(fh)
         self.ns.flush(fh, commit=commit)
         if commit:

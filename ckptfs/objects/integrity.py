@@ -74,7 +74,7 @@ class Checksums:
     xxh3: str = ""  # the whole file's, where known
     upload: str = ""  # the upload it was recorded for ("" for a one-PUT file)
     source: str = ""  # "metadata", "manifest", or why it is unverified
-    # A compressed object (compression.py): per part, its frame's stored size and byte grouping.
+    # A compressed object (objects/compression.py): per part, its frame's stored size and byte grouping.
     # The part checksums are of the uncompressed bytes either way.
     frames: tuple[tuple[int, int], ...] = ()
 
@@ -225,7 +225,7 @@ def load_checksums(store, size: int, metadata: dict[str, str]) -> Checksums:
 # --- orphan manifests -------------------------------------------------------------------------
 # A manifest outlives its object when the object is overwritten or deleted behind ckptfs's back
 # (another tool, or while the daemon that would have dropped it was down), or when its upload never
-# completed. Each mount sweeps them once, in the background, at start (daemon.py).
+# completed. Each mount sweeps them once, in the background, at start (daemon/run.py).
 ORPHAN_MIN_AGE_S = 24 * 3600.0  # younger manifests are never collected
 ORPHAN_SWEEP_MAX = 1000  # manifests judged per sweep (a random sample; the rest wait for a later sweep)
 PROBE_NAME = "checksum-probe-"  # store/s3_client.py's support probe, left behind by a crash

@@ -1,4 +1,4 @@
-"""The store as a mount sees it when objects may be compressed (compression.py): listings and
+"""The store as a mount sees it when objects may be compressed (objects/compression.py): listings and
 HEADs give a compressed object's uncompressed size. Every other call passes straight through."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Figures the daemon keeps for ``ckptfs status`` and the Prometheus endpoint (metrics.py).
+"""Figures the daemon keeps for ``ckptfs status`` and the Prometheus endpoint (daemon/metrics.py).
 
 Plain, bounded, dependency-free recorders: the data path records into them (a few additions
 per event); ``status`` and a metrics scrape read them. Thread-safe where store threads record.
