@@ -20,10 +20,11 @@ from ckptfs.errors import FsError
 from ckptfs.objects import integrity
 from ckptfs.objects.integrity import Checksums
 from ckptfs.store.local import LocalStore
-from ckptfs.transfer.fetch_checks import VERIFY_ATTEMPTS
-from ckptfs.transfer.fetcher import READ_ATTEMPTS, Fetcher
+from ckptfs.transfer.fetcher import READ_ATTEMPTS, VERIFY_ATTEMPTS, Fetcher
 from tests.support.faults import FaultyStore
 from tests.support.harness import blob, run_trio, trio_test
+
+pytestmark = pytest.mark.unit
 
 BS = 64 << 10
 

@@ -3,13 +3,15 @@
 compressed object); the part checksums of a multipart object (its manifest, written before the
 object is visible, deleted after the object it describes).
 
-``uploader.Uploader`` inherits these; their state (``codec``, ``governor``, ``stored_bytes``)
-is set up in ``Uploader.__init__``.
+``Encoder`` makes its store calls through the ``StoreCalls`` it is given (shared with the
+uploader and its ``PartSender``, which sends the parts this encodes); it counts the bytes the
+store received for file data (``stored_bytes``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -18,15 +20,41 @@ import trio
 
 from ckptfs.errors import StoreError
 from ckptfs.objects import compression, integrity
+from ckptfs.store.base import PartInfo
+from ckptfs.transfer.store_calls import StoreCalls
 from ckptfs.transfer.upload_tasks import Task, Upload, in_thread_if_large
 
 log = logging.getLogger(__name__)
 
 
-class ObjectEncoding:
-    """Uploader's one-PUT objects, compressed frames, checksum manifests."""
+class Encoder:
+    """The uploader's one-PUT objects, compressed frames, checksum manifests."""
 
-    async def _publish_one(self, task: Task) -> None:
+    def __init__(
+        self,
+        calls: StoreCalls,
+        part_size: int,
+        hash_threads: trio.CapacityLimiter,
+        codec: compression.Codec | None,
+        governor: compression.Governor,
+    ):
+        self.calls = calls
+        self.store = calls.store
+        self.part_size = part_size
+        self.hash_threads = hash_threads
+        # --compress: parts go up as zstd frames (compression.py), compressed in the store threads
+        self.codec = codec
+        self.governor = governor
+        # Bytes the store received for file data (compressed size where compressed; the sender's
+        # uploaded_bytes counts the files' own bytes). Frames are counted from store threads: under a lock.
+        self.stored_bytes = 0
+        self._stored_lock = threading.Lock()
+        self._marked = False  # compression.MARKER_KEY is in the store
+        self._zero_frames: dict[int, tuple[bytes, int]] = {}  # a hole part's frame, by length (--compress)
+
+    async def one_put(self, task: Task) -> tuple[bytes, dict[str, str], integrity.Checksums]:
+        """A small file's object: its body, metadata and checksums (compressed if that pays;
+        the bucket's marker goes up first then)."""
         op = task.op
         data = await in_thread_if_large(self.hash_threads, op.size, task.content.read, 0, op.size)
         metadata = {**op.meta, integrity.XXH3_META: task.xxh3}
@@ -38,27 +66,23 @@ class ObjectEncoding:
             if by != compression.RAW:  # (one that does not compress stays a plain object)
                 data = frame + compression.seek_table([(len(frame), op.size)])
                 metadata.update(
-                    self._format_meta(True),
+                    self.format_meta(True),
                     **{compression.SIZE_META: str(op.size), compression.FRAMES_META: f"{len(frame)}:{by}"},
                 )
                 checksums = replace(checksums, frames=((len(frame), by),))
-                await self._mark_compressed(op.key)
-        await self._call(op.key, self.store.put, op.key, data, metadata)
-        task.bytes_sent = op.size
-        self.uploaded_bytes += op.size
-        self._count_stored(len(data))
-        task.content.checksums = checksums
+                await self.mark_compressed(op.key)
+        return data, metadata, checksums
 
     # -- compression ---------------------------------------------------------------------------
-    def _count_stored(self, size: int) -> None:
+    def count_stored(self, size: int) -> None:
         with self._stored_lock:
             self.stored_bytes += size
 
     @staticmethod
-    def _format_meta(compressed: bool) -> dict[str, str]:
+    def format_meta(compressed: bool) -> dict[str, str]:
         return {compression.FORMAT_META: compression.FORMAT} if compressed else {}
 
-    def _send_frame(
+    def send_frame(
         self,
         upload: Upload,
         number: int,
@@ -66,7 +90,7 @@ class ObjectEncoding:
         digest: str,
         table: Callable[[int], bytes] | None,
         zeros: int = 0,
-    ):
+    ) -> PartInfo:
         """Upload part ``number`` as a zstd frame (in a store thread). ``table``: this is the last
         part, followed by the seek table that ``table(its frame's size)`` gives; the others are
         padded to S3's smallest part. PartInfo.xxh3 carries the frame (compression.tag).
@@ -86,7 +110,7 @@ class ObjectEncoding:
         started = time.perf_counter()
         part = self.store.upload_part(upload.key, upload.upload_id, number, frame)
         self.governor.uploaded(len(frame), time.perf_counter() - started)
-        self._count_stored(len(frame))
+        self.count_stored(len(frame))
         return replace(part, xxh3=compression.tag(digest, stored, by))
 
     def _zeros_frame(self, length: int) -> tuple[bytes, int]:
@@ -101,7 +125,8 @@ class ObjectEncoding:
             self._zero_frames = {**(self._zero_frames if len(self._zero_frames) < 4 else {}), length: frame}
         return frame
 
-    def _seek_table_after(self, task: Task, number: int) -> Callable[[int], bytes] | None:
+    @staticmethod
+    def seek_table_after(task: Task, number: int) -> Callable[[int], bytes] | None:
         """For the last part of a compressed upload: the seek table, given the last frame's size."""
         if number != len(task.parts):
             return None
@@ -109,15 +134,16 @@ class ObjectEncoding:
         sizes = [task.part_size] * len(frames) + [task.op.size - len(frames) * task.part_size]
         return lambda last: compression.seek_table(list(zip(frames + [last], sizes)))
 
-    async def _mark_compressed(self, key: str) -> None:
+    async def mark_compressed(self, key: str) -> None:
         """Before the bucket's first compressed object: the marker that tells mounts to look for
         uncompressed sizes (logical_store.LogicalStore)."""
         if not self._marked:
-            await self._call(key, self.store.put, compression.MARKER_KEY, b"", {})
+            await self.calls.call(key, self.store.put, compression.MARKER_KEY, b"", {})
             self._marked = True
 
     # -- checksums ---------------------------------------------------------------------------
-    def _checksums(self, task: Task) -> integrity.Checksums | None:
+    @staticmethod
+    def checksums(task: Task) -> integrity.Checksums | None:
         """The manifest of a multipart put: every part's xxh3 (None if one is unknown: a part
         resumed from the journal of an older version; the object then reads as unverified)."""
         tags = [compression.untag(part.xxh3) if part is not None else ("", None) for part in task.parts]
@@ -130,24 +156,24 @@ class ObjectEncoding:
             task.op.size, task.part_size, hashes, task.xxh3, task.upload.journal_id, "manifest", frames
         )
 
-    async def _put_manifest(self, key: str, checksums: integrity.Checksums) -> None:
+    async def put_manifest(self, key: str, checksums: integrity.Checksums) -> None:
         mkey = integrity.manifest_key(checksums.upload)
-        await self._call(key, self.store.put, mkey, checksums.to_manifest(), {})
+        await self.calls.call(key, self.store.put, mkey, checksums.to_manifest(), {})
 
-    async def _drop_manifest(self, key: str, upload_id: str) -> None:
+    async def drop_manifest(self, key: str, upload_id: str) -> None:
         """Delete the manifest of an object that is gone (a few tries: an orphan is harmless)."""
         mkey = integrity.manifest_key(upload_id)
         try:
-            await self._call(key, self.store.delete, mkey, attempts=5)
+            await self.calls.call(key, self.store.delete, mkey, attempts=5)
         except StoreError as exc:
             log.warning("could not delete %s (the manifest of a replaced or deleted %s): %s", mkey, key, exc)
 
-    async def _replaced_manifest(self, task: Task) -> str:
+    async def replaced_manifest(self, task: Task) -> str:
         """The upload id of the manifest the put's object replaces ("" if none). The namespace
         knows it, or says "?": then the object in the store now tells (a HEAD)."""
         if task.op.replaces != "?":
             return task.op.replaces
-        info = await self._call(task.op.key, self.store.head, task.op.key)
+        info = await self.calls.call(task.op.key, self.store.head, task.op.key)
         if info is None or not info.metadata.get(integrity.MANIFEST_META):
             return ""
         upload_id = info.metadata.get(integrity.UPLOAD_META, "")

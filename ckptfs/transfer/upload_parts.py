@@ -1,11 +1,13 @@
-"""The uploader's data path before publication: a put's preparation (the whole file's hash, the
-parts of an upload evicted from the cache, a stream's parts adopted), its multipart parts sent in
-parallel (``part_slots`` of them at once), the streamed parts of files still open for writing,
-completing a multipart upload, and the multipart bookkeeping that keeps no upload unknown
-(journaled before it is created, swept when its answer was lost, aborted when given up).
+"""The uploader's data path: a put's preparation (the whole file's hash, the parts of an upload
+evicted from the cache, a stream's parts adopted), its multipart parts sent in parallel
+(``part_slots`` of them at once), the streamed parts of files still open for writing, a put's
+publication (one PUT, or the completion of its multipart upload), and the multipart bookkeeping
+that keeps no upload unknown (journaled before it is created, swept when its answer was lost,
+aborted when given up). See uploader.py's module doc.
 
-``uploader.Uploader`` inherits these; their state (``uploads``, ``creating``, ``streams``,
-``part_slots``, ...) is set up in ``Uploader.__init__``. See uploader.py's module doc.
+``PartSender`` is built and held by ``uploader.Uploader``; it makes its store calls through the
+``StoreCalls`` it is given and encodes through the ``Encoder`` it is given (compressed frames,
+manifests), both shared with the uploader. The uploader sets ``nursery`` when it runs.
 """
 
 from __future__ import annotations
@@ -16,30 +18,76 @@ from dataclasses import replace
 
 import trio
 
-from ckptfs.blocks import BlockRef, zeros_xxh3
+from ckptfs.blocks import BlockRef, content_xxh3, zeros_xxh3
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.contents import Content
+from ckptfs.cache.journal import Journal
 from ckptfs.errors import NotFound, StoreError
 from ckptfs.objects import compression, integrity
 from ckptfs.store.base import PartInfo
-from ckptfs.transfer.upload_tasks import Stream, Task, Upload, in_thread_if_large
+from ckptfs.transfer.store_calls import StoreCalls
+from ckptfs.transfer.upload_encoding import Encoder
+from ckptfs.transfer.upload_tasks import PartBuffers, Stream, Task, Upload, in_thread_if_large
+from ckptfs.util.background import Gate
+from ckptfs.util.stats import RateMeter
 
 log = logging.getLogger(__name__)
 
 
 class PartSender:
-    """Uploader's preparation of puts, streamed and multipart parts, multipart uploads."""
+    """The uploader's preparation of puts, streamed and multipart parts, multipart uploads, and
+    the data of a put's publication."""
 
-    async def _prepare(self, task: Task) -> None:
+    def __init__(
+        self,
+        calls: StoreCalls,
+        encoder: Encoder,
+        cache: Cache,
+        journal: Journal,
+        part_size: int,
+        concurrency: int,
+        hash_threads: trio.CapacityLimiter,
+    ):
+        self.calls = calls
+        self.store = calls.store
+        self.encoder = encoder
+        self.cache = cache
+        self.journal = journal
+        self.part_size = part_size
+        self.hash_threads = hash_threads
+        self.streams: set[Stream] = set()
+        self.uploads: dict[str, Upload] = {}  # live multipart uploads by journal id
+        self.creating: dict[str, str] = {}  # journal id -> key, while CreateMultipartUpload runs
+        self.part_slots = trio.Semaphore(concurrency)
+        self.part_buffers = PartBuffers(part_size, concurrency)
+        self.cache_gate = Gate("the cache")  # store threads copy parts out of the cache through it
+        self._uploaded_bytes = 0
+        self.upload_rate = RateMeter()  # recent bytes/s, fed by uploaded_bytes
+        self.streamed_bytes = 0
+        self.nursery: trio.Nursery | None = None  # the uploader's (Uploader.run)
+
+    @property
+    def uploaded_bytes(self) -> int:
+        return self._uploaded_bytes
+
+    @uploaded_bytes.setter
+    def uploaded_bytes(self, value: int) -> None:
+        self.upload_rate.add(value - self._uploaded_bytes)
+        self._uploaded_bytes = value
+
+    # -- a put's preparation (a task of its own from submit on) ---------------------------------
+    async def prepare(self, task: Task) -> None:
         try:
             with task.scope:
-                await self._until_done(task, self._prepare_once)
+                await self.calls.until_done(task, self._prepare_once)
         finally:
             task.preparing = False
             task.ready.set()
             if task.cancelled:
                 if task.upload is not None:
-                    self.nursery.start_soon(self._abort, task.upload)
+                    self.nursery.start_soon(self.abort, task.upload)
                     task.upload = None
-                self._finish(task)
+                self.finish(task)
 
     async def _prepare_once(self, task: Task) -> None:
         if task.op.upload and task.upload is None:  # parts evicted from the cache are only there
@@ -78,12 +126,12 @@ class PartSender:
             task.multipart and task.part_size == self.cache.block_size and stream.upload.key == task.op.key
         )
         if stream.upload != task.upload and (task.upload is not None or not usable):
-            self.nursery.start_soon(self._abort, stream.upload)
+            self.nursery.start_soon(self.abort, stream.upload)
             return
         if task.upload is None:
             task.upload = stream.upload
             task.parts = [None] * task.n_parts()
-            task.compressed = self.codec is not None
+            task.compressed = self.encoder.codec is not None
         for index, (stamp, part) in stream.sent.items():
             full = task.content.block_length(index) == task.part_size
             if task.compressed and index == len(task.parts) - 1:
@@ -101,7 +149,7 @@ class PartSender:
     async def _upload_parts(self, task: Task) -> None:
         if task.upload is None:
             # A rename may retarget the op while we work: the upload stays under this key.
-            task.compressed = self.codec is not None
+            task.compressed = self.encoder.codec is not None
             task.upload = await self._create_upload(
                 task.op.key,
                 {
@@ -109,7 +157,7 @@ class PartSender:
                     **({"xxh3": task.xxh3} if task.xxh3 else {}),
                     "ckptfs-part-size": str(task.part_size),
                     integrity.MANIFEST_META: integrity.ALGORITHM,
-                    **self._format_meta(task.compressed),
+                    **self.encoder.format_meta(task.compressed),
                 },
             )
             task.parts = [None] * task.n_parts()
@@ -149,12 +197,12 @@ class PartSender:
             def send() -> PartInfo:
                 if hole:  # a sparse file's hole: neither read, hashed nor sent byte by byte
                     if task.compressed:
-                        return self._send_frame(
+                        return self.encoder.send_frame(
                             upload,
                             number,
                             None,
                             zeros_xxh3(length),
-                            self._seek_table_after(task, number),
+                            self.encoder.seek_table_after(task, number),
                             zeros=length,
                         )
                     return replace(
@@ -166,24 +214,40 @@ class PartSender:
                 ) as body:
                     digest = integrity.part_hash(body)  # sealed: what the manifest records
                     if task.compressed:
-                        return self._send_frame(
-                            upload, number, body, digest, self._seek_table_after(task, number)
+                        return self.encoder.send_frame(
+                            upload, number, body, digest, self.encoder.seek_table_after(task, number)
                         )
                     return replace(
                         self.store.upload_part(upload.key, upload.upload_id, number, body), xxh3=digest
                     )
 
             try:
-                task.parts[number - 1] = await self._call(upload.key, send)
+                task.parts[number - 1] = await self.calls.call(upload.key, send)
             except NotFound:
                 gone.append(number)
                 return
             task.bytes_sent += length
             self.uploaded_bytes += length
             if not task.compressed and not hole:  # (a hole's bytes were never sent)
-                self._count_stored(length)
+                self.encoder.count_stored(length)
         finally:
             self.part_slots.release()
+
+    # -- streams: parts of files still open for writing ------------------------------------------
+    def open_stream(self, key: str) -> Stream:
+        stream = Stream(key)
+        self.streams.add(stream)
+        return stream
+
+    def stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
+        """Send a full block of a file still being written as part ``index + 1``."""
+        if stream.closed or index in stream.sending or index >= self.store.limits.max_parts:
+            return  # (a block already on its way: the commit re-sends it if it changed since)
+        self.cache.incref(ref)  # the bytes stay put while they travel; a write copies the block
+        stream.sending.add(index)
+        if stream.idle.is_set():
+            stream.idle = trio.Event()
+        self.nursery.start_soon(self._stream_part, stream, index, ref, stamp)
 
     async def _stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
         try:
@@ -200,11 +264,11 @@ class PartSender:
                                     **stream.meta,
                                     "ckptfs-part-size": str(self.part_size),
                                     integrity.MANIFEST_META: integrity.ALGORITHM,
-                                    **self._format_meta(self.codec is not None),
+                                    **self.encoder.format_meta(self.encoder.codec is not None),
                                 },
                             )
                     upload, size = stream.upload, self.cache.block_size
-                    compressed = self.codec is not None
+                    compressed = self.encoder.codec is not None
 
                     def send() -> PartInfo:
                         with self.part_buffers.body(
@@ -212,20 +276,20 @@ class PartSender:
                         ) as body:
                             digest = integrity.part_hash(body)  # sealed: what the manifest records
                             if compressed:
-                                return self._send_frame(upload, index + 1, body, digest, None)
+                                return self.encoder.send_frame(upload, index + 1, body, digest, None)
                             return replace(
                                 self.store.upload_part(upload.key, upload.upload_id, index + 1, body),
                                 xxh3=digest,
                             )
 
                     try:
-                        part = await self._call(upload.key, send)
+                        part = await self.calls.call(upload.key, send)
                     except NotFound:
                         return  # the upload vanished: the commit sends this part again
                     stream.sent[index] = (stamp, part)
                     self.uploaded_bytes += size
                     if not compressed:
-                        self._count_stored(size)
+                        self.encoder.count_stored(size)
                     self.streamed_bytes += size
         finally:
             stream.scopes.discard(scope)
@@ -235,44 +299,86 @@ class PartSender:
                 stream.idle.set()
             self.cache.notify_space()  # the block may be reclaimable now (or a waiter must give up)
 
+    def abandon(self, stream: Stream) -> None:
+        """The file was closed without a commit (or unlinked): abort its upload."""
+        if stream.abandoned:
+            return
+        stream.closed = True
+        stream.cancel()
+        self.nursery.start_soon(self._close_stream, stream)
+
     async def _close_stream(self, stream: Stream) -> None:
         await stream.idle.wait()
         self.streams.discard(stream)
         if stream.upload is not None:
-            await self._abort(stream.upload)
+            await self.abort(stream.upload)
 
-    async def _publish_multipart(self, task: Task) -> None:
+    # -- publication of a put's data ---------------------------------------------------------
+    async def publish_one(self, task: Task) -> None:
+        op = task.op
+        data, metadata, checksums = await self.encoder.one_put(task)
+        await self.calls.call(op.key, self.store.put, op.key, data, metadata)
+        task.bytes_sent = op.size
+        self.uploaded_bytes += op.size
+        self.encoder.count_stored(len(data))
+        task.content.checksums = checksums
+
+    async def publish_multipart(self, task: Task) -> None:
         op = task.op
         if task.upload is None or task.upload.key != op.key:  # retargeted after the upload began
             if task.upload is not None:
-                await self._abort(task.upload)
+                await self.abort(task.upload)
                 task.upload = None
             await self._hash_whole_file(task)
             await self._upload_parts(task)
         upload = task.upload
-        checksums = None if task.completed else self._checksums(task)
+        checksums = None if task.completed else self.encoder.checksums(task)
         try:
             if not task.completed:
                 # The manifest first: an object that is visible has its part checksums.
                 # (Found already complete: the manifest was written before that completion.)
                 if task.compressed:
-                    await self._mark_compressed(op.key)
+                    await self.encoder.mark_compressed(op.key)
                 if checksums is not None:
-                    await self._put_manifest(op.key, checksums)
-                await self._call(op.key, self.store.complete_multipart, op.key, upload.upload_id, task.parts)
+                    await self.encoder.put_manifest(op.key, checksums)
+                await self.calls.call(
+                    op.key, self.store.complete_multipart, op.key, upload.upload_id, task.parts
+                )
         except NotFound:
             # A retry after a completion whose answer was lost: the upload id is gone.
             if not await self._is_complete(upload):
                 self._forget(upload)
                 task.upload = None
                 if checksums is not None:  # (that upload never became an object)
-                    await self._drop_manifest(op.key, checksums.upload)
-                await self._publish_multipart(task)  # start over with a new upload
+                    await self.encoder.drop_manifest(op.key, checksums.upload)
+                await self.publish_multipart(task)  # start over with a new upload
                 return
         self._forget(upload)
         task.upload = None
         if task.content is not None and checksums is not None:
             task.content.checksums = checksums  # reads of evicted blocks need no manifest GET
+
+    def finish(self, task: Task) -> None:
+        """The task is done with (durable or cancelled): its content goes, and its stream if never adopted."""
+        if task.content is not None:
+            task.content.release()
+            task.content = None
+        if task.stream is not None:  # never adopted (cancelled first)
+            self.abandon(task.stream)
+            task.stream = None
+
+    # -- the cache, from store threads -----------------------------------------------------------
+    def close(self) -> None:
+        """Refuse copies out of the cache from now on (waits for those under way)."""
+        self.cache_gate.close()
+
+    def _from_cache(self, read, *args) -> None:
+        """A copy out of the cache from a store thread, refused once shutdown closed the cache."""
+        with self.cache_gate.use():
+            read(*args)
+
+    def _hash(self, content: Content) -> str:
+        return content_xxh3(self.cache.view, content.size, content.blocks, self.cache.block_size)
 
     # -- multipart bookkeeping ---------------------------------------------------------------
     async def _create_upload(self, key: str, metadata: dict[str, str]) -> Upload:
@@ -289,43 +395,45 @@ class PartSender:
             return self.store.create_multipart(key, {**metadata, "ckptfs-upload": journal_id})
 
         try:
-            upload_id = await self._call(key, create)
+            upload_id = await self.calls.call(key, create)
         except BaseException:
             del self.creating[journal_id]
             # Cancelled or failed mid-call: the store may have created it anyway.
-            self.nursery.start_soon(self._sweep, key, journal_id)
+            self.nursery.start_soon(self.sweep, key, journal_id)
             raise
         del self.creating[journal_id]
         upload = Upload(key, upload_id, journal_id)
         self.uploads[journal_id] = upload
         self.journal.multipart_started(journal_id, key, upload_id)
         if attempts > 1:  # an earlier attempt may have created one whose answer was lost
-            await self._sweep(key)
+            await self.sweep(key)
         return upload
 
     async def _is_complete(self, upload: Upload) -> bool:
-        info = await self._call(upload.key, self.store.head, upload.key)
+        info = await self.calls.call(upload.key, self.store.head, upload.key)
         return info is not None and info.metadata.get("ckptfs-upload") == upload.journal_id
 
-    async def _sweep(self, key: str, journal_id: str | None = None) -> None:
+    async def sweep(self, key: str, journal_id: str | None = None) -> None:
         """Abort the uploads under ``key`` that nobody here knows (created, answer never heard)."""
         while key in self.creating.values():  # let creates in flight record their ids first
             await trio.sleep(0.05)
         try:
-            found = await self._call(key, self.store.list_multipart, key, attempts=5)
+            found = await self.calls.call(key, self.store.list_multipart, key, attempts=5)
         except StoreError as exc:
             log.warning("could not list multipart uploads of %s: %s", key, exc)
             return
         known = {u.upload_id for u in self.uploads.values()}
         for found_key, upload_id in found:
             if found_key == key and upload_id not in known:
-                await self._abort(Upload(key, upload_id, ""))
+                await self.abort(Upload(key, upload_id, ""))
         if journal_id:
             self.journal.multipart_ended(journal_id)
 
-    async def _abort(self, upload: Upload) -> None:
+    async def abort(self, upload: Upload) -> None:
         try:
-            await self._call(upload.key, self.store.abort_multipart, upload.key, upload.upload_id, attempts=5)
+            await self.calls.call(
+                upload.key, self.store.abort_multipart, upload.key, upload.upload_id, attempts=5
+            )
         except StoreError as exc:
             log.warning("could not abort multipart upload of %s: %s", upload.key, exc)
             return

@@ -1,6 +1,7 @@
 """The uploader's records: a pending op's progress (``Task``), a multipart upload (``Upload``),
 the parts of a file still open for writing (``Stream``), the part size for a file, and the
-reused request bodies of parts (``PartBuffers``). Plain state; ``uploader.Uploader`` acts on it.
+reused request bodies of parts (``PartBuffers``). Plain state; ``uploader.Uploader`` and its
+``PartSender`` and ``Encoder`` act on it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ Every store call runs in a thread and is retried with jittered exponential
 backoff; permanent errors are retried too (slowly), because the data must never
 leave the cache before it is in the store. Errors are kept for ``status``.
 
+The work is split among collaborators the uploader builds and holds: ``StoreCalls``
+(store_calls.py: threads, retries, errors, health), shared by the ``PartSender``
+(upload_parts.py: a put's data, its parts and streams, multipart uploads) and the
+``Encoder`` (upload_encoding.py: one-PUT objects, compressed frames, manifests). Each is
+handed what it uses when built; none calls back into the uploader.
+
 Multipart uploads are journaled before they are created (an intent without an id),
 so no crash or lost answer leaks one: an intent whose id never arrived makes the
 uploader sweep that key's unknown uploads away.
@@ -31,14 +37,13 @@ retargeted: the namespace then follows with a compensating op (delete or move).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
 import trio
 
-from ckptfs.blocks import BlockRef, content_xxh3
+from ckptfs.blocks import BlockRef
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
@@ -46,24 +51,20 @@ from ckptfs.errors import NotFound
 from ckptfs.objects import compression, integrity
 from ckptfs.store.base import ObjectStore
 from ckptfs.store.health import StoreHealth
-from ckptfs.transfer import retry
-
-# (the records and the two halves of the work: importable from here as before)
-from ckptfs.transfer.upload_encoding import ObjectEncoding
+from ckptfs.transfer.store_calls import StoreCalls
+from ckptfs.transfer.upload_encoding import Encoder
 from ckptfs.transfer.upload_parts import PartSender
-from ckptfs.transfer.upload_tasks import PartBuffers, Stream, Task, Upload, part_size_for
-from ckptfs.util.background import BackgroundThreads, Gate
-from ckptfs.util.stats import LATENCY_BUCKETS, Histogram, RateMeter
-
-__all__ = ["PartBuffers", "Stream", "Task", "Upload", "Uploader", "part_size_for"]
+from ckptfs.transfer.upload_tasks import Stream, Task, Upload, part_size_for
+from ckptfs.util.background import BackgroundThreads
+from ckptfs.util.stats import Histogram, RateMeter
 
 log = logging.getLogger(__name__)
 
 
-class Uploader(PartSender, ObjectEncoding):
-    """The op queue, its publication in commit order, retries and figures. The data path before
-    publication is ``PartSender``'s (upload_parts.py), how objects are encoded ``ObjectEncoding``'s
-    (upload_encoding.py); they share the state set up here."""
+class Uploader:
+    """The op queue, its publication in commit order, journal compaction and figures. A put's
+    data before and at publication is its ``PartSender``'s (``sender``), how objects are encoded
+    its ``Encoder``'s (``encoder``); both make their store calls through ``calls``."""
 
     def __init__(
         self,
@@ -73,53 +74,82 @@ class Uploader(PartSender, ObjectEncoding):
         part_size: int,
         concurrency: int,
         compress_level: int | None = None,
+        health: StoreHealth | None = None,
+        retained_ops: Callable[[], list[Op]] = list,
     ):
         self.store = store
-        # --compress: parts go up as zstd frames (compression.py), compressed in the store threads
-        self.codec = compression.Codec(compress_level) if compress_level else None
-        self.governor = compression.Governor(behind=lambda: cache.waiters > 0)
-        # Bytes the store received for file data (compressed size where compressed; uploaded_bytes
-        # counts the files' own bytes). Frames are counted from store threads: under a lock.
-        self.stored_bytes = 0
-        self._stored_lock = threading.Lock()
-        self._marked = False  # compression.MARKER_KEY is in the store
-        self._zero_frames: dict[int, tuple[bytes, int]] = {}  # a hole part's frame, by length (--compress)
         self.cache = cache
         self.journal = journal
         self.part_size = part_size
+        # (the daemon shares one StoreHealth with the fetcher and the namespace)
+        health = health if health is not None else StoreHealth()
+        self.calls = StoreCalls(store, BackgroundThreads(concurrency + 2, "ckptfs-store"), health)
+        hash_threads = trio.CapacityLimiter(2)
+        self.encoder = Encoder(
+            self.calls,
+            part_size,
+            hash_threads,
+            # --compress: parts go up as zstd frames (compression.py), compressed in the store threads
+            compression.Codec(compress_level) if compress_level else None,
+            compression.Governor(behind=lambda: cache.waiters > 0),
+        )
+        self.sender = PartSender(
+            self.calls, self.encoder, cache, journal, part_size, concurrency, hash_threads
+        )
         self.pending: dict[int, Task] = {}  # by seq; insertion order is sequence order
-        self.streams: set[Stream] = set()
-        self.uploads: dict[str, Upload] = {}  # live multipart uploads by journal id
-        self.creating: dict[str, str] = {}  # journal id -> key, while CreateMultipartUpload runs
-        self.part_slots = trio.Semaphore(concurrency)
-        self.part_buffers = PartBuffers(part_size, concurrency)
-        self.store_threads = BackgroundThreads(concurrency + 2, "ckptfs-store")
-        self.cache_gate = Gate("the cache")  # store threads copy parts out of the cache through it
-        self.health = StoreHealth()  # the daemon shares one with the fetcher and the namespace
-        self.hash_threads = trio.CapacityLimiter(2)
         self.progress = trio.Event()  # set (and replaced) whenever an op is done
         self.new_work = trio.Event()
-        self.errors: deque[dict] = deque(maxlen=20)
-        self._logged_errors: set[tuple[str, str]] = set()
-        self._uploaded_bytes = 0
-        self.upload_rate = RateMeter()  # recent bytes/s, fed by uploaded_bytes
-        self.streamed_bytes = 0
         self.committed_bytes = 0  # put ops submitted (commits, and those resumed at mount)
-        self.retries = 0  # failed store calls retried
-        self.call_latency = Histogram(LATENCY_BUCKETS)  # each store call attempt, failed ones too
         self.clear_since = time.monotonic()  # the last moment nothing committed was pending
         self.durable_files = 0
         self.nursery: trio.Nursery | None = None
-        self.retained_ops: Callable[[], list[Op]] = list  # ops the journal keeps besides pending ones
+        self.retained_ops = retained_ops  # ops the journal keeps besides pending ones
+
+    # -- the collaborators' state, under the names status and the daemon use ---------------------
+    @property
+    def health(self) -> StoreHealth:
+        return self.calls.health
+
+    @health.setter
+    def health(self, health: StoreHealth) -> None:
+        self.calls.health = health
+
+    @property
+    def codec(self) -> compression.Codec | None:
+        """--compress's codec, the encoder's (None: parts go up as they are)."""
+        return self.encoder.codec
+
+    @codec.setter
+    def codec(self, codec: compression.Codec | None) -> None:
+        self.encoder.codec = codec
+
+    @property
+    def retries(self) -> int:
+        return self.calls.retries
+
+    @property
+    def errors(self) -> deque[dict]:
+        return self.calls.errors
+
+    @property
+    def call_latency(self) -> Histogram:
+        return self.calls.call_latency
+
+    @property
+    def part_slots(self) -> trio.Semaphore:
+        return self.sender.part_slots
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.encoder.stored_bytes
+
+    @property
+    def upload_rate(self) -> RateMeter:
+        return self.sender.upload_rate
 
     @property
     def uploaded_bytes(self) -> int:
-        return self._uploaded_bytes
-
-    @uploaded_bytes.setter
-    def uploaded_bytes(self, value: int) -> None:
-        self.upload_rate.add(value - self._uploaded_bytes)
-        self._uploaded_bytes = value
+        return self.sender.uploaded_bytes
 
     # -- called by the namespace (no awaits) -----------------------------------------
     def submit(
@@ -135,14 +165,14 @@ class Uploader(PartSender, ObjectEncoding):
         task.stream, task.stamps = stream, stamps or []
         if op.upload:  # parts evicted from the cache live in this upload: it must be the one
             task.part_size = self.part_size
-            self.uploads[op.upload[2]] = Upload(*op.upload)
+            self.sender.uploads[op.upload[2]] = Upload(*op.upload)
         if not self.pending:
             self.clear_since = time.monotonic()
         self.pending[op.seq] = task
         if op.kind == PUT:
             self.committed_bytes += op.size
             task.preparing = True
-            self.nursery.start_soon(self._prepare, task)
+            self.nursery.start_soon(self.sender.prepare, task)
         else:
             task.ready.set()
         self.new_work.set()
@@ -162,9 +192,9 @@ class Uploader(PartSender, ObjectEncoding):
             task.content.orphaned = True  # its evicted parts go with the upload
         if not task.preparing:  # otherwise the preparation task cleans up once its threads are done
             if task.upload is not None:
-                self.nursery.start_soon(self._abort, task.upload)
+                self.nursery.start_soon(self.sender.abort, task.upload)
                 task.upload = None
-            self._finish(task)
+            self.sender.finish(task)
         self._signal_progress()
         return True
 
@@ -181,27 +211,15 @@ class Uploader(PartSender, ObjectEncoding):
         return True
 
     def open_stream(self, key: str) -> Stream:
-        stream = Stream(key)
-        self.streams.add(stream)
-        return stream
+        return self.sender.open_stream(key)
 
     def stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
         """Send a full block of a file still being written as part ``index + 1``."""
-        if stream.closed or index in stream.sending or index >= self.store.limits.max_parts:
-            return  # (a block already on its way: the commit re-sends it if it changed since)
-        self.cache.incref(ref)  # the bytes stay put while they travel; a write copies the block
-        stream.sending.add(index)
-        if stream.idle.is_set():
-            stream.idle = trio.Event()
-        self.nursery.start_soon(self._stream_part, stream, index, ref, stamp)
+        self.sender.stream_part(stream, index, ref, stamp)
 
     def abandon(self, stream: Stream) -> None:
         """The file was closed without a commit (or unlinked): abort its upload."""
-        if stream.abandoned:
-            return
-        stream.closed = True
-        stream.cancel()
-        self.nursery.start_soon(self._close_stream, stream)
+        self.sender.abandon(stream)
 
     # -- queries ------------------------------------------------------------------------
     def pending_bytes(self, up_to: int | None = None) -> int:
@@ -214,7 +232,7 @@ class Uploader(PartSender, ObjectEncoding):
     def holds_cache(self) -> bool:
         """Whether a pending upload still holds cache blocks (its end will free some)."""
         return any(t.content is not None for t in self.pending.values()) or any(
-            s.sending for s in self.streams
+            s.sending for s in self.sender.streams
         )
 
     def pending_count(self, up_to: int | None = None) -> int:
@@ -250,29 +268,14 @@ class Uploader(PartSender, ObjectEncoding):
         self, open_uploads: list[tuple[str, str, str | None]] = (), *, task_status=trio.TASK_STATUS_IGNORED
     ) -> None:
         async with trio.open_nursery() as nursery:
-            self.nursery = nursery
+            self.nursery = self.sender.nursery = nursery
             for journal_id, key, upload_id in open_uploads:  # left open by a dead daemon: start over
                 if upload_id is None:  # it died while creating one: find it by its key
-                    nursery.start_soon(self._sweep, key, journal_id)
+                    nursery.start_soon(self.sender.sweep, key, journal_id)
                 else:
-                    nursery.start_soon(self._abort, Upload(key, upload_id, journal_id))
+                    nursery.start_soon(self.sender.abort, Upload(key, upload_id, journal_id))
             nursery.start_soon(self._publisher)
             task_status.started()
-
-    async def _until_done(self, task: Task, step) -> None:
-        """Run ``step(task)``, retrying after unexpected errors: a bug or a cache read
-        failure must not stop the uploader, nor lose the data (it stays in the cache)."""
-
-        def failed(exc: BaseException) -> None:
-            log.error(
-                "upload of %s failed unexpectedly; retrying in %g s",
-                task.op.key,
-                retry.AFTER_BUG.interval_s,
-                exc_info=exc,
-            )
-            self._record_error(task.op.key, exc)
-
-        return await retry.call(lambda: retry.AFTER_BUG.retrying(failed), lambda: step(task))
 
     async def _publisher(self) -> None:
         while True:
@@ -285,7 +288,7 @@ class Uploader(PartSender, ObjectEncoding):
             if task.cancelled or self.pending.get(seq) is not task:
                 continue
             task.publishing = True
-            await self._until_done(task, self._publish)
+            await self.calls.until_done(task, self._publish)
             del self.pending[seq]
             self.journal.done(seq)
             if self.journal.should_compact():
@@ -293,7 +296,7 @@ class Uploader(PartSender, ObjectEncoding):
             if task.op.kind == PUT:
                 self.durable_files += 1
             callback = task.on_durable
-            self._finish(task)
+            self.sender.finish(task)
             if callback is not None:
                 callback(task.op)
             self._signal_progress()
@@ -301,96 +304,55 @@ class Uploader(PartSender, ObjectEncoding):
     async def _publish(self, task: Task) -> None:
         op = task.op
         if op.kind == PUT:
-            replaced = await self._replaced_manifest(task)
+            replaced = await self.encoder.replaced_manifest(task)
             if task.multipart:
-                await self._publish_multipart(task)
+                await self.sender.publish_multipart(task)
             else:
-                await self._publish_one(task)
+                await self.sender.publish_one(task)
             if replaced:  # the object it replaced is gone: so is the need for its manifest
-                await self._drop_manifest(op.key, replaced)
+                await self.encoder.drop_manifest(op.key, replaced)
         elif op.kind == DELETE:
             # A multipart object's manifest goes with it (after it: never an object without one).
-            info = None if op.small else await self._call(op.key, self.store.head, op.key)
-            await self._call(op.key, self.store.delete, op.key)
+            info = None if op.small else await self.calls.call(op.key, self.store.head, op.key)
+            await self.calls.call(op.key, self.store.delete, op.key)
             upload_id = info.metadata.get(integrity.UPLOAD_META) if info is not None else None
             if upload_id and info.metadata.get(integrity.MANIFEST_META):
-                await self._drop_manifest(op.key, upload_id)
+                await self.encoder.drop_manifest(op.key, upload_id)
         elif op.kind == MKDIR:
-            await self._call(op.key, self.store.put, op.key, b"", dict(op.meta))
+            await self.calls.call(op.key, self.store.put, op.key, b"", dict(op.meta))
         elif op.kind == ATTR:
             try:
-                await self._call(op.key, self.store.set_metadata, op.key, op.meta)
+                await self.calls.call(op.key, self.store.set_metadata, op.key, op.meta)
             except NotFound:
                 log.info("attributes of %s: no longer in the store", op.key)
         elif op.kind == MOVE:
             try:
-                await self._call(op.key, self.store.copy, op.src, op.key)
+                await self.calls.call(op.key, self.store.copy, op.src, op.key)
             except NotFound:
                 # Replayed after a crash between copy and delete, or the source is gone.
-                if await self._call(op.key, self.store.head, op.key) is None:
+                if await self.calls.call(op.key, self.store.head, op.key) is None:
                     log.warning("move %s -> %s: the source is not in the store", op.src, op.key)
-            await self._call(op.src, self.store.delete, op.src)
+            await self.calls.call(op.src, self.store.delete, op.src)
 
     # -- shutdown ----------------------------------------------------------------------------
     def abandon_calls(self) -> None:
         """Shutdown begins: store calls in flight are no longer waited for (see background.py).
         Safe because every store call is idempotent or journaled before it is made (a multipart
         intent, a pending op): what an abandoned call does or not, the next mount redoes or sweeps."""
-        self.store_threads.abandon()
+        self.calls.threads.abandon()
 
     def close(self) -> None:
         """Shutdown ends (the trio loop is gone): abandoned calls may no longer read the cache,
         which is closed next. (They never touch the journal: only the trio loop writes it.)"""
-        self.cache_gate.close()
-
-    def _from_cache(self, read, *args) -> None:
-        """A copy out of the cache from a store thread, refused once shutdown closed the cache."""
-        with self.cache_gate.use():
-            read(*args)
+        self.sender.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _finish(self, task: Task) -> None:
-        if task.content is not None:
-            task.content.release()
-            task.content = None
-        if task.stream is not None:  # never adopted (cancelled first)
-            self.abandon(task.stream)
-            task.stream = None
-
     def _signal_progress(self) -> None:
         self.progress.set()
         self.progress = trio.Event()
 
     def _compact(self) -> None:
-        open_uploads = [(u.journal_id, u.key, u.upload_id) for u in self.uploads.values()]
-        open_uploads += [(i, key, None) for i, key in self.creating.items()]
+        open_uploads = [(u.journal_id, u.key, u.upload_id) for u in self.sender.uploads.values()]
+        open_uploads += [(i, key, None) for i, key in self.sender.creating.items()]
         ops = [t.op for t in self.pending.values()] + self.retained_ops()
         self.journal.compact(sorted(ops, key=lambda op: op.seq), open_uploads)
-
-    async def _call(self, key: str, fn, *args, attempts: int | None = None):
-        """Run a blocking store call in a thread, retrying failures with backoff (retry.publishing)."""
-
-        async def once():
-            started = time.monotonic()
-            try:
-                result = await self.store_threads.run(fn, *args)
-            finally:
-                self.call_latency.observe(time.monotonic() - started)
-            self.health.answered()
-            return result
-
-        return await retry.call(
-            lambda: retry.publishing(lambda exc: self._record_error(key, exc), attempts), once
-        )
-
-    def _record_error(self, key: str, exc: BaseException) -> None:
-        message = str(exc)
-        self.retries += 1
-        self.errors.append({"time": time.time(), "key": key, "message": message})
-        self.health.failed("", key, message)
-        if (key, message) not in self._logged_errors:  # once per key and reason, not per retry
-            self._logged_errors.add((key, message))
-            log.error("store error on %s (will retry): %s", key, message)
-
-    def _hash(self, content: Content) -> str:
-        return content_xxh3(self.cache.view, content.size, content.blocks, self.cache.block_size)
