@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import trio
 
 from ckptfs.config import MountConfig
 from ckptfs.daemon.wiring import build_core
-from ckptfs.model.policy import CachePolicy
+from ckptfs.model.policy import CheckpointEvictionPolicy
 from ckptfs.model.tree import ROOT_INODE
 from ckptfs.store.local import LocalStore
+
+pytestmark = pytest.mark.unit
 
 BS = 64 << 10
 
@@ -36,8 +39,16 @@ def test_the_parts_share_one_policy_one_health_and_the_configured_timeouts(tmp_p
     store.check()
     core = build_core(config(tmp_path), store, tmp_path / "cache", tmp_path / "ram", check_ram_room=False)
     try:
-        assert isinstance(core.cache.policy, CachePolicy) and core.cache.policy is core.namespace.policy
-        assert core.namespace.policy.cache is core.cache and core.namespace.policy.uploader is core.uploader
+        policy, retention = core.namespace.policy, core.namespace.retention
+        assert isinstance(policy, CheckpointEvictionPolicy) and core.cache.policy is policy
+        assert (
+            retention.policy is policy
+            and retention.cache is core.cache
+            and retention.uploader is core.uploader
+        )
+        assert policy.tree is core.namespace.tree and policy.block_size == core.cache.block_size
+        assert policy.releases_pending() == core.uploader.holds_cache()  # (asks the uploader)
+        assert core.namespace.commits.retention is retention and core.namespace.prefill.kernel is None
         assert core.uploader.health is core.fetcher.health is core.namespace.health is core.health
         assert core.namespace.refresher.health is core.health
         assert (core.cache.write_timeout, core.fetcher.read_timeout, core.namespace.list_ttl) == (
@@ -46,6 +57,7 @@ def test_the_parts_share_one_policy_one_health_and_the_configured_timeouts(tmp_p
             0.0,
         )
         assert core.uploader.retained_ops() == []  # (the namespace's shadows: none yet)
+        assert core.uploader.retained_ops == core.namespace.commits.shadows.retained_ops
     finally:
         core.close()
 

@@ -1,11 +1,11 @@
 """prefill.py on its own: which versions are pushed into the page cache, in what order, and when not.
 
-The daemon hands Prefill three hooks (pyfuse3's notify_store and invalidate_inode, a stat through
-the mount); here they record what they are asked, so the rules are checked without a kernel:
-the invalidate and the stat come before the first page, every cached block is pushed exactly
-once at its offset, a file that is open waits for its last close, and a push stops at the first
-change (a newer version, an unlink, the kernel forgetting the inode). test_prefill.py checks the
-real page cache through a mount.
+The daemon hands Prefill its kernel's caches (a ``KernelCache``: pyfuse3's notify_store and
+invalidate_inode, a stat through the mount); here a stand-in records what it is asked, so the
+rules are checked without a kernel: the invalidate and the stat come before the first page,
+every cached block is pushed exactly once at its offset, a file that is open waits for its last
+close, and a push stops at the first change (a newer version, an unlink, the kernel forgetting
+the inode). test_prefill.py checks the real page cache through a mount.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import trio
 
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
-from ckptfs.model.prefill import Prefill
+from ckptfs.model.prefill import KernelCache, Prefill
 from ckptfs.model.tree import Node, Version
 from tests.support.harness import trio_test
+
+pytestmark = pytest.mark.unit
 
 BS = 64 << 10
 
 
-class Kernel:
+class Kernel(KernelCache):
     """Records what the prefill asks of the kernel, in order."""
 
     def __init__(self, fail_at_offset: int | None = None):
@@ -39,15 +41,14 @@ class Kernel:
         self.calls.append(("store", ino, offset))
         self.pages[offset] = bytes(view)
 
-    def invalidate(self, ino) -> None:
+    def invalidate_inode(self, ino) -> None:
         self.calls.append(("invalidate", ino))
 
     def stat(self, key) -> None:
         self.calls.append(("stat", key))
 
-    def attach(self, prefill: Prefill) -> Prefill:
-        prefill.store_pages, prefill.invalidate, prefill.stat = self.store_pages, self.invalidate, self.stat
-        return prefill
+    def forget_name(self, parent_ino, name) -> None:
+        self.calls.append(("forget", parent_ino, name))
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ async def test_a_closed_file_is_pushed_whole_after_the_kernel_drops_its_pages(ca
     data = random.Random(1).randbytes(3 * BS + 500)
     node, version = cached_file(cache, data, evicted=(1,))
     kernel = Kernel()
-    prefill = kernel.attach(Prefill(busy=lambda: False))
+    prefill = Prefill(busy=lambda: False, kernel=kernel)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(prefill.run)
@@ -108,7 +109,7 @@ async def test_an_open_file_waits_for_its_last_close(cache):
     node, version = cached_file(cache, b"x" * BS)
     node.handles = 1
     kernel = Kernel()
-    prefill = kernel.attach(Prefill(busy=lambda: False))
+    prefill = Prefill(busy=lambda: False, kernel=kernel)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(prefill.run)
@@ -132,7 +133,7 @@ async def test_nothing_is_pushed_while_the_machine_is_busy(cache):
         state["asked"] += 1
         return state["busy"]
 
-    prefill = kernel.attach(Prefill(busy=busy))
+    prefill = Prefill(busy=busy, kernel=kernel)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(prefill.run)
@@ -155,7 +156,7 @@ async def test_a_version_no_longer_current_is_not_pushed(cache, change):
     else:
         node.nlookup = 0
     kernel = Kernel()
-    prefill = kernel.attach(Prefill(busy=lambda: False))
+    prefill = Prefill(busy=lambda: False, kernel=kernel)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(prefill.run)
@@ -170,7 +171,7 @@ async def test_the_kernel_refusing_a_page_stops_the_push(cache):
     data = random.Random(2).randbytes(3 * BS)
     node, version = cached_file(cache, data)
     kernel = Kernel(fail_at_offset=BS)
-    prefill = kernel.attach(Prefill(busy=lambda: False))
+    prefill = Prefill(busy=lambda: False, kernel=kernel)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(prefill.run)
@@ -186,13 +187,13 @@ async def test_the_newest_request_goes_first_and_prefill_off_queues_nothing(cach
     off = Prefill(busy=lambda: False)
     node, version = cached_file(cache, b"a" * BS)
     off.want(node, version)
-    assert off.queued_files == 0  # no hooks: the daemon runs without prefill
+    assert off.queued_files == 0  # no kernel: the daemon runs without prefill
 
     older, older_version = node, version
     newer, newer_version = cached_file(cache, b"b" * BS)
     newer.ino = 3
     kernel = Kernel()
-    prefill = kernel.attach(Prefill(busy=lambda: False))
+    prefill = Prefill(busy=lambda: False, kernel=kernel)
     prefill.want(older, older_version)
     prefill.want(newer, newer_version)
 

@@ -26,7 +26,6 @@ from ckptfs.admin.series import Decision, Entry, Series, Step, analyse, plan_gc
 from ckptfs.admin.target import Target, resolve, sub_path
 from ckptfs.config import ckptfs_mounts
 from ckptfs.control import client
-from ckptfs.daemon.catalog_handler import describe
 from ckptfs.errors import CkptfsError, StoreError
 from ckptfs.objects import compression, integrity
 from ckptfs.objects.logical_store import LogicalStore
@@ -35,6 +34,16 @@ from ckptfs.store.base import RESERVED_PREFIX, ObjectStore
 CATALOG_TIMEOUT_S = 300.0  # a catalog of a very large mount (HEADs for checksums) may take a while
 LOOKUP_THREADS = 16  # HEADs / manifest GETs in flight on a store URL
 DELETE_THREADS = 32  # deletes in flight (a 1,000-file step must not take minutes)
+
+
+def describe(verified: bool, xxh3: str, parts: int = 0) -> str:
+    """How `ckptfs ls` shows a recorded checksum (of a store URL's files, and the daemon's
+    ``catalog`` of a mount's)."""
+    if not verified:
+        return "unverified"
+    if xxh3:
+        return f"xxh3:{xxh3}"
+    return f"xxh3 per part ({parts} parts)" if parts else "xxh3 per part"
 
 
 @dataclass

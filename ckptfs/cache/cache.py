@@ -31,52 +31,49 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol
 
 import humanfriendly
 import trio
 
 from ckptfs.blocks import BlockRef, block_length, n_blocks
-
-# (the arenas, and the contents made of their blocks, are importable from here as before)
-from ckptfs.cache.arena import DISK, MAX_DISK_ARENA, PAGE, RAM, TIER_NAMES, Tier, in_pages
-from ckptfs.cache.contents import Content, StagedFile
+from ckptfs.cache.arena import DISK, RAM, TIER_NAMES, Tier, in_pages
+from ckptfs.cache.contents import Content
 from ckptfs.util import private_files
-
-__all__ = [
-    "BlockRef",
-    "Cache",
-    "CachePolicy",
-    "Content",
-    "DISK",
-    "MAX_DISK_ARENA",
-    "PAGE",
-    "RAM",
-    "StagedFile",
-    "TIER_NAMES",
-    "Tier",
-    "block_length",
-    "in_pages",
-]
 
 log = logging.getLogger(__name__)
 
 
-class CachePolicy:
-    """What the cache asks of the model (ckptfs/model/policy.py implements it); this default,
-    for a cache on its own: nothing pinned, nothing to reclaim, uploads may free space."""
+class EvictionPolicy(Protocol):
+    """What the cache asks of whoever knows what its blocks are for (the model:
+    ckptfs/model/policy.py ``CheckpointEvictionPolicy``)."""
 
     def pinned(self, owner: object) -> bool:
         """Whether ``owner``'s clean data goes last (the latest checkpoint)."""
-        return False
+        ...
 
     def reclaim(self) -> bool:
         """Free one block of a file still being written whose part is already uploaded; False
         when there is none."""
-        return False
+        ...
 
     def releases_pending(self) -> bool:
         """Whether some holder of blocks will let go of them by itself (an upload in progress).
         When none will, a writer waiting for space would wait forever: it gets ENOSPC instead."""
+        ...
+
+
+class NoEviction(EvictionPolicy):
+    """The policy of a cache on its own: nothing pinned, nothing to reclaim, and a writer
+    waiting for space waits (someone may yet free some)."""
+
+    def pinned(self, owner: object) -> bool:
+        return False
+
+    def reclaim(self) -> bool:
+        return False
+
+    def releases_pending(self) -> bool:
         return True
 
 
@@ -90,7 +87,7 @@ class Cache:
         block_size: int,
         ram_budget: int,
         disk_budget: int,
-        policy: CachePolicy | None = None,
+        policy: EvictionPolicy | None = None,
         write_timeout: float | None = None,
     ):
         self.block_size = block_size
@@ -113,7 +110,7 @@ class Cache:
         self._freed_at = 0.0  # time.monotonic() of the last block given back
         # What only the model knows (model/policy.py): which clean data goes last, blocks of
         # files being written that may go, whether a waiting writer can expect space.
-        self.policy: CachePolicy = policy or CachePolicy()
+        self.policy: EvictionPolicy = policy or NoEviction()
         self.populate_ahead = 0  # free RAM slots to keep touched (the largest save so far)
         self._populate_wanted = trio.Event()
         for tier in self.tiers:

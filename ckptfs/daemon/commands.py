@@ -1,6 +1,6 @@
-"""The control commands a mount's daemon answers (status, sync, warmup, verify, umount) and
-the live figures behind ``ckptfs status`` and the metrics: questions to the parts, on the trio
-loop, never through the mount."""
+"""The control commands a mount's daemon answers (status, sync, warmup, verify, catalog, umount)
+and the live figures behind ``ckptfs status`` and the metrics: questions to the parts, on the
+trio loop, never through the mount."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import time
 import humanfriendly
 import trio
 
-from ckptfs.admin import verify
+from ckptfs.admin import catalog, verify
 from ckptfs.config import VERIFY_JOBS, MountConfig
 from ckptfs.daemon.wiring import Core
 from ckptfs.errors import CkptfsError, FsError, StoreError, TimedOut
 from ckptfs.store.health import describe
 
 PROGRESS_INTERVAL_S = 0.5
+CHECKSUM_LOOKUPS = 16  # catalog: HEADs (and manifest GETs) in flight for checksums=true
+YIELD_EVERY = 2000  # catalog: nodes walked between yields to the FUSE loop (a huge tree must not stall it)
 
 
 class Commands:
@@ -45,6 +47,7 @@ class Commands:
             "sync": self.sync,
             "warmup": self.warmup,
             "verify": self.verify,
+            "catalog": self.catalog,
             "umount": self.umount,
         }
 
@@ -195,6 +198,62 @@ class Commands:
             return await verify.run(self.store, paths, progress, jobs)
         except StoreError as exc:
             raise CkptfsError(str(exc)) from None
+
+    async def catalog(self, request: dict, progress) -> dict:
+        """The files at or under a path on the mount with their size, time and state (the
+        ``user.ckptfs.state`` of each), and their recorded checksums if asked: what `ckptfs ls`,
+        `ckptfs checkpoints` and `ckptfs gc` read on a mountpoint."""
+        namespace = self.namespace
+        path = str(request.get("path") or "")
+        parts = [p for p in path.split("/") if p and p != "."]
+        await namespace.refresh_paths(["/".join(parts)] if parts else [])  # what other mounts published
+        node = namespace.root
+        for part in parts:  # the tree, not the kernel: never stat()s through our own mount
+            child = node.children.get(part) if node.is_dir else None
+            if child is None:
+                raise CkptfsError(f"no such file or directory on the mount: {path}")
+            node = child
+        entries, files = [], []
+        for count, n in enumerate(node.walk(), 1):
+            if count % YIELD_EVERY == 0:
+                await trio.lowlevel.checkpoint()  # (walk copies each child list: changes meanwhile are safe)
+            if n is namespace.root or n.unlinked:
+                continue
+            entry = {
+                "path": n.key().rstrip("/"),
+                "dir": n.is_dir,
+                "size": n.size(),
+                "mtime": n.mtime_ns / 1e9,
+            }
+            if not n.is_dir:
+                try:
+                    entry["state"] = namespace.state(n.ino)
+                except FsError:
+                    continue  # forgotten while we yielded
+                files.append((n.ino, entry))
+            entries.append(entry)
+        if request.get("checksums"):
+            await self._checksums(files)
+        return {"entries": entries}
+
+    async def _checksums(self, files: list[tuple[int, dict]]) -> None:
+        limiter = trio.CapacityLimiter(CHECKSUM_LOOKUPS)
+
+        async def one(ino: int, entry: dict) -> None:
+            if entry["state"] != "durable":
+                entry["checksum"] = "-"
+                return
+            async with limiter:
+                try:
+                    verified, xxh3 = await self.namespace.verification(ino)
+                except (FsError, KeyError) as e:  # the store does not answer; or the file went meanwhile
+                    entry["checksum"] = f"unknown ({e})" if isinstance(e, FsError) else "-"
+                    return
+            entry["checksum"] = catalog.describe(verified == "yes", xxh3)
+
+        async with trio.open_nursery() as nursery:
+            for ino, entry in files:
+                nursery.start_soon(one, ino, entry)
 
     async def umount(self, request: dict, progress) -> dict:
         if request.get("wait", True):

@@ -1,4 +1,4 @@
-"""The daemon: the mountpoint and cache dir checks, the store, the parts (``core.build_core``:
+"""The daemon: the mountpoint and cache dir checks, the store, the parts (``wiring.build_core``:
 the wiring and the start-up order crash recovery needs), the FUSE loop, the control commands
 and the workers in one trio nursery, signals and a clean shutdown.
 """
@@ -6,7 +6,6 @@ and the workers in one trio nursery, signals and a clean shutdown.
 from __future__ import annotations
 
 import fcntl
-import functools
 import logging
 import os
 import shutil
@@ -24,12 +23,12 @@ from ckptfs.cache.arena import RAM
 from ckptfs.cache.journal import Journal
 from ckptfs.config import MountConfig, control_socket_path, mount_table
 from ckptfs.control.server import ControlServer
-from ckptfs.daemon import catalog_handler
 from ckptfs.daemon.commands import Commands
 from ckptfs.daemon.mount_paths import check_mount_paths, prepare_mountpoint
 from ckptfs.daemon.wiring import CLEAN_INDEX, build_core
 from ckptfs.errors import MountError, StoreError
 from ckptfs.fuse.ops import Operations
+from ckptfs.model.prefill import KernelCache
 from ckptfs.objects import integrity
 from ckptfs.objects.logical_store import LogicalStore
 from ckptfs.store import open_store
@@ -119,6 +118,26 @@ def _sweep_ram_dirs(shm_dir: Path) -> None:
             shutil.rmtree(ram_dir, ignore_errors=True)
 
 
+class FuseKernelCache(KernelCache):
+    """The kernel's caches through pyfuse3 (only the FUSE glue imports it). Asked only once the
+    FUSE channel is open: the pushes and refreshes that call it start after ``pyfuse3.init``."""
+
+    def __init__(self, mountpoint: str):
+        self.mountpoint = mountpoint
+
+    def store_pages(self, ino: int, offset: int, data) -> None:
+        pyfuse3.notify_store(ino, offset, data)
+
+    def invalidate_inode(self, ino: int) -> None:
+        pyfuse3.invalidate_inode(ino)
+
+    def stat(self, key: str) -> os.stat_result:
+        return os.stat(os.path.join(self.mountpoint, key))
+
+    def forget_name(self, parent_ino: int, name: str) -> None:
+        pyfuse3.invalidate_entry_async(parent_ino, os.fsencode(name), ignore_enoent=True)
+
+
 class Daemon:
     def __init__(self, config: MountConfig):
         self.config = config
@@ -167,6 +186,7 @@ class Daemon:
             self.cache_dir,
             self.ram_dir,
             root=(covered.st_mode, covered.st_uid, covered.st_gid),
+            kernel=FuseKernelCache(self.mountpoint),
         )
         core = self.core
         self.health, self.cache, self.journal = core.health, core.cache, core.journal
@@ -293,23 +313,10 @@ class Daemon:
         self.trio_token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             await self.core.start(nursery)
-            # The kernel hooks, once the FUSE channel is open (only this module imports pyfuse3).
-            prefill = self.namespace.prefill
-            prefill.store_pages, prefill.invalidate = pyfuse3.notify_store, pyfuse3.invalidate_inode
-            prefill.stat = lambda key: os.stat(os.path.join(self.mountpoint, key))
-            self.namespace.forget_name = lambda parent_ino, name: pyfuse3.invalidate_entry_async(
-                parent_ino, os.fsencode(name), ignore_enoent=True
-            )
-            await nursery.start(prefill.run)
+            await nursery.start(self.namespace.prefill.run)
             await nursery.start(self.cache.run_populate, BackgroundThreads(1, "ckptfs-populate"))
             self.core.load(listing)
-            server = ControlServer(
-                control_socket_path(self.mountpoint),
-                {
-                    **self.commands.handlers(),
-                    "catalog": functools.partial(catalog_handler.handle, self.namespace),
-                },
-            )
+            server = ControlServer(control_socket_path(self.mountpoint), self.commands.handlers())
             await nursery.start(server.serve)
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._when_serving, on_ready)

@@ -1,19 +1,28 @@
-"""The mount's parts, built and wired in one place: ``build_core`` (used by the daemon and by
-tests that want the daemon's wiring without FUSE).
+"""The mount's parts, built and wired in one place: ``build_core``, used by the daemon and by
+the tests that drive the namespace in process (tests/support/inprocess.py). Every link between
+the parts is a constructor argument; nothing is attached to a part after it is built.
 
 Start-up order matters for crash recovery: the journal is replayed and its blocks adopted by
 the cache before anything can allocate, the log is compacted to what is still pending, and only
 then (``Core.load``, inside trio with the workers running) does the namespace lay those ops
 over the store listing and hand them back to the uploader.
 
-Who gets what (docs/architecture.md, "Wiring"): the cache receives the model's cache policy in
-its constructor; the fetcher its health and read timeout; the namespace the policy (and so the
-tree) and the shared health. Three links are made after construction, all inside
-``build_core``: the policy learns the cache and the uploader (``CachePolicy.bind``, called by
-the ``Namespace`` constructor: the cache is built with the policy and the uploader with the
-cache, a cycle); the uploader gets the shared health and the journal ops the model keeps
-besides its own (``retained_ops``, set by the ``Namespace`` constructor), as uploader.py takes
-neither in its constructor.
+The build order, and the two cycles in it (docs/architecture.md, "Wiring"):
+
+- the tree, then the cache's eviction policy (``CheckpointEvictionPolicy``, with the tree), then
+  the cache (with the policy), the journal (replayed, its blocks adopted), the uploader (with
+  the cache and journal) and the fetcher; then the model's side, each with what it needs:
+  ``Retention`` (cache, uploader, policy), ``Prefill`` (the kernel's caches), ``Commits``,
+  ``Namespace``.
+- cache -> policy -> uploader -> cache: the cache asks its policy whether an upload will free
+  blocks, which only the uploader knows, and the uploader is built with the cache. So the
+  policy is given a function (``uploads_hold_cache``, in ``build_core``) that reads the
+  uploader built a few lines later: nothing allocates (so nothing asks) before ``build_core``
+  returns.
+- uploader <-> commits: the commits submit to the uploader, which keeps the fsync shadows'
+  ops when it compacts the journal. The shadows are a holder (``Shadows``) made first and
+  handed to both.
+- one ``StoreHealth`` for the uploader, the fetcher and the namespace (its refresh).
 """
 
 from __future__ import annotations
@@ -33,8 +42,10 @@ from ckptfs.cache.clean_index import CleanEntry
 from ckptfs.cache.journal import Journal, Op
 from ckptfs.config import MountConfig
 from ckptfs.daemon import limits
+from ckptfs.model.commits import Commits, Shadows
 from ckptfs.model.namespace import Namespace
-from ckptfs.model.policy import CachePolicy
+from ckptfs.model.policy import CheckpointEvictionPolicy, Retention
+from ckptfs.model.prefill import KernelCache, Prefill
 from ckptfs.model.tree import Tree
 from ckptfs.store.base import ObjectInfo, ObjectStore
 from ckptfs.store.health import StoreHealth
@@ -83,14 +94,22 @@ def build_core(
     root: tuple[int, int, int] | None = None,
     check_ram_room: bool = True,
     health: StoreHealth | None = None,
+    kernel: KernelCache | None = None,
 ) -> Core:
     """The cache, journal (replayed), uploader, fetcher and namespace of a mount of ``store``
     with ``config``'s sizes and timeouts. ``cache_dir`` holds the disk arena, the journal and
     the clean index; ``ram_dir`` the RAM arena; ``root``: (mode, uid, gid) of the top
-    directory. ``check_ram_room``: refuse a RAM tier larger than its filesystem can back."""
+    directory. ``check_ram_room``: refuse a RAM tier larger than its filesystem can back.
+    ``kernel``: the kernel's caches, for the page-cache prefill and the refresh (None: no
+    FUSE channel; prefill is off)."""
     health = health or StoreHealth()  # one view of the store's trouble, fed by everything that calls it
     tree = Tree(os.getuid(), os.getgid(), config.umask, root, max_key_bytes=store.key_room())
-    policy = CachePolicy(tree)
+
+    def uploads_hold_cache() -> bool:
+        # (the cycle cache -> policy -> uploader -> cache: see the module doc)
+        return uploader.holds_cache()
+
+    policy = CheckpointEvictionPolicy(tree, config.part_size, uploads_hold_cache)
     cache = Cache(
         cache_dir,
         ram_dir,
@@ -116,6 +135,7 @@ def build_core(
     )
     if pending:
         log.info("journal: %d operations still pending from the last run; resuming", len(pending))
+    shadows = Shadows()  # (the cycle uploader <-> commits: see the module doc)
     uploader = Uploader(
         store,
         cache,
@@ -123,22 +143,16 @@ def build_core(
         config.part_size,
         config.upload_concurrency,
         compress_level=config.compress or None,
+        health=health,
+        retained_ops=shadows.retained_ops,
     )
-    uploader.health = health
     fetcher = Fetcher(
         store, cache, config.upload_concurrency, health=health, read_timeout=config.read_timeout
     )
-    namespace = Namespace(
-        cache,
-        journal,
-        uploader,
-        fetcher,
-        tree.uid,
-        tree.gid,
-        list_ttl=config.list_ttl,
-        policy=policy,
-        health=health,
-    )
+    retention = Retention(tree, cache, uploader, policy)
+    prefill = Prefill(retention.busy, kernel)
+    commits = Commits(tree, cache, journal, uploader, retention, prefill, shadows)
+    namespace = Namespace(commits, fetcher, health, list_ttl=config.list_ttl, kernel=kernel)
     return Core(store, health, cache, journal, uploader, fetcher, namespace, pending, open_uploads, clean)
 
 

@@ -16,12 +16,25 @@ from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
 from ckptfs.errors import FsError
-from ckptfs.model.policy import CachePolicy
+from ckptfs.model.policy import Retention
 from ckptfs.model.prefill import Prefill
 from ckptfs.model.tree import MIN_MULTIPART, Node, Shadow, Tree, Version, Writing, attr_metadata
 from ckptfs.transfer.uploader import Uploader
 
 log = logging.getLogger(__name__)
+
+
+class Shadows:
+    """The fsync shadows by op seq, kept in the journal through compaction. Made before both
+    their users: the commits add and retire them, and the uploader, built before the commits
+    (which submit to it), asks for their ops when it compacts the journal (``retained_ops``)."""
+
+    def __init__(self):
+        self.by_seq: dict[int, Shadow] = {}
+
+    def retained_ops(self) -> list[Op]:
+        """Ops the journal keeps besides the uploader's pending ones."""
+        return [shadow.op for shadow in self.by_seq.values()]
 
 
 class Commits:
@@ -31,21 +44,17 @@ class Commits:
         cache: Cache,
         journal: Journal,
         uploader: Uploader,
-        policy: CachePolicy,
+        retention: Retention,
         prefill: Prefill,
+        shadows: Shadows,
     ):
         self.tree = tree
         self.cache = cache
         self.journal = journal
         self.uploader = uploader
-        self.policy = policy
+        self.retention = retention
         self.prefill = prefill
-        self.shadows: dict[int, Shadow] = {}  # by op seq; kept in the journal through compaction
-
-    def retained_ops(self) -> list[Op]:
-        """Ops the journal keeps besides the uploader's pending ones (the uploader asks when it
-        compacts the journal)."""
-        return [shadow.op for shadow in self.shadows.values()]
+        self.shadows = shadows
 
     # -- commits -----------------------------------------------------------------------------------
     def commit(self, node: Node, content: Content, writing: Writing | None = None) -> None:
@@ -65,7 +74,7 @@ class Commits:
             # those shadows retire once it is durable (until then they guard a node reboot).
             if shadow.covers is None:
                 shadow.covers, shadow.writing = op.seq, None
-        self.policy.note_commit(node, content.size)
+        self.retention.note_commit(node, content.size)
         stream, stamps = None, None
         if writing is not None and writing.stream is not None:
             stream, stamps, writing.stream = writing.stream, list(writing.staged.stamps), None
@@ -105,7 +114,7 @@ class Commits:
         old = node.version
         node.version = Version(content, op.seq)
         node.last_seq = op.seq
-        self.policy.keep(node)
+        self.retention.keep(node)
         if old is not None:
             old.content.release()
 
@@ -120,9 +129,9 @@ class Commits:
             version.content.key = op.key
             version.content.remote = {}  # evicted parts are now plain store reads
             self.retire_shadows(node, op.seq)
-            self.policy.maybe_clean(node)
+            self.retention.maybe_clean(node)
             if version.content.size >= self.cache.block_size and (
-                node.parent is self.tree.root or self.policy.pinned(node)
+                node.parent is self.tree.root or self.retention.policy.pinned(node)
             ):
                 self.prefill.want(node, version)  # a checkpoint a restart will load: into the page cache
 
@@ -183,7 +192,7 @@ class Commits:
             if not n.is_dir:
                 self.drop_pending(n)
                 self.retire_shadows(n)
-            self.policy.keep(n)
+            self.retention.keep(n)
             if n.version is not None:
                 n.unlinked_size = n.version.content.size  # (what an open descriptor still reads)
                 n.version.content.release()
@@ -199,7 +208,7 @@ class Commits:
             self._retire_shadow(node, old)  # superseded by this later fsync of the same working copy
         shadow = Shadow(op, content, writing, covers)
         node.shadows.append(shadow)
-        self.shadows[op.seq] = shadow
+        self.shadows.by_seq[op.seq] = shadow
 
     def _rejournal_shadows(self, node: Node) -> None:
         """A renamed file's fsync records move to the journal's end under its new key: replay
@@ -209,12 +218,12 @@ class Commits:
             old_seq = shadow.op.seq
             shadow.op = self.journal.append(put_op(node.key(), shadow.content, attr_metadata(node)))
             self.journal.cancel(old_seq)  # (after the append: a crash between keeps one of them)
-            del self.shadows[old_seq]
-            self.shadows[shadow.op.seq] = shadow
+            del self.shadows.by_seq[old_seq]
+            self.shadows.by_seq[shadow.op.seq] = shadow
 
     def _retire_shadow(self, node: Node, shadow: Shadow) -> None:
         node.shadows.remove(shadow)
-        del self.shadows[shadow.op.seq]
+        del self.shadows.by_seq[shadow.op.seq]
         self.journal.cancel(shadow.op.seq)
         shadow.content.release()
 

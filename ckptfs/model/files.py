@@ -46,7 +46,7 @@ class Files:
         self.commits = commits
         self.tree = commits.tree
         self.cache: Cache = commits.cache
-        self.policy = commits.policy
+        self.retention = commits.retention
         self.uploader = commits.uploader
         self.prefill = commits.prefill
         self.fetcher = fetcher
@@ -79,7 +79,7 @@ class Files:
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if node.version is not None and node.version.content.verify:
-            await self.policy.verify_kept(node.version.content)
+            await self.retention.verify_kept(node.version.content)
         if flags & os.O_ACCMODE == os.O_RDONLY:
             await self.prefill.settle(node)  # no page of an older version may land after our answer
             content = node.version.content if node.version is not None else Content(self.cache, 0, [])
@@ -125,8 +125,8 @@ class Files:
         self, node: Node, writing: Writing | None, content: Content | None, append: bool
     ) -> Handle:
         handle = self.tree.new_handle(node, writing, content, append)
-        self.policy.keep(node)
-        self.policy.maybe_clean(node)  # a reader: evictable block by block
+        self.retention.keep(node)
+        self.retention.maybe_clean(node)  # a reader: evictable block by block
         return handle
 
     async def read(self, fh: int, offset: int, size: int, view: bool = False) -> bytes | memoryview:
@@ -163,12 +163,12 @@ class Files:
     async def _fetch_range(self, node: Node, content: Content, offset: int, size: int) -> None:
         """Cache a range of ``content`` to build a writer's copy from: none of it may be evicted
         before the copy shares it (a file larger than the cache gets ENOSPC)."""
-        self.policy.keep(node)
+        self.retention.keep(node)
         try:
             while missing := content.missing(offset, size):
                 await self.fetcher.fill(content, missing)
         finally:
-            self.policy.maybe_clean(node)
+            self.retention.maybe_clean(node)
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.tree.handle(fh)
@@ -284,7 +284,7 @@ class Files:
             node.handles -= 1
         if not node.handles:
             self.prefill.closed(node)
-        self.policy.maybe_clean(node)
+        self.retention.maybe_clean(node)
         self.tree.maybe_drop(node)
 
     async def fsync(self, fh: int) -> None:

@@ -5,8 +5,8 @@ The store is the source of truth: on start the tree is the store's listing with 
 pending ops laid over it. Each file node has one committed ``Version``; while it is open for
 writing, one working copy (``Writing``, a ``StagedFile``) shared by all its writers, which every
 descriptor reads (POSIX on the node). When its last writer closes, the snapshot becomes the new
-version, a ``put`` op goes to the journal and the uploader (atomic in the store). Renames, unlinks and mkdirs become ops too, so the store ends with exactly what the
-namespace says.
+version, a ``put`` op goes to the journal and the uploader (atomic in the store). Renames,
+unlinks and mkdirs become ops too, so the store ends with exactly what the namespace says.
 
 ``Namespace`` is a facade: the work is done by the parts in ``ckptfs/model/`` (the tree, the
 cache policy, the commit path, start-up, the refresh from the store, file and name operations;
@@ -22,17 +22,15 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 
-from ckptfs.cache.cache import Cache
 from ckptfs.cache.clean_index import CleanEntry
 from ckptfs.cache.contents import Content
-from ckptfs.cache.journal import Journal, Op
+from ckptfs.cache.journal import Op
 from ckptfs.errors import FsError
 from ckptfs.model import startup
 from ckptfs.model.commits import Commits
 from ckptfs.model.dirs import Dirs
 from ckptfs.model.files import Files
-from ckptfs.model.policy import CachePolicy
-from ckptfs.model.prefill import Prefill
+from ckptfs.model.prefill import KernelCache
 from ckptfs.model.refresh import Refresher
 from ckptfs.model.tree import (
     LINK_MODE,
@@ -41,51 +39,45 @@ from ckptfs.model.tree import (
     Attr,
     Handle,
     Node,
-    Tree,
 )
 from ckptfs.store.base import ObjectInfo
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer.fetcher import Fetcher
-from ckptfs.transfer.uploader import Uploader
+
+
+def forget_nothing(parent_ino: int, name: str) -> None:
+    """No kernel (the namespace driven in process): no cached entry to drop."""
 
 
 class Namespace:
-    """``policy``: the cache policy the cache was built with (``build_core`` makes both, with
-    the tree); without one (parts built by hand), a tree and policy are made here and given to
-    the cache."""
+    """The facade over ``commits`` (and, through it, the tree, cache, journal, uploader,
+    retention and prefill, all built by daemon/wiring.py ``build_core``). ``fetcher`` reads
+    what the cache lacks; ``health``: the one view of the store's trouble the uploader and the
+    fetcher share; ``list_ttl``: see refresh.py; ``kernel``: the kernel's caches (None without
+    a FUSE channel)."""
 
     def __init__(
         self,
-        cache: Cache,
-        journal: Journal,
-        uploader: Uploader,
+        commits: Commits,
         fetcher: Fetcher,
-        uid: int,
-        gid: int,
+        health: StoreHealth,
         list_ttl: float | None = None,
-        umask: int = 0o022,
-        root: tuple[int, int, int] | None = None,
-        policy: CachePolicy | None = None,
-        health: StoreHealth | None = None,
+        kernel: KernelCache | None = None,
     ):
-        if policy is None:
-            policy = cache.policy = CachePolicy(
-                Tree(uid, gid, umask, root, max_key_bytes=fetcher.store.key_room())
-            )
-        policy.bind(cache, uploader)
-        self.tree = tree = policy.tree
-        self.policy = policy
-        self.cache = cache
-        self.uploader = uploader
+        self.commits = commits
+        self.tree = tree = commits.tree
+        self.retention = commits.retention
+        self.policy = commits.retention.policy
+        self.cache = commits.cache
+        self.uploader = commits.uploader
+        self.prefill = commits.prefill
         self.fetcher = fetcher
         self.store = fetcher.store
-        self.health = health or fetcher.health  # one StoreHealth, shared with the uploader and fetcher
-        self.prefill = Prefill(busy=policy.busy)
-        self.commits = Commits(tree, cache, journal, uploader, policy, self.prefill)
-        uploader.retained_ops = self.commits.retained_ops  # (uploader.py is built before the model)
-        self.files = Files(self.commits, fetcher)
-        self.dirs = Dirs(self.commits)
-        self.refresher = Refresher(tree, self.commits, cache, fetcher.store, self.health, list_ttl)
+        self.health = health
+        self.files = Files(commits, fetcher)
+        self.dirs = Dirs(commits)
+        forget_name = kernel.forget_name if kernel is not None else forget_nothing
+        self.refresher = Refresher(tree, commits, self.cache, fetcher.store, health, list_ttl, forget_name)
         self.root, self.inodes, self.handles = tree.root, tree.inodes, tree.handles
 
     # -- settings shared with the parts ------------------------------------------------------------
@@ -96,14 +88,6 @@ class Namespace:
     @list_ttl.setter
     def list_ttl(self, seconds: float | None) -> None:
         self.refresher.list_ttl = seconds
-
-    @property
-    def forget_name(self) -> Callable[[int, str], None]:
-        return self.refresher.forget_name
-
-    @forget_name.setter
-    def forget_name(self, fn: Callable[[int, str], None]) -> None:
-        self.refresher.forget_name = fn
 
     @property
     def checkpoint_dir(self) -> str:
@@ -125,7 +109,7 @@ class Namespace:
         ]
 
     async def verify_kept(self, content: Content) -> None:
-        await self.policy.verify_kept(content)
+        await self.retention.verify_kept(content)
 
     # -- lookups -----------------------------------------------------------------------------------
     def node(self, ino: int) -> Node:
@@ -346,11 +330,11 @@ class Namespace:
         out = []
         for node in nodes.values():
             content = node.version.content.hold()
-            self.policy.keep(node)
+            self.retention.keep(node)
 
             def done(node: Node = node, content: Content = content) -> None:
                 content.release()
-                self.policy.maybe_clean(node)
+                self.retention.maybe_clean(node)
 
             out.append((content, done))
         return out

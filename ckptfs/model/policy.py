@@ -1,22 +1,28 @@
 """Which cached bytes may go, and which go last: the model's side of the cache's eviction.
 
-The cache calls three methods of ``CachePolicy`` (it receives the policy in its constructor):
-``pinned(owner)`` (the latest checkpoint's clean data goes last), ``reclaim()`` (drop one block
-of a file being written whose part is already uploaded) and ``releases_pending()`` (whether a
-writer waiting for space can expect some). The model calls the rest: a commit says where the
-latest checkpoint is (``note_commit``), a node whose data is durable and unopened becomes
-evictable (``maybe_clean``), and blocks the last mount left are checked before first use
-(``verify_kept``).
+Two halves, because the cache and the uploader stand between them in the wiring (the cache is
+built with its policy, the uploader with the cache):
+
+- ``CheckpointEvictionPolicy``, the cache's ``EvictionPolicy`` (ckptfs/cache/cache.py), built
+  with the tree before the cache: ``pinned(owner)`` (the latest checkpoint's clean data goes
+  last), ``reclaim()`` (drop one block of a file being written whose part is already uploaded)
+  and ``releases_pending()`` (whether a writer waiting for space can expect some). It keeps
+  where the latest checkpoint is.
+- ``Retention``, built after the cache and the uploader, what the model tells the cache: a
+  commit says how large saves are and where the latest checkpoint is (``note_commit``), a node
+  whose data is durable and unopened becomes evictable (``maybe_clean``) or must stay
+  (``keep``), and blocks the last mount left are checked before first use (``verify_kept``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import trio
 
-from ckptfs.cache.cache import Cache
+from ckptfs.cache.cache import Cache, EvictionPolicy
 from ckptfs.cache.clean_index import cached_digest
 from ckptfs.cache.contents import Content
 from ckptfs.model.tree import Node, Tree, common_dir
@@ -28,22 +34,18 @@ log = logging.getLogger(__name__)
 CHECKPOINT_GAP_S = 60.0  # shards committed closer together than this belong to one save
 
 
-class CachePolicy:
-    def __init__(self, tree: Tree):
+class CheckpointEvictionPolicy(EvictionPolicy):
+    """``uploads_hold_cache``: whether an upload in progress still holds cache blocks (the
+    uploader's ``holds_cache``; a function, as the uploader is built after the cache)."""
+
+    def __init__(self, tree: Tree, block_size: int, uploads_hold_cache: Callable[[], bool]):
         self.tree = tree
-        self.cache: Cache | None = None  # (bound with the uploader: both are built after the policy)
-        self.uploader: Uploader | None = None
+        self.block_size = block_size
+        self.uploads_hold_cache = uploads_hold_cache
         # The latest checkpoint: the directory of the shards committed in the last burst of
         # saves (their common ancestor), whose clean data is evicted last.
         self.checkpoint_dir = ""
         self._last_shard_commit = 0.0
-        self._last_commit, self._burst_bytes = 0.0, 0
-        self._verifying = SingleFlight()
-
-    def bind(self, cache: Cache, uploader: Uploader) -> None:
-        """The cache is built with this policy, the uploader with that cache: the one cycle of
-        the wiring, closed here once both exist."""
-        self.cache, self.uploader = cache, uploader
 
     # -- asked by the cache ---------------------------------------------------------------------
     def pinned(self, owner: object) -> bool:
@@ -54,8 +56,7 @@ class CachePolicy:
         )
 
     def releases_pending(self) -> bool:
-        """Whether some holder of blocks will let go of them by itself (an upload in progress)."""
-        return self.uploader is None or self.uploader.holds_cache()
+        return self.uploads_hold_cache()
 
     def reclaim(self) -> bool:
         """The cache is full: drop one block of a file being written whose part is already in
@@ -71,7 +72,40 @@ class CachePolicy:
                     return True
         return False
 
-    # -- told by the model ----------------------------------------------------------------------
+    # -- where the latest checkpoint is -----------------------------------------------------------
+    def note_shard(self, node: Node, size: int) -> None:
+        """A shard was committed: it belongs to the latest checkpoint (a burst of saves)."""
+        if size < self.block_size or node.parent is self.tree.root:
+            return  # pointer files and loose top-level files do not say where checkpoints go
+        now = time.monotonic()
+        directory = node.parent.key()
+        if now - self._last_shard_commit > CHECKPOINT_GAP_S or not self.checkpoint_dir:
+            self.checkpoint_dir = directory  # a new save began
+        else:  # the same save: the common ancestor of its shards' directories (never the root)
+            self.checkpoint_dir = common_dir(self.checkpoint_dir, directory) or directory
+        self._last_shard_commit = now
+
+    def note_kept(self, kept: list[Node]) -> None:
+        """At start-up, ``kept`` the files whose blocks the last mount left cached: the newest
+        shard's directory stands for the latest checkpoint."""
+        shards = [n for n in kept if n.version.content.size >= self.block_size]
+        if shards:
+            newest = max(shards, key=lambda n: n.version.content.durable_at)
+            self.checkpoint_dir = newest.parent.key()
+
+
+class Retention:
+    """What the model tells the cache about its files' blocks (and whether background work
+    should wait: ``busy``)."""
+
+    def __init__(self, tree: Tree, cache: Cache, uploader: Uploader, policy: CheckpointEvictionPolicy):
+        self.tree = tree
+        self.cache = cache
+        self.uploader = uploader
+        self.policy = policy
+        self._last_commit, self._burst_bytes = 0.0, 0
+        self._verifying = SingleFlight()
+
     def busy(self) -> bool:
         """A save or an upload is running (background work such as prefill waits for idle time)."""
         return bool(self.uploader.pending) or any(h.staged is not None for h in self.tree.handles.values())
@@ -89,20 +123,8 @@ class CachePolicy:
         self.cache.unmark_clean(node)
 
     def note_commit(self, node: Node, size: int) -> None:
-        self._note_checkpoint(node, size)
+        self.policy.note_shard(node, size)
         self._note_save(size)
-
-    def _note_checkpoint(self, node: Node, size: int) -> None:
-        """A shard was committed: it belongs to the latest checkpoint (a burst of saves)."""
-        if size < self.cache.block_size or node.parent is self.tree.root:
-            return  # pointer files and loose top-level files do not say where checkpoints go
-        now = time.monotonic()
-        directory = node.parent.key()
-        if now - self._last_shard_commit > CHECKPOINT_GAP_S or not self.checkpoint_dir:
-            self.checkpoint_dir = directory  # a new save began
-        else:  # the same save: the common ancestor of its shards' directories (never the root)
-            self.checkpoint_dir = common_dir(self.checkpoint_dir, directory) or directory
-        self._last_shard_commit = now
 
     def _note_save(self, size: int) -> None:
         """Bytes committed in this burst of saves: the cache keeps as much RAM ready for the next."""
@@ -118,10 +140,7 @@ class CachePolicy:
         evictable, and the newest shard's directory stands for the latest checkpoint."""
         for node in kept:
             self.maybe_clean(node)
-        shards = [n for n in kept if n.version.content.size >= self.cache.block_size]
-        if shards:
-            newest = max(shards, key=lambda n: n.version.content.durable_at)
-            self.checkpoint_dir = newest.parent.key()
+        self.policy.note_kept(kept)
 
     async def verify_kept(self, content: Content) -> None:
         """First open of a file whose blocks the last mount left: check them before use (one

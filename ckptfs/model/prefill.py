@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
@@ -30,15 +31,37 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.2  # how often a waiting push looks again whether the machine is idle
 
 
+class KernelCache(Protocol):
+    """What the daemon can tell the kernel about its caches (pyfuse3's notify and invalidate
+    calls: daemon/run.py ``FuseKernelCache``, as only the FUSE glue imports pyfuse3). Called from
+    threads (the page calls) and the trio loop (``forget_name``), only while the mount serves."""
+
+    def store_pages(self, ino: int, offset: int, data) -> None:
+        """Put ``data`` into the page cache of inode ``ino`` at ``offset`` (notify_store)."""
+        ...
+
+    def invalidate_inode(self, ino: int) -> None:
+        """Drop the pages and attributes the kernel caches for ``ino``."""
+        ...
+
+    def stat(self, key: str) -> object:
+        """A stat of the file at store key ``key`` through the mount: the kernel sees its
+        current attributes."""
+        ...
+
+    def forget_name(self, parent_ino: int, name: str) -> None:
+        """Drop the kernel's entry for ``name`` in ``parent_ino`` (asynchronously)."""
+        ...
+
+
 class Prefill:
-    def __init__(self, busy: Callable[[], bool]):
+    """``kernel``: None (no FUSE channel, e.g. the namespace driven in process): prefill is off."""
+
+    def __init__(self, busy: Callable[[], bool], kernel: KernelCache | None = None):
         self.busy = busy  # a save or an upload is running: pushing would compete with it
+        self.kernel = kernel
+        self.stopped = False  # (stop: no new pushes)
         self.threads = BackgroundThreads(1, "ckptfs-prefill")  # low priority: never before the job
-        # Set by the daemon (pyfuse3.notify_store / invalidate_inode, a stat through the mount
-        # by key); None: prefill is off.
-        self.store_pages: Callable[[int, int, object], None] | None = None
-        self.invalidate: Callable[[int], None] | None = None
-        self.stat: Callable[[str], object] | None = None
         self.queue: OrderedDict[int, tuple[object, object]] = OrderedDict()  # ino -> (node, version)
         self.wakeup = trio.Event()
         self.in_flight: dict[int, trio.Event] = {}  # ino -> set when its chunk is in
@@ -52,7 +75,7 @@ class Prefill:
 
     def want(self, node, version) -> None:
         """Push ``version`` of ``node`` when idle (the newest request for a node wins)."""
-        if self.store_pages is None:
+        if self.kernel is None or self.stopped:
             return
         self.queue.pop(node.ino, None)
         self.queue[node.ino] = (node, version)
@@ -89,7 +112,7 @@ class Prefill:
         """Stop pushing and wait for the call in flight. Called while the mount still answers
         FUSE requests: a stat or an invalidate through the mount waits for the daemon's own
         answer, and once the FUSE loop has stopped nobody would give it."""
-        self.store_pages = None  # no new pushes (want() is a no-op from now on)
+        self.stopped = True  # no new pushes (want() is a no-op from now on)
         self.queue.clear()
         if self._scope is not None:
             self._scope.cancel()
@@ -110,13 +133,14 @@ class Prefill:
         return node.version is version and not node.unlinked and node.nlookup > 0
 
     async def _push(self, node, version) -> None:
-        if not self._current(node, version):
-            return
+        kernel = self.kernel
+        if kernel is None or not self._current(node, version):
+            return  # (no kernel: nothing was queued)
         if node.handles:
             self.deferred[node.ino] = (node, version)
             return
         content, cache = version.content, version.content.cache
-        if not await self._in_thread(node, self._forget_pages, node.ino, node.key()):
+        if not await self._in_thread(node, self._forget_pages, kernel, node.ino, node.key()):
             return
         if not self._current(node, version):
             return
@@ -136,7 +160,7 @@ class Prefill:
             try:
                 length = content.block_length(index)
                 pushed = await self._in_thread(
-                    node, self._store_block, node.ino, index * cache.block_size, cache, ref, length
+                    node, self._store_block, kernel, node.ino, index * cache.block_size, cache, ref, length
                 )
             finally:
                 cache.decref(ref)
@@ -144,16 +168,16 @@ class Prefill:
                 return
             self.pushed_bytes += length
 
-    def _forget_pages(self, ino: int, key: str) -> None:
-        self.invalidate(ino)
+    def _forget_pages(self, kernel: KernelCache, ino: int, key: str) -> None:
+        kernel.invalidate_inode(ino)
         # The kernel drops its cached pages whenever it sees a new mtime (auto_inval_data):
         # show it the current attributes now, not after the pages are in.
-        self.stat(key)
+        kernel.stat(key)
 
-    def _store_block(self, ino: int, offset: int, cache, ref, length: int) -> None:
+    def _store_block(self, kernel: KernelCache, ino: int, offset: int, cache, ref, length: int) -> None:
         view = cache.view(ref, length)  # the RAM tier's own pages: no copy on our side
         try:
-            self.store_pages(ino, offset, view)
+            kernel.store_pages(ino, offset, view)
         finally:
             if isinstance(view, memoryview):
                 view.release()

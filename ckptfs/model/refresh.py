@@ -52,6 +52,7 @@ class Refresher:
         store: ObjectStore,
         health: StoreHealth,
         list_ttl: float | None,
+        forget_name: Callable[[int, str], None],
     ):
         self.tree = tree
         self.commits = commits
@@ -61,10 +62,9 @@ class Refresher:
         # Seconds a directory listing or a missing name is trusted (0: ask every time; None:
         # never, the tree is the listing at mount plus our changes).
         self.list_ttl = list_ttl
-        # The kernel drops its cached entry (and so the attributes) of a name, asynchronously.
-        # Used when the store changed a file behind the kernel's back (the daemon gives
-        # pyfuse3.invalidate_entry_async once the FUSE channel is open).
-        self.forget_name: Callable[[int, str], None] = lambda parent_ino, name: None
+        # The kernel drops its cached entry (and so the attributes) of a name, asynchronously:
+        # the store changed a file behind the kernel's back (KernelCache.forget_name).
+        self.forget_name = forget_name
         self.list_threads = trio.CapacityLimiter(LIST_THREADS)
         self.missing = NegativeCache(tree)
         self._listing = SingleFlight(default=FAILED)  # dir ino -> the listing in flight
@@ -215,7 +215,7 @@ class Refresher:
             version.stamp = info
             return
         log.info("%s changed in the store: showing the new version", info.key)
-        self.commits.policy.keep(node)
+        self.commits.retention.keep(node)
         show_store_version(node, store_content(self.cache, info), info)
         version.content.release()  # its cached blocks go (nobody has it open)
         self.forget_name(node.parent.ino, node.name)  # its size and mtime changed

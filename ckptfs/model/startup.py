@@ -72,7 +72,7 @@ def load(
     for node in tree.root.walk():  # the listing just read covers every directory
         if node.is_dir:
             node.listed_at = now
-    commits.policy.loaded([n for n in tree.files() if n.version is not None and n.version.content.verify])
+    commits.retention.loaded([n for n in tree.files() if n.version is not None and n.version.content.verify])
 
 
 def replay(commits: Commits, op: Op) -> None:

@@ -1,6 +1,7 @@
-"""The namespace driven in-process, wired like ckptfs/daemon.py: Cache, Journal, Uploader and
-Fetcher over an object store (a LocalStore on tmp_path, or a FaultyStore around one), inside trio
-with the uploader and fetcher running in a nursery; and helpers that send what the kernel would."""
+"""The namespace driven in-process, built by ``build_core`` as the daemon builds it (no FUSE: no
+kernel, so no page-cache prefill), over an object store (a LocalStore on tmp_path, or a
+FaultyStore around one), inside trio with the uploader and fetcher running in a nursery; and
+helpers that send what the kernel would."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ import pytest
 import trio
 import xxhash
 
-from ckptfs.cache.cache import Cache
-from ckptfs.cache.journal import Journal
+from ckptfs.config import MountConfig
+from ckptfs.daemon.wiring import build_core
 from ckptfs.errors import FsError
 from ckptfs.model.namespace import Namespace
 from ckptfs.model.tree import ROOT_INODE
 from ckptfs.objects.integrity import is_reserved
-from ckptfs.transfer.fetcher import Fetcher
-from ckptfs.transfer.uploader import Uploader
 from tests.support.faults import FaultyStore
 
 BS = 64 << 10
@@ -27,24 +26,38 @@ WRITE = os.O_WRONLY
 RDWR = os.O_RDWR
 
 
+def config(tmp_path) -> MountConfig:
+    """Small blocks and cache; the tree is the listing at mount plus this mount's changes
+    (list_ttl None), writers wait for space as long as it takes, reads as long as the store."""
+    return MountConfig(
+        mountpoint=str(tmp_path / "mnt"),
+        store_url="",
+        cache_dir=str(tmp_path / "cache"),
+        part_size=BS,
+        ram_cache=16 * BS,
+        cache_size=64 * BS,
+        upload_concurrency=4,
+        list_ttl=None,
+        write_timeout=None,
+        read_timeout=None,
+        umask=0o022,
+    )
+
+
 class InProcessMount:
-    """The daemon's parts around one namespace (what ``Daemon.run`` + ``_serve`` build)."""
+    """The daemon's parts around one namespace (``build_core``'s ``Core``, as ``Daemon.run``
+    makes it)."""
 
     def __init__(self, tmp_path, store):
         self.store = store
-        self.cache = Cache(tmp_path / "cache", tmp_path / "ram", BS, 16 * BS, 64 * BS)
-        self.journal = Journal(tmp_path / "cache" / "journal", self.cache.ram_arena_id)
-        pending, self.open_uploads = self.journal.replay()
-        self.pending = [op for op in pending if all(r is None or self.cache.valid_ref(r) for r in op.blocks)]
-        self.cache.adopt((op.size, op.blocks) for op in self.pending)
-        self.journal.open(self.pending, self.open_uploads)
-        self.uploader = Uploader(store, self.cache, self.journal, BS, concurrency=4)
-        self.fetcher = Fetcher(store, self.cache, 4)
-        self.ns = Namespace(self.cache, self.journal, self.uploader, self.fetcher, UID, GID)
+        self.core = build_core(
+            config(tmp_path), store, tmp_path / "cache", tmp_path / "ram", check_ram_room=False
+        )
+        self.cache, self.journal = self.core.cache, self.core.journal
+        self.uploader, self.fetcher, self.ns = self.core.uploader, self.core.fetcher, self.core.namespace
 
     def close(self):
-        self.journal.close()
-        self.cache.close()
+        self.core.close()
 
 
 @asynccontextmanager
@@ -53,9 +66,8 @@ async def mounted(tmp_path, store, listing=None):
     m = InProcessMount(tmp_path, store)
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(m.uploader.run, m.open_uploads)
-            await nursery.start(m.fetcher.run)
-            m.ns.load(list(store.list("")) if listing is None else listing, m.pending)
+            await m.core.start(nursery)
+            m.core.load(list(store.list("")) if listing is None else listing)
             try:
                 yield m
             finally:
