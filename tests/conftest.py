@@ -508,8 +508,14 @@ def other_user(tmp_path_factory) -> OtherUser:
 
 
 # =============================================================================================
-# Test layers (markers), assigned automatically from what a test reaches
+# Test layers (markers): declared by a module wholly of one layer, else guessed from what a test reaches
 # =============================================================================================
+#
+# A test module whose tests are all of one layer says so at its top (`pytestmark =
+# pytest.mark.unit`; or store, e2e, or [e2e, store]): an explicit unit/store/e2e mark (the
+# module's, a class's, a test's, a parameter's) always wins. The guess below is the fallback, for
+# the modules that mix layers (tests/test_markers.py checks that every module of one layer
+# declares it, and that a declared layer wins). The slow marker is always guessed.
 #
 #   unit   neither of the two below: the code in-process, a local store, seconds in all
 #   store  needs the S3 server: the s3_server/s3_bucket/proxy fixtures, the `store` fixture on
@@ -522,9 +528,8 @@ def other_user(tmp_path_factory) -> OtherUser:
 #
 # "Reaches" is found by reading code, not by running it: the names the test function, its
 # fixtures' functions and (transitively) the helper functions and classes of tests/ they name
-# refer to. A test module whose tests the guess gets wrong sets `pytestmark` itself; an explicit
-# unit/store/e2e mark on a test wins over the guess. `scripts/test -m unit` runs the unit layer
-# without starting Swift (the s3_server fixture starts it only for a test that needs it).
+# refer to. A test the guess gets wrong carries its mark itself. `scripts/test -m unit` runs the
+# unit layer without starting Swift (the s3_server fixture starts it only for a test that needs it).
 
 LAYERS = ("unit", "store", "e2e")
 _S3_FIXTURES = {"s3_server", "s3_bucket", "proxy"}
@@ -643,6 +648,7 @@ def _layers_of(item, targets: dict[int, str]) -> set[str]:
 def pytest_collection_modifyitems(config, items):
     targets = _reach_targets()
     for item in items:
+        # declared (by its module, class, function or parameter): it wins, the guess adds nothing
         explicit = {layer for layer in LAYERS if item.get_closest_marker(layer) is not None}
         kinds = _layers_of(item, targets)
         layers = explicit or ({"store", "e2e"} & kinds) or {"unit"}

@@ -13,6 +13,8 @@ from ckptfs.util import background
 from ckptfs.util.background import BackgroundThreads
 from tests.support.harness import trio_test, wait_until_async
 
+pytestmark = pytest.mark.unit
+
 
 def test_calls_run_in_parallel_at_a_lower_priority():
     threads = BackgroundThreads(4, "t")

@@ -18,6 +18,8 @@ from ckptfs.blocks import (
     n_blocks,
 )
 
+pytestmark = pytest.mark.unit
+
 BS = 8
 
 

@@ -19,6 +19,8 @@ from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content, StagedFile
 from tests.support.harness import trio_test
 
+pytestmark = pytest.mark.unit
+
 BS = 64 << 10  # block size: small, so files of a few blocks exercise every boundary
 
 

@@ -21,6 +21,8 @@ from ckptfs.cache.clean_index import CleanEntry, cached_digest
 from ckptfs.errors import MountError
 from tests.support.harness import blob
 
+pytestmark = pytest.mark.unit
+
 BS = 64 << 10
 
 

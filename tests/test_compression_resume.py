@@ -16,7 +16,7 @@ from tests.support.faults import FaultyStore
 from tests.support.harness import blob, trio_test
 from tests.support.inprocess import BS, GID, UID, WRITE, aerr, mounted, sync, write_blocks
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 def decoded(store, key: str) -> bytes:

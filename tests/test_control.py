@@ -18,6 +18,8 @@ from ckptfs.control.server import ControlServer
 from ckptfs.errors import CkptfsError, ControlError
 from tests.support.harness import trio_test
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def sock_path():

@@ -24,6 +24,8 @@ from ckptfs.errors import STORE_ERRNOS_KEPT, FsError, NotFound, StoreError, to_e
 from ckptfs.fuse.ops import Operations, _errno_boundary, _no_reply_boundary
 from tests.support.harness import trio_test
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "number",

@@ -61,6 +61,8 @@ from ckptfs.control import client
 from tests.support.harness import blob
 from tests.support.mounting import Mount
 
+pytestmark = pytest.mark.e2e
+
 LONG = os.environ.get("CKPTFS_LONG") == "1"
 OPS = int(os.environ.get("CKPTFS_EXERCISER_OPS") or (100_000 if LONG else 2_000))
 STEPS = 40  # stateful_step_count: operations per example at most

@@ -30,7 +30,7 @@ from tests.conftest import S3StoreView
 from tests.support.harness import free_port
 from tests.support.mounting import Mount, ckptfs
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.store, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parent.parent
 

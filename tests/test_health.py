@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from ckptfs.store.health import StoreHealth, describe
+
+pytestmark = pytest.mark.unit
 
 
 def test_failed_attempts_show_at_once_and_the_first_answer_clears_them():

@@ -10,6 +10,8 @@ import pytest
 from ckptfs.cache.arena import DISK, RAM
 from ckptfs.cache.journal import DELETE, MKDIR, MOVE, PUT, Journal, Op
 
+pytestmark = pytest.mark.unit
+
 ARENA = "arena-1"
 
 

@@ -27,6 +27,8 @@ from ckptfs.store.local import LocalStore
 from ckptfs.store.local_tree import TMP_DIR
 from tests.support.harness import blob
 
+pytestmark = pytest.mark.unit
+
 KiB, MiB = 1 << 10, 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 

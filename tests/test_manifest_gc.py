@@ -14,7 +14,7 @@ from ckptfs.objects import integrity
 from ckptfs.store.s3 import S3Store
 from tests.support.mounting import Mount
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.e2e, pytest.mark.store, pytest.mark.timeout(240)]
 
 PREFIX = "run"
 MiB = 1 << 20

@@ -45,6 +45,8 @@ from tests.support.inprocess import (
     write_blocks,
 )
 
+pytestmark = pytest.mark.unit
+
 # -- commit on flush --------------------------------------------------------------------------------------
 
 

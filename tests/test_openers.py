@@ -17,6 +17,8 @@ import trio
 
 from ckptfs.fuse.openers import INLINE_FDS, Openers
 
+pytestmark = pytest.mark.unit
+
 
 def mountpoint_of(path: Path) -> str:
     path = path.resolve()

@@ -17,7 +17,7 @@ from tests.support.faultproxy import Rule, blackhole, reset_mid_body, status
 from tests.support.harness import proc_state, wait_until, write_files
 from tests.support.mounting import Mount, ckptfs, is_mounted
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.e2e, pytest.mark.store, pytest.mark.timeout(240)]
 
 MiB = 1 << 20
 

@@ -34,7 +34,7 @@ import pytest
 from tests.support.faultproxy import Rule, blackhole, delay
 from tests.support.mounting import ckptfs, is_mounted
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.store, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parent.parent
 HELPER = REPO / "mount" / "mount.ckptfs"

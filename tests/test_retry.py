@@ -11,6 +11,8 @@ import trio.testing
 from ckptfs.errors import NotFound, StoreError
 from ckptfs.transfer import retry
 
+pytestmark = pytest.mark.unit
+
 
 def run(policy, fails: list[BaseException], result="ok"):
     """``retry.call`` of a function failing with ``fails`` in turn, then returning ``result``:

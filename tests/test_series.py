@@ -13,6 +13,8 @@ import pytest
 from ckptfs.admin import dcpmeta
 from ckptfs.admin.series import Entry, analyse, plan_gc
 
+pytestmark = pytest.mark.unit
+
 
 def files(*paths: str, state: str = "durable", size: int = 10, contents: dict | None = None):
     return [Entry(p, size, float(i), state) for i, p in enumerate(paths)]

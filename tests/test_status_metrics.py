@@ -24,7 +24,7 @@ from tests.support.faultproxy import Rule, blackhole, status
 from tests.support.harness import wait_until
 from tests.support.mounting import CKPTFS, Mount, ckptfs, is_mounted
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.e2e, pytest.mark.store, pytest.mark.timeout(240)]
 
 MiB = 1 << 20
 

@@ -24,7 +24,7 @@ from tests.support.faultproxy import (
 from tests.support.harness import write_files
 from tests.support.mounting import ckptfs
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.e2e, pytest.mark.store, pytest.mark.timeout(180)]
 
 PREFIX = "run"
 MiB = 1 << 20

@@ -10,6 +10,8 @@ import uuid
 import pytest
 from botocore.exceptions import ClientError
 
+pytestmark = pytest.mark.store
+
 MiB = 1024 * 1024
 
 

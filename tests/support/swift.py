@@ -396,7 +396,7 @@ max_manifest_segments = 10000
 [filter:cache]
 use = egg:swift#memcache
 memcache_servers = 127.0.0.1:{ports["memcached"]}
-"""
+"""  # noqa: E501 (a Swift pipeline is one line)
         + simple
     )
     return confs
