@@ -122,6 +122,17 @@ class _Source:
         if self.store is not None:
             self.store.close()
 
+    @property
+    def opened_store(self) -> ObjectStore:
+        """The store of a store URL's target, opened by ``__enter__``."""
+        if self.store is None:
+            raise RuntimeError(f"{self.target.spec}: no store open (a mount, or used outside 'with')")
+        return self.store
+
+    @property
+    def mountpoint(self) -> str:
+        return _mountpoint_of(self.target)
+
     # listing
     def entries(self, path: str, checksums: bool = False) -> tuple[list[Entry], dict[str, str]]:
         """Files and directories at or under ``path`` (relative to the root), paths relative to
@@ -131,7 +142,7 @@ class _Source:
         return self._store_entries(path, checksums)
 
     def _mount_entries(self, path: str, checksums: bool) -> tuple[list[Entry], dict[str, str]]:
-        mountpoint = self.target.mountpoint
+        mountpoint = self.mountpoint
         try:
             result = client.call(
                 mountpoint, "catalog", {"path": path, "checksums": checksums}, timeout=CATALOG_TIMEOUT_S
@@ -159,9 +170,9 @@ class _Source:
         return entries, sums
 
     def _store_entries(self, path: str, checksums: bool) -> tuple[list[Entry], dict[str, str]]:
-        infos = [i for i in self.store.list(path + "/" if path else "") if _shown(i.key)]
+        infos = [i for i in self.opened_store.list(path + "/" if path else "") if _shown(i.key)]
         if path and not infos:  # a single file, or nothing at all
-            info = self.store.head(path)
+            info = self.opened_store.head(path)
             if info is None:
                 raise CkptfsError(f"{self.target.location(path)}: no such file or directory in the store")
             infos = [info]
@@ -180,7 +191,7 @@ class _Source:
 
     def _store_checksum(self, key: str, size: int) -> str:
         try:
-            info = self.store.head(key)
+            info = self.opened_store.head(key)
             if info is None:
                 return "-"  # deleted while we looked
             found = integrity.from_metadata(info.size, info.metadata)
@@ -192,7 +203,7 @@ class _Source:
                 # a one-PUT file too large to check per read: its checksum is recorded all the same
                 return describe(True, info.metadata[integrity.XXH3_META])
             if isinstance(found, str):  # a multipart object: its manifest has the part checksums
-                raw = self.store.get_range(integrity.manifest_key(found), 0, 64 << 20)
+                raw = self.opened_store.get_range(integrity.manifest_key(found), 0, 64 << 20)
                 found = integrity.Checksums.from_manifest(raw, info.size)
         except StoreError as e:
             return f"unknown ({e})" if e.errno != errno.ENOENT else "unverified (its manifest is missing)"
@@ -204,7 +215,7 @@ class _Source:
     def read(self, path: str, limit: int) -> bytes:
         if self.target.is_mount:
             # (as gc deletes: one name at a time, on the mount alone; root reads what it names)
-            mount_fd = os.open(self.target.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            mount_fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
             try:
                 parent, name = posixpath.split(path)
                 dir_fd = _open_dir_on(mount_fd, os.fstat(mount_fd).st_dev, parent)
@@ -225,7 +236,7 @@ class _Source:
                     raise OSError(errno.EINVAL, "not a regular file")
                 return f.read(limit)
         try:
-            data, metadata = self.store.get_range_meta(path, 0, limit)
+            data, metadata = self.opened_store.get_range_meta(path, 0, limit)
             if metadata.get(compression.FORMAT_META) != compression.FORMAT:
                 return data
             return self._read_compressed(path, limit)
@@ -236,17 +247,17 @@ class _Source:
 
     def _read_compressed(self, key: str, limit: int) -> bytes:
         """The first ``limit`` bytes of a compressed object, decoded from the frames holding them."""
-        info = self.store.head(key)  # (its uncompressed size, and the metadata naming its manifest)
+        info = self.opened_store.head(key)  # (its uncompressed size, and the metadata naming its manifest)
         if info is None:
             raise OSError(errno.ENOENT, f"{key}: deleted from the store while read")
-        checks = integrity.load_checksums(self.store, info.size, info.metadata)
+        checks = integrity.load_checksums(self.opened_store, info.size, info.metadata)
         if not checks.compressed:
             raise integrity.IntegrityError("stored compressed, but its frames are not recorded")
         length = min(limit, checks.size)
         if length <= 0:
             return b""
         stored, stored_length, first, last = checks.stored_range(0, length)
-        plain = checks.decompress(first, last, self.store.get_range(key, stored, stored_length))
+        plain = checks.decompress(first, last, self.opened_store.get_range(key, stored, stored_length))
         return plain[:length]
 
     def checkpoints(self, path: str) -> Checkpoints:
@@ -359,7 +370,7 @@ def gc(
                 else (
                     _delete_on_mount(target, step)
                     if target.is_mount
-                    else _delete_in_store(source.store, step, source.etags)
+                    else _delete_in_store(source.opened_store, step, source.etags)
                 )
             )
             result.failures += failures
@@ -379,7 +390,7 @@ def _delete_on_mount(target: Target, step: Step) -> list[str]:
     the mount's filesystem: what gc listed is the daemon's tree, and something may since have been
     mounted over a directory of it (any user may FUSE-mount on a directory they own), which must
     not lead root to delete elsewhere."""
-    mountpoint = target.mountpoint
+    mountpoint = _mountpoint_of(target)
     try:
         mount_fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as e:
@@ -412,6 +423,13 @@ def _delete_on_mount(target: Target, step: Step) -> list[str]:
         return failures
     finally:
         os.close(mount_fd)
+
+
+def _mountpoint_of(target: Target) -> str:
+    """The mountpoint of a mount's target (a store URL's target has none)."""
+    if target.mountpoint is None:
+        raise RuntimeError(f"{target.spec} is a store URL, not a mount")
+    return target.mountpoint
 
 
 def _open_dir_on(mount_fd: int, device: int, path: str) -> int:
@@ -454,10 +472,10 @@ def _delete_in_store(store: ObjectStore, step: Step, etags: dict[str, str]) -> l
     failures = _parallel(delete, files, None)
     if failures:
         return failures
-    markers = {e.path + "/" for e in step.entries if e.is_dir} | (
+    marker_set = {e.path + "/" for e in step.entries if e.is_dir} | (
         set() if step.is_file else {step.path + "/"}
     )
-    markers = sorted(markers, key=lambda k: -k.count("/"))
+    markers = sorted(marker_set, key=lambda k: -k.count("/"))
     for marker in markers:
         try:
             store.delete(marker)

@@ -101,7 +101,7 @@ class Cache:
         self.ram_arena_id = _arena_id(ram_dir / "ram.arena.id")
         self.refcounts: dict[BlockRef, int] = {}
         # Clean (durable, unopened) contents that may be dropped to make room, oldest first.
-        self.clean: OrderedDict[object, tuple[Content, Callable[[], None]]] = OrderedDict()
+        self.clean: OrderedDict[object, tuple[Content, Callable[[], None], bool]] = OrderedDict()
         self._space = trio.Event()
         self.waiters = 0
         # A writer waits for space at most this long without a block being freed (the store is
@@ -269,7 +269,9 @@ class Cache:
             on_evict()
             content.drop_blocks()
         else:  # (the entry stays: the reader fetches more blocks into it)
-            self.decref(content.blocks[first_held])
+            ref = content.blocks[first_held]
+            assert ref is not None  # first_held indexes a held block (see _evict)
+            self.decref(ref)
             content.blocks[first_held] = None
 
     # -- block I/O ----------------------------------------------------------------------
@@ -292,6 +294,7 @@ class Cache:
     def view_range(self, ref: BlockRef, offset: int, length: int) -> memoryview:
         """A view of part of a RAM block (no copy)."""
         tier = self.tiers[ref[0]]
+        assert tier.mm is not None  # only called for RAM blocks: the RAM tier is mapped
         pos = ref[1] * self.block_size + offset
         return memoryview(tier.mm)[pos : pos + length]
 
@@ -321,7 +324,12 @@ class Cache:
             new = await self.alloc(only=DISK)
             copies.append((ref, new, content.block_length(i)))
             blocks.append(new)
-        await trio.to_thread.run_sync(lambda: [self.copy_block(*c) for c in copies])
+
+        def copy_all() -> None:
+            for c in copies:
+                self.copy_block(*c)
+
+        await trio.to_thread.run_sync(copy_all)
         copy = Content(self, content.size, blocks)
         self.fit_last(copy)
         copy.key = content.key
@@ -375,7 +383,7 @@ class Cache:
         return self.tiers[ref[0]].charged.get(ref[1], 0)
 
     def usage(self) -> dict:
-        out = {}
+        out: dict[str, object] = {}
         for tier in self.tiers:
             out[TIER_NAMES[tier.index]] = {"used": tier.charged_bytes, "budget": tier.budget}
         out["clean_bytes"] = sum(self.charged(r) for c, *_ in self.clean.values() for r in c.refs())

@@ -91,6 +91,11 @@ class Op:
         )
 
 
+# An upload the journal recorded as open: (its journal id, key, upload id; None while it was
+# still being created, found again by its key).
+OpenUpload = tuple[str, str, str | None]
+
+
 class Journal:
     def __init__(self, path: Path, ram_arena_id: str):
         self.path = path
@@ -100,10 +105,10 @@ class Journal:
         self.fd = -1
 
     # -- start-up -------------------------------------------------------------------
-    def replay(self) -> tuple[list[Op], list[tuple[str, str, str]]]:
+    def replay(self) -> tuple[list[Op], list[OpenUpload]]:
         """Pending ops in sequence order, and multipart uploads left open by a dead daemon."""
         ops: dict[int, Op] = {}
-        uploads: dict[str, tuple[str, str]] = {}
+        uploads: dict[str, tuple[str, str | None]] = {}
         arena_id = None
         try:
             lines = private_files.read_file(self.path).decode(errors="replace").splitlines()
@@ -146,7 +151,7 @@ class Journal:
                 uploads.pop(op.upload[2], None)
         return pending, [(i, k, u) for i, (k, u) in uploads.items()]
 
-    def open(self, pending: list[Op], open_uploads: list[tuple[str, str, str]]) -> None:
+    def open(self, pending: list[Op], open_uploads: list[OpenUpload]) -> None:
         """Start a fresh log holding just what replay found unfinished (compaction at start-up)."""
         self._rewrite(pending, open_uploads)
 
@@ -166,7 +171,8 @@ class Journal:
     def done(self, seq: int) -> None:
         self._write({"t": "done", "seq": seq})
 
-    def multipart_started(self, upload_key: str, key: str, upload_id: str) -> None:
+    def multipart_started(self, upload_key: str, key: str, upload_id: str | None) -> None:
+        # upload_id None: an upload still being created (replay finds it by its key)
         self._write({"t": "mpu", "id": upload_key, "key": key, "upload_id": upload_id})
 
     def multipart_ended(self, upload_key: str) -> None:
@@ -175,7 +181,7 @@ class Journal:
     def should_compact(self) -> bool:
         return self.lines > COMPACT_AFTER_LINES
 
-    def compact(self, pending: list[Op], open_uploads: list[tuple[str, str, str]]) -> None:
+    def compact(self, pending: list[Op], open_uploads: list[OpenUpload]) -> None:
         self._rewrite(pending, open_uploads)
 
     def sync(self) -> None:
@@ -194,7 +200,7 @@ class Journal:
         os.write(self.fd, (json.dumps(rec, separators=(",", ":")) + "\n").encode())
         self.lines += 1
 
-    def _rewrite(self, pending: list[Op], open_uploads: list[tuple[str, str, str]]) -> None:
+    def _rewrite(self, pending: list[Op], open_uploads: list[OpenUpload]) -> None:
         records = [{"t": "arena", "ram": self.ram_arena_id, "seq": self.next_seq - 1}]
         records += [op.to_record() for op in pending]
         records += [{"t": "mpu", "id": i, "key": k, "upload_id": u} for i, k, u in open_uploads]

@@ -137,9 +137,9 @@ def check_mount_paths(config: MountConfig) -> None:
                 "give a tmpfs directory you can write to"
             )
 
-    store_dir = _local_store_dir(config.store_url)
-    if store_dir is not None:
-        store_dir = _check_apart("the local store", store_dir, mountpoint)
+    store_root = _local_store_dir(config.store_url)
+    if store_root is not None:
+        store_dir = _check_apart("the local store", store_root, mountpoint)
         if _inside(mountpoint, store_dir):
             raise UsageError(
                 f"mountpoint {mountpoint} is inside the local store {store_dir}: "

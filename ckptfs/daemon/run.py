@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -34,6 +35,9 @@ from ckptfs.objects.logical_store import LogicalStore
 from ckptfs.store import open_store
 from ckptfs.util import private_files
 from ckptfs.util.background import BackgroundThreads
+
+if TYPE_CHECKING:
+    from ckptfs.daemon.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +150,7 @@ class Daemon:
         self.started = time.time()
         self.stop_requested: trio.Event | None = None  # made inside trio.run
         self.trio_token: trio.lowlevel.TrioToken | None = None  # while serving: for the metrics thread
-        self.metrics = None  # metrics.MetricsServer with --metrics-port
+        self.metrics: MetricsServer | None = None  # with --metrics-port
 
     def run(self, on_ready: Callable[[], None]) -> None:
         self._start_metrics()  # first: a port taken fails the mount before anything is made
@@ -277,10 +281,9 @@ class Daemon:
             return
         from ckptfs.daemon.metrics import MetricsServer  # (prometheus_client: only when asked for)
 
-        self.metrics = MetricsServer(
-            self.config.metrics_addr, self.config.metrics_port, self._figures_from_thread
-        )
-        self.metrics.start()
+        metrics = MetricsServer(self.config.metrics_addr, self.config.metrics_port, self._figures_from_thread)
+        self.metrics = metrics
+        metrics.start()
 
     def _stop_metrics(self) -> None:
         if self.metrics is not None:
@@ -345,13 +348,17 @@ class Daemon:
         on_ready()
 
     async def _watch_signals(self) -> None:
+        stop_requested = self.stop_requested
+        assert stop_requested is not None  # made in _serve before its tasks start
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("signal %d: unmounting; pending uploads resume on the next mount", signum)
-                self.stop_requested.set()
+                stop_requested.set()
 
     async def _stopper(self) -> None:
-        await self.stop_requested.wait()
+        stop_requested = self.stop_requested
+        assert stop_requested is not None  # made in _serve before its tasks start
+        await stop_requested.wait()
         # Our own calls through the mount (the start-up stat, the prefill's stat and invalidate)
         # end first: once the FUSE loop stops they would wait forever for the daemon's answer.
         await self.serving.wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from typing import TYPE_CHECKING, cast
 
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
@@ -20,6 +21,11 @@ from ckptfs.model.policy import Retention
 from ckptfs.model.prefill import Prefill
 from ckptfs.model.tree import MIN_MULTIPART, Node, Shadow, Tree, Version, Writing, attr_metadata
 from ckptfs.transfer.uploader import Uploader
+
+if TYPE_CHECKING:
+    from ckptfs.objects.integrity import Checksums
+    from ckptfs.store.base import PartInfo
+    from ckptfs.transfer.upload_tasks import Upload
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +111,7 @@ class Commits:
         version = node.version
         if version is None or version.seq is not None or version.content.key != node.key():
             return ""
-        checks = version.content.checksums
+        checks = cast("Checksums | None", version.content.checksums)  # (Content types it as object)
         if checks is not None:
             return checks.upload if checks.source == "manifest" else ""
         return "?" if version.content.size > min(self.cache.block_size, MIN_MULTIPART) else ""
@@ -121,6 +127,7 @@ class Commits:
     def on_durable(self, node: Node):
         """The uploader's callback once ``node``'s current version is in the store."""
         version = node.version
+        assert version is not None  # called right after set_version gave the node this version
 
         def durable(op: Op) -> None:
             version.seq = None
@@ -250,8 +257,10 @@ def put_op(key: str, content: Content, meta: dict[str, str] | None = None) -> Op
     if meta is not None:
         op.meta = meta
     if content.remote:  # the upload holding the evicted parts (a restart completes it)
-        upload = content.upload
+        # (Content types these as object: the upload is set whenever parts are remote.)
+        upload = cast("Upload", content.upload)
+        remote = cast("dict[int, PartInfo]", content.remote)
         op.upload = [upload.key, upload.upload_id, upload.journal_id]
-        op.parts = {index: part.token for index, part in content.remote.items()}
-        op.hashes = {index: part.xxh3 for index, part in content.remote.items() if part.xxh3}
+        op.parts = {index: part.token for index, part in remote.items()}
+        op.hashes = {index: part.xxh3 for index, part in remote.items() if part.xxh3}
     return op

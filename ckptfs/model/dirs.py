@@ -8,7 +8,7 @@ import stat
 from ckptfs.cache.journal import DELETE, MKDIR, Op
 from ckptfs.errors import FsError
 from ckptfs.model.commits import Commits
-from ckptfs.model.tree import MIN_MULTIPART, RENAME_EXCHANGE, RENAME_NOREPLACE, Attr, attr_metadata
+from ckptfs.model.tree import MIN_MULTIPART, RENAME_EXCHANGE, RENAME_NOREPLACE, Attr, Node, attr_metadata
 
 
 class Dirs:
@@ -74,7 +74,7 @@ class Dirs:
             raise FsError(errno.EEXIST)
         tree.check_new_name(new_parent, new_name)
         if node.is_dir:
-            ancestor = new_parent
+            ancestor: Node | None = new_parent
             while ancestor is not None:
                 if ancestor is node:
                     raise FsError(errno.EINVAL, "cannot move a directory into itself")

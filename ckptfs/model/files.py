@@ -9,6 +9,7 @@ import logging
 import os
 import stat
 import time
+from typing import cast
 
 import trio
 
@@ -136,8 +137,11 @@ class Files:
             try:
                 return writing.staged.read(offset, size)
             except OSError as exc:
-                raise FsError(exc.errno, str(exc)) from None
-        content = handle.content.hold()  # (a commit here may move the handle to a newer version meanwhile)
+                # (the working copy's reads fail with an errno: EIO, or the disk tier's own)
+                raise FsError(cast(int, exc.errno), str(exc)) from None
+        reading = handle.content
+        assert reading is not None  # no working copy: a reader, opened with the version it reads
+        content = reading.hold()  # (a commit here may move the handle to a newer version meanwhile)
         try:
             while content.remote and not content.in_store:
                 # Parts evicted under cache pressure come back once the file is in the store.
@@ -213,7 +217,9 @@ class Files:
             writing.stream.meta = attr_metadata(node, mtime=False)  # (its mtime: the completion's)
         for index in sealed:
             staged.changed.discard(index)
-            self.uploader.stream_part(writing.stream, index, staged.blocks[index], staged.stamps[index])
+            ref = staged.blocks[index]
+            assert ref is not None  # sealed blocks are cached (filtered above)
+            self.uploader.stream_part(writing.stream, index, ref, staged.stamps[index])
 
     def flush(self, fh: int, commit: bool = True) -> None:
         """A close. The file is committed when every writer's opener has closed it (a clean
@@ -240,6 +246,7 @@ class Files:
             return  # written after unlink: nobody can see it
         content = writing.staged.snapshot()
         if content.remote:
+            assert writing.stream is not None  # evicted blocks are parts of its streamed upload
             content.upload = writing.stream.upload
         self.commits.commit(node, content, writing)
         if writing.staged.remote:
@@ -251,9 +258,12 @@ class Files:
         disk (a version another mount put keeps its open readers on the one they opened). The
         one they had is let go at once (a read in progress holds it itself): a reader kept
         open across many saves pins no old versions in the cache."""
+        version = node.version
+        assert version is not None  # called right after a commit gave the node this version
         for handle in self.tree.handles.values():
-            if handle.node is node and handle.writing is None and handle.content is not node.version.content:
-                old, handle.content = handle.content, node.version.content.hold()
+            if handle.node is node and handle.writing is None and handle.content is not version.content:
+                old, handle.content = handle.content, version.content.hold()
+                assert old is not None  # no working copy: a reader, opened with a version
                 old.release()
 
     def release(self, fh: int) -> None:
@@ -299,6 +309,7 @@ class Files:
         if writing is not None and writing.dirty:
             content, covers = writing.staged.snapshot(), None
             if content.remote:
+                assert writing.stream is not None  # evicted blocks are parts of its streamed upload
                 content.upload = writing.stream.upload
         elif node.version is not None and node.version.seq is not None:
             content, covers = node.version.content, node.version.seq

@@ -263,7 +263,9 @@ class Namespace:
             raise FsError(errno.EINVAL, "not a symbolic link")
         handle, _, _ = await self.files.open(ino, os.O_RDONLY)
         try:
-            size = handle.content.size
+            reading = handle.content
+            assert reading is not None  # opened read-only: a reader holds the version it reads
+            size = reading.size
             if size > MAX_LINK_TARGET:
                 raise FsError(errno.EIO, f"the stored link target is {size} bytes, over {MAX_LINK_TARGET}")
             return bytes(await self.files.read(handle.fh, 0, size))
@@ -327,9 +329,11 @@ class Namespace:
             if node is None:
                 raise FsError(errno.ENOENT, f"no such file or directory on the mount: {path}")
             nodes.update((n.ino, n) for n in node.walk() if not n.is_dir and n.version is not None)
-        out = []
+        out: list[tuple[Content, Callable[[], None]]] = []
         for node in nodes.values():
-            content = node.version.content.hold()
+            version = node.version
+            assert version is not None  # only files with a version were collected above
+            content = version.content.hold()
             self.retention.keep(node)
 
             def done(node: Node = node, content: Content = content) -> None:

@@ -65,6 +65,7 @@ class CheckpointEvictionPolicy(EvictionPolicy):
             stream, staged = handle.stream, handle.staged
             if stream is None or stream.upload is None or stream.key != handle.node.key():
                 continue  # (renamed since streaming began: its parts may not stay under that key)
+            assert staged is not None  # a handle with a stream is a writer: it has a working copy
             for index, (stamp, part) in stream.sent.items():
                 ref = staged.blocks[index] if index < len(staged.blocks) else None
                 if ref is not None and staged.stamps[index] == stamp and staged.cache.refcounts.get(ref) == 1:
@@ -78,7 +79,9 @@ class CheckpointEvictionPolicy(EvictionPolicy):
         if size < self.block_size or node.parent is self.tree.root:
             return  # pointer files and loose top-level files do not say where checkpoints go
         now = time.monotonic()
-        directory = node.parent.key()
+        parent = node.parent
+        assert parent is not None  # a committed file is never the root (the only parentless node)
+        directory = parent.key()
         if now - self._last_shard_commit > CHECKPOINT_GAP_S or not self.checkpoint_dir:
             self.checkpoint_dir = directory  # a new save began
         else:  # the same save: the common ancestor of its shards' directories (never the root)
@@ -88,10 +91,18 @@ class CheckpointEvictionPolicy(EvictionPolicy):
     def note_kept(self, kept: list[Node]) -> None:
         """At start-up, ``kept`` the files whose blocks the last mount left cached: the newest
         shard's directory stands for the latest checkpoint."""
-        shards = [n for n in kept if n.version.content.size >= self.block_size]
+        shards = [n for n in kept if _kept_content(n).size >= self.block_size]
         if shards:
-            newest = max(shards, key=lambda n: n.version.content.durable_at)
-            self.checkpoint_dir = newest.parent.key()
+            newest = max(shards, key=lambda n: _kept_content(n).durable_at)
+            parent = newest.parent
+            assert parent is not None  # a file is never the root (the only parentless node)
+            self.checkpoint_dir = parent.key()
+
+
+def _kept_content(node: Node) -> Content:
+    """A kept file's committed content (``startup.load`` keeps only files with a version)."""
+    assert node.version is not None
+    return node.version.content
 
 
 class Retention:

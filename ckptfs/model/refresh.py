@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 import trio
 
@@ -112,9 +113,10 @@ class Refresher:
             node = self.tree.root
             for part in [p for p in path.split("/") if p and p != "."]:
                 await self.catch_up(node, part)
-                node = node.children.get(part)
-                if node is None or not node.is_dir:
+                child = node.children.get(part)
+                if child is None or not child.is_dir:
                     break
+                node = child
             else:
                 todo = [node]
                 while todo:
@@ -130,7 +132,9 @@ class Refresher:
         small file instead of 1.5 ms). What other mounts put there still shows up with the next
         listing, at most ``list_ttl`` later: the handoff case (a reader on another node opens
         what a writer published) is not a writer of that directory, and is answered at once."""
-        return parent.changed_here is not None and self.tree.now() - parent.changed_here < self.list_ttl
+        ttl = self.list_ttl
+        assert ttl is not None  # asked only by catch_up, which returns first when listings are off
+        return parent.changed_here is not None and self.tree.now() - parent.changed_here < ttl
 
     # -- listing a directory -----------------------------------------------------------------------
     async def refresh_dir(self, node: Node) -> str:
@@ -138,7 +142,8 @@ class Refresher:
         Returns MERGED, SKIPPED (it changed here while the listing was in flight: the listing
         is dropped, not merged) or FAILED (the store failed: the tree stays as it was). Either
         way the directory counts as listed now, so the next try waits for the TTL."""
-        return await self._listing.run(node.ino, lambda: self._list(node))
+        # (SingleFlight returns object: here _list's str, or its default FAILED)
+        return cast(str, await self._listing.run(node.ino, lambda: self._list(node)))
 
     async def _list(self, node: Node) -> str:
         started = self.tree.now()
@@ -195,7 +200,9 @@ class Refresher:
         log.info("%s is gone from the store: no longer shown", node.key())
         for n in node.walk():
             n.gone = True
-        self.forget_name(node.parent.ino, node.name)
+        parent = node.parent
+        assert parent is not None  # a child a listing of its directory no longer shows
+        self.forget_name(parent.ino, node.name)
         self.commits.detach(node)
 
     def _follow_store(self, node: Node, info: ObjectInfo) -> None:
@@ -218,7 +225,9 @@ class Refresher:
         self.commits.retention.keep(node)
         show_store_version(node, store_content(self.cache, info), info)
         version.content.release()  # its cached blocks go (nobody has it open)
-        self.forget_name(node.parent.ino, node.name)  # its size and mtime changed
+        parent = node.parent
+        assert parent is not None  # a child of the directory just listed
+        self.forget_name(parent.ino, node.name)  # its size and mtime changed
 
     def _add_from_store(self, parent: Node, name: str, info: ObjectInfo, headed: bool = False) -> Node:
         node = self.tree.add(parent, name, is_dir=False)
@@ -275,7 +284,8 @@ class Refresher:
         for answer in answers.values():
             if isinstance(answer, Exception):
                 raise answer
-        return answers["file"], bool(answers["dir"])
+        # (answers are typed object; exceptions were raised above: the HEAD's ObjectInfo | None)
+        return cast("ObjectInfo | None", answers["file"]), bool(answers["dir"])
 
     # -- attributes ---------------------------------------------------------------------------------
     async def learn_attrs(self, nodes: list[Node]) -> bool:
@@ -286,7 +296,8 @@ class Refresher:
         if not unknown:
             return True
         if len(unknown) == 1:
-            return await self._heading.run(unknown[0].ino, lambda: self._head_attrs(unknown[0]))
+            # (SingleFlight returns object: here _head_attrs's bool, or its default False)
+            return cast(bool, await self._heading.run(unknown[0].ino, lambda: self._head_attrs(unknown[0])))
         results = []
 
         async def one(node: Node) -> None:

@@ -212,9 +212,10 @@ class Tree:
     def find(self, parts: list[str]) -> Node | None:
         node = self.root
         for part in parts:
-            node = node.children.get(part) if node.is_dir else None
-            if node is None:
+            child = node.children.get(part) if node.is_dir else None
+            if child is None:
                 return None
+            node = child
         return node
 
     def find_path(self, path: str) -> Node | None:
@@ -291,8 +292,10 @@ class Tree:
     @staticmethod
     def take_out(node: Node) -> None:
         """Out of its parent's entries (the node keeps ``parent``: an unlinked node's last place)."""
-        del node.parent.children[node.name]
-        node.parent.subdirs -= node.is_dir
+        parent = node.parent
+        assert parent is not None  # only a node in the tree is taken out, and the root never is
+        del parent.children[node.name]
+        parent.subdirs -= node.is_dir
 
     def touch(self, node: Node) -> None:
         """A directory changed here (create, unlink, rename in it)."""

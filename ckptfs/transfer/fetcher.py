@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 import humanfriendly
 import trio
@@ -154,7 +155,8 @@ class Fetcher:
             "files_done": left.count(0),
         }
         failure: BaseException | None = None
-        window = trio.Semaphore(2 * self.threads.total_tokens)  # blocks on their way at once
+        # blocks on their way at once (total_tokens: the int ``concurrency`` given to __init__)
+        window = trio.Semaphore(2 * cast(int, self.threads.total_tokens))
 
         async def one(blocks: trio.Nursery, i: int, index: int) -> None:
             nonlocal failure
@@ -259,7 +261,9 @@ class Fetcher:
             while True:
                 await trio.sleep(0.25)
                 since = self.health.trouble_since()
-                if since is not None and time.time() - max(since, started) >= self.read_timeout:
+                read_timeout = self.read_timeout
+                assert read_timeout is not None  # started only with a read timeout (_download_in_time)
+                if since is not None and time.time() - max(since, started) >= read_timeout:
                     download.cancel()
                     return
 
@@ -270,7 +274,8 @@ class Fetcher:
         if content.checksums is None:
             await self._known_compressed(content)
         for _ in range(2 * VERIFY_ATTEMPTS):  # (a changing object must not keep us here)
-            checks = content.checksums
+            # (Content types checksums ``object``: it holds integrity.Checksums or None)
+            checks = cast("Checksums | None", content.checksums)
             begin, span = checks.span(start, length) if checks is not None else (start, length)
             if checks is not None and checks.compressed:  # the frames holding those parts
                 stored, stored_length, first, last = checks.stored_range(begin, span)
@@ -335,6 +340,7 @@ class Fetcher:
         """Bytes [start, start + length) of ``content``'s object and the metadata of that answer,
         through transient failures and short bodies (retry.reading)."""
         key = content.key
+        assert key is not None  # only contents in the store are fetched: they have a key
 
         async def once() -> tuple[bytes, dict[str, str]]:
             nonlocal key
@@ -380,6 +386,7 @@ class Fetcher:
         key = content.key
         deadline = None
         while True:
+            assert key is not None  # only contents in the store are fetched: they have a key
             try:
                 # Abandoned when cancelled (shutdown, an interrupted reader): the thread touches no
                 # shared state, its answer is dropped; the limiter still counts it until it ends.
@@ -417,7 +424,7 @@ class Fetcher:
         """The checksums of the object a GET answered from (its metadata says which), kept on
         ``content``. Raises IntegrityError when the manifest it names is missing or unreadable."""
         found = integrity.from_metadata(content.size, metadata)
-        current = content.checksums
+        current = cast("Checksums | None", content.checksums)
         if isinstance(found, Checksums):
             if current != found:
                 if not found.verified:
@@ -440,7 +447,7 @@ class Fetcher:
         """The manifest of upload ``upload`` (one load at a time per upload; others wait for it)."""
         while (event := self._manifests.get(upload)) is not None:
             await event.wait()
-            current = content.checksums
+            current = cast("Checksums | None", content.checksums)
             if current is not None and current.source == "manifest" and current.upload == upload:
                 return current
         event = self._manifests[upload] = trio.Event()
@@ -471,7 +478,7 @@ class Fetcher:
         """What ``content``'s object is checked against (a HEAD, and its manifest, if not known
         yet); None while it is not in the store. For the ``user.ckptfs.verified`` xattr."""
         if content.checksums is not None or not content.in_store or not content.key:
-            return content.checksums
+            return cast("Checksums | None", content.checksums)
         try:
             info = await trio.to_thread.run_sync(
                 self.store.head, content.key, limiter=self.threads, abandon_on_cancel=True

@@ -29,6 +29,17 @@ READ_ATTEMPTS = 5
 T = TypeVar("T")
 
 
+def _failure(state: tenacity.RetryCallState) -> BaseException:
+    """The exception of the attempt ``state`` describes. Only for ``wait`` and ``before_sleep``:
+    tenacity calls them once an attempt is over (its outcome is set), and every policy here
+    retries only failures (so that outcome is an exception)."""
+    outcome = state.outcome
+    assert outcome is not None  # set when the attempt ended, before wait/before_sleep run
+    exc = outcome.exception()
+    assert exc is not None  # only failed attempts are retried (every policy's ``retry``)
+    return exc
+
+
 async def call(retrying: Callable[[], tenacity.AsyncRetrying], fn: Callable[[], Awaitable[T]]) -> T:
     """``await fn()`` under the policy ``retrying()`` makes. The first try runs outside tenacity:
     its async loop costs about 45 us of CPU per try (it inspects every callback each time), paid
@@ -57,7 +68,7 @@ def publishing(
         ),
         wait=tenacity.wait_random_exponential(multiplier=0.2, max=30),
         stop=tenacity.stop_after_attempt(attempts) if attempts else tenacity.stop_never,
-        before_sleep=lambda state: on_retry(state.outcome.exception()),
+        before_sleep=lambda state: on_retry(_failure(state)),
         reraise=True,
     )
 
@@ -74,7 +85,7 @@ class Every:
             retry=tenacity.retry_if_exception_type(Exception),
             wait=tenacity.wait_fixed(self.interval_s),
             stop=tenacity.stop_never,
-            before_sleep=lambda state: on_retry(state.outcome.exception()),
+            before_sleep=lambda state: on_retry(_failure(state)),
             reraise=True,
         )
 
@@ -91,10 +102,10 @@ def reading(
     backoff = tenacity.wait_random_exponential(multiplier=0.4, max=5)  # uniform(0, min(0.2 x 2^n, 5))
 
     def wait(state: tenacity.RetryCallState) -> float:
-        return 0.0 if isinstance(state.outcome.exception(), at_once) else backoff(state)
+        return 0.0 if isinstance(_failure(state), at_once) else backoff(state)
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
-        exc = state.outcome.exception()
+        exc = _failure(state)
         if not isinstance(exc, at_once):
             on_retry(exc)
 

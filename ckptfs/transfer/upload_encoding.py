@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import cast
 
 import trio
 
@@ -56,7 +57,9 @@ class Encoder:
         """A small file's object: its body, metadata and checksums (compressed if that pays;
         the bucket's marker goes up first then)."""
         op = task.op
-        data = await in_thread_if_large(self.hash_threads, op.size, task.content.read, 0, op.size)
+        content = task.content
+        assert content is not None  # a put's task holds its content until finish()
+        data = await in_thread_if_large(self.hash_threads, op.size, content.read, 0, op.size)
         metadata = {**op.meta, integrity.XXH3_META: task.xxh3}
         checksums = integrity.Checksums.whole_file(op.size, task.xxh3)
         if self.codec is not None and op.size >= compression.ONE_PUT_MIN:
@@ -130,7 +133,8 @@ class Encoder:
         """For the last part of a compressed upload: the seek table, given the last frame's size."""
         if number != len(task.parts):
             return None
-        frames = [compression.untag(part.xxh3)[1][0] for part in task.parts[:-1]]
+        # (the parts before the last are sent by now, as frames: each has a PartInfo and a frame)
+        frames = [compression.untag(part.xxh3)[1][0] for part in task.parts[:-1]]  # type: ignore[index, union-attr]
         sizes = [task.part_size] * len(frames) + [task.op.size - len(frames) * task.part_size]
         return lambda last: compression.seek_table(list(zip(frames + [last], sizes)))
 
@@ -152,8 +156,16 @@ class Encoder:
         if not all(hashes) or None in frames:
             log.warning("%s: part checksums unknown (journal of an older version): no manifest", task.op.key)
             return None
+        upload = task.upload
+        assert upload is not None  # only asked of a multipart put whose upload is made (publish_multipart)
         return integrity.Checksums(
-            task.op.size, task.part_size, hashes, task.xxh3, task.upload.journal_id, "manifest", frames
+            task.op.size,
+            task.part_size,
+            hashes,
+            task.xxh3,
+            upload.journal_id,
+            "manifest",
+            cast("tuple[tuple[int, int], ...]", frames),  # (no None: checked above)
         )
 
     async def put_manifest(self, key: str, checksums: integrity.Checksums) -> None:

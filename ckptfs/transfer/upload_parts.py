@@ -85,6 +85,7 @@ class PartSender:
             task.ready.set()
             if task.cancelled:
                 if task.upload is not None:
+                    assert self.nursery is not None  # set in Uploader.run, before any submit
                     self.nursery.start_soon(self.abort, task.upload)
                     task.upload = None
                 self.finish(task)
@@ -109,6 +110,7 @@ class PartSender:
         parts evicted to the store (not here to hash), or a multipart file with holes (hashing
         them reads a byte per byte of hole; the part checksums cover every byte anyway)."""
         content = task.content
+        assert content is not None  # a put's task holds its content until finish()
         if task.xxh3 or content.remote or (task.multipart and content.sparse()):
             return
         task.xxh3 = await in_thread_if_large(self.hash_threads, content.size, self._hash, content)
@@ -116,6 +118,7 @@ class PartSender:
     async def _adopt_stream(self, task: Task) -> None:
         """Take over the parts a stream sent that still match the committed content."""
         stream = task.stream
+        assert stream is not None  # called only when the task has one (_prepare_once)
         stream.closed = True
         await stream.idle.wait()  # (cancelled here, the stream is still the task's to abandon)
         task.stream = None
@@ -126,14 +129,17 @@ class PartSender:
             task.multipart and task.part_size == self.cache.block_size and stream.upload.key == task.op.key
         )
         if stream.upload != task.upload and (task.upload is not None or not usable):
+            assert self.nursery is not None  # set in Uploader.run, before any submit
             self.nursery.start_soon(self.abort, stream.upload)
             return
         if task.upload is None:
             task.upload = stream.upload
             task.parts = [None] * task.n_parts()
             task.compressed = self.encoder.codec is not None
+        content = task.content
+        assert content is not None  # a put's task holds its content until finish()
         for index, (stamp, part) in stream.sent.items():
-            full = task.content.block_length(index) == task.part_size
+            full = content.block_length(index) == task.part_size
             if task.compressed and index == len(task.parts) - 1:
                 continue  # the last part carries the seek table: sent at commit
             if (
@@ -192,6 +198,7 @@ class PartSender:
             start = (number - 1) * task.part_size
             length = min(task.part_size, task.op.size - start)
             content = task.content
+            assert content is not None  # a put's task holds its content until finish()
             hole = content.holes(start, length)
 
             def send() -> PartInfo:
@@ -247,6 +254,7 @@ class PartSender:
         stream.sending.add(index)
         if stream.idle.is_set():
             stream.idle = trio.Event()
+        assert self.nursery is not None  # set in Uploader.run, before any submit
         self.nursery.start_soon(self._stream_part, stream, index, ref, stamp)
 
     async def _stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
@@ -305,6 +313,7 @@ class PartSender:
             return
         stream.closed = True
         stream.cancel()
+        assert self.nursery is not None  # set in Uploader.run, before any submit
         self.nursery.start_soon(self._close_stream, stream)
 
     async def _close_stream(self, stream: Stream) -> None:
@@ -321,7 +330,9 @@ class PartSender:
         task.bytes_sent = op.size
         self.uploaded_bytes += op.size
         self.encoder.count_stored(len(data))
-        task.content.checksums = checksums
+        content = task.content
+        assert content is not None  # a put's task holds its content until finish()
+        content.checksums = checksums
 
     async def publish_multipart(self, task: Task) -> None:
         op = task.op
@@ -332,6 +343,7 @@ class PartSender:
             await self._hash_whole_file(task)
             await self._upload_parts(task)
         upload = task.upload
+        assert upload is not None  # _upload_parts made one if there was none (kept when found complete)
         checksums = None if task.completed else self.encoder.checksums(task)
         try:
             if not task.completed:
@@ -385,6 +397,8 @@ class PartSender:
         """CreateMultipartUpload, journaled first: it is not idempotent, so a crash or a lost
         answer could otherwise leave an upload nobody knows about."""
         journal_id = uuid.uuid4().hex[:16]
+        # (None: not created yet. Journal.multipart_started's ``upload_id: str`` is too narrow: the
+        # journal reads None back as "find it by its key", see Uploader.run)
         self.journal.multipart_started(journal_id, key, None)
         self.creating[journal_id] = key
         attempts = 0
@@ -399,6 +413,7 @@ class PartSender:
         except BaseException:
             del self.creating[journal_id]
             # Cancelled or failed mid-call: the store may have created it anyway.
+            assert self.nursery is not None  # set in Uploader.run, before any submit
             self.nursery.start_soon(self.sweep, key, journal_id)
             raise
         del self.creating[journal_id]

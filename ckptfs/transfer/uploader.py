@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -172,6 +172,7 @@ class Uploader:
         if op.kind == PUT:
             self.committed_bytes += op.size
             task.preparing = True
+            assert self.nursery is not None  # set in run, before any submit
             self.nursery.start_soon(self.sender.prepare, task)
         else:
             task.ready.set()
@@ -192,6 +193,7 @@ class Uploader:
             task.content.orphaned = True  # its evicted parts go with the upload
         if not task.preparing:  # otherwise the preparation task cleans up once its threads are done
             if task.upload is not None:
+                assert self.nursery is not None  # set in run: a pending task was submitted after it
                 self.nursery.start_soon(self.sender.abort, task.upload)
                 task.upload = None
             self.sender.finish(task)
@@ -265,7 +267,10 @@ class Uploader:
 
     # -- the workers --------------------------------------------------------------------
     async def run(
-        self, open_uploads: list[tuple[str, str, str | None]] = (), *, task_status=trio.TASK_STATUS_IGNORED
+        self,
+        open_uploads: Sequence[tuple[str, str, str | None]] = (),
+        *,
+        task_status=trio.TASK_STATUS_IGNORED,
     ) -> None:
         async with trio.open_nursery() as nursery:
             self.nursery = self.sender.nursery = nursery
@@ -316,7 +321,7 @@ class Uploader:
             info = None if op.small else await self.calls.call(op.key, self.store.head, op.key)
             await self.calls.call(op.key, self.store.delete, op.key)
             upload_id = info.metadata.get(integrity.UPLOAD_META) if info is not None else None
-            if upload_id and info.metadata.get(integrity.MANIFEST_META):
+            if upload_id and info is not None and info.metadata.get(integrity.MANIFEST_META):
                 await self.encoder.drop_manifest(op.key, upload_id)
         elif op.kind == MKDIR:
             await self.calls.call(op.key, self.store.put, op.key, b"", dict(op.meta))
@@ -352,7 +357,10 @@ class Uploader:
         self.progress = trio.Event()
 
     def _compact(self) -> None:
-        open_uploads = [(u.journal_id, u.key, u.upload_id) for u in self.sender.uploads.values()]
+        open_uploads: list[tuple[str, str, str | None]] = [
+            (u.journal_id, u.key, u.upload_id) for u in self.sender.uploads.values()
+        ]
         open_uploads += [(i, key, None) for i, key in self.sender.creating.items()]
         ops = [t.op for t in self.pending.values()] + self.retained_ops()
+        # (None: an upload still being created; the journal reads it back as "find it by its key")
         self.journal.compact(sorted(ops, key=lambda op: op.seq), open_uploads)
