@@ -144,6 +144,55 @@ def test_objects_without_attributes_keep_the_defaults(store, mount_factory):
     m.stop()
 
 
+WRITE_AS = (
+    "import os, sys\nfd = os.open(sys.argv[1], getattr(os, sys.argv[2]))\nos.write(fd, b'x')\nos.close(fd)"
+)
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_a_write_without_privilege_clears_the_set_id_bits(store, reachable, other_user):
+    """As on a local disk (pjdfstest chmod/12, tests 3-4; Linux's file_remove_privs): a write by a
+    process without CAP_FSETID (the other user) clears set-user-ID, and set-group-ID where group
+    execute is set; root's write keeps them. Write-only handles are direct I/O (the kernel leaves
+    it to the filesystem), read-write ones go through the page cache (the kernel asks for it with
+    a SETATTR). The store keeps the mode the file was left with."""
+    m = reachable[1]("--allow-other").start()
+    cases = {  # name: mode, who writes, how it opens, the mode after
+        "suid-wronly": (0o4777, "other", "O_WRONLY", 0o777),
+        "sgid-wronly": (0o2777, "other", "O_WRONLY", 0o777),
+        "both-wronly": (0o6777, "other", "O_WRONLY", 0o777),
+        "suid-rdwr": (0o4777, "other", "O_RDWR", 0o777),
+        "sgid-rdwr": (0o2777, "other", "O_RDWR", 0o777),
+        "sgid-no-group-x": (0o2707, "root", "O_WRONLY", 0o2707),  # (not a set-id program: kept)
+        "suid-root-wronly": (0o4777, "root", "O_WRONLY", 0o4777),
+        "both-root-rdwr": (0o6777, "root", "O_RDWR", 0o6777),
+    }
+    for name, (mode, _, _, _) in cases.items():
+        (m.path / name).write_bytes(b"program")
+        (m.path / name).chmod(mode)
+        assert stat.S_IMODE((m.path / name).stat().st_mode) == mode, name
+    for name, (_, who, how, _) in cases.items():
+        path = str(m.path / name)
+        if who == "other":
+            done = other_user.python(WRITE_AS, path, how)
+            assert done.returncode == 0, (name, done.stderr)
+        else:
+            fd = os.open(path, getattr(os, how))
+            os.write(fd, b"x")
+            os.close(fd)
+    for name, (_, _, _, after) in cases.items():
+        assert stat.S_IMODE((m.path / name).stat().st_mode) == after, name
+        assert (m.path / name).read_bytes() == b"xrogram", name
+    m.sync()
+    for name, (_, _, _, after) in cases.items():  # what the store keeps
+        assert stored(store, name).metadata["mode"] == str(stat.S_IFREG | after), name
+    m.stop()
+    m.start()  # set-id bits are never taken from the store (the ones root kept included)
+    for name, (_, _, _, after) in cases.items():
+        assert stat.S_IMODE((m.path / name).stat().st_mode) == after & 0o1777, f"{name}, after a remount"
+    m.stop()
+
+
 # --- s3fs-fuse on the same bucket ------------------------------------------------------------------
 
 

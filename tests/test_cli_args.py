@@ -72,7 +72,9 @@ def test_unreachable_endpoint(empty_dir):
 
 @pytest.mark.parametrize("cmd", ["status", "sync", "umount"])
 def test_no_mount(cmd, empty_dir):
-    assert_one_line_error(run_cli(cmd, str(empty_dir)), 1, f"no ckptfs mount at {empty_dir}")
+    """A path that is not a ckptfs mount is bad input: exit 2, as a PATH outside the mount."""
+    assert_one_line_error(run_cli(cmd, str(empty_dir)), 2, f"no ckptfs mount at {empty_dir}")
+    assert_one_line_error(run_cli(cmd, str(empty_dir / "nope")), 2, f"no ckptfs mount at {empty_dir}/nope")
 
 
 def test_options_between_positionals():

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs.cli import main as cli_main
+from ckptfs.cli.control import UMOUNT_TIMEOUT_S, UNMOUNT_WAIT_S
 from tests.support.faultproxy import Rule, blackhole, delay
 from tests.support.mounting import ckptfs, is_mounted
 
@@ -312,6 +314,29 @@ class Unit:
             assert time.monotonic() < deadline, "the unit did not mount in 120 s"
             time.sleep(0.2)
         return main
+
+
+def systemd_seconds(span: str) -> float:
+    """A systemd time span ("30min", "1h 30s", "90") in seconds (systemd.time(7))."""
+    units = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600}
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]*)", span.strip())
+    assert parts and all(unit in units for _, unit in parts), span
+    return sum(float(n) * units[unit] for n, unit in parts)
+
+
+def test_the_unit_drains_for_most_of_timeout_stop_sec(tmp_path):
+    """ExecStop's drain gives up (umount --timeout, as the CLI parses it) late enough to use most
+    of TimeoutStopSec (the default --timeout, 300 s, would end it long before) and early enough
+    that umount's wait for the unmount still ends before systemd kills the unit."""
+    unit = Unit(UNIT, Path("/mnt/ckpt"), tmp_path, tmp_path)
+    unit.env_file.write_text("CKPTFS_STORE=s3://bucket/run42\nCKPTFS_OPTS=\n")
+    argv, ignore = unit.command("ExecStop")
+    assert not ignore
+    assert argv[:3] == ["/usr/bin/env", "ckptfs", "umount"], argv
+    args = cli_main.build_parser().parse_args(argv[2:])
+    stop_sec = systemd_seconds(unit.service["TimeoutStopSec"])
+    assert "--timeout" in argv and args.timeout != UMOUNT_TIMEOUT_S, argv
+    assert stop_sec - 5 * 60 <= args.timeout <= stop_sec - UNMOUNT_WAIT_S, (args.timeout, stop_sec)
 
 
 def test_the_systemd_unit_starts_drains_on_stop_and_resumes_after_a_crash(

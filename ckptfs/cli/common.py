@@ -80,15 +80,22 @@ def call_mount(
     on_progress: Callable[[dict], None] | None = None,
     timeout: float | None = None,
 ) -> dict:
+    """Ask the daemon of ``mountpoint``. NoDaemon: exit 1 for a mount whose daemon is gone, exit
+    2 (bad input, as for a PATH outside the mount) for a path that is not a ckptfs mount."""
     try:
         return client.call(mountpoint, cmd, args, on_progress=on_progress, timeout=timeout)
-    except client.NoDaemon:
+    except client.NoDaemon as e:
         if mountpoint in ckptfs_mounts():
             raise client.NoDaemon(
                 f"the ckptfs daemon of {mountpoint} is gone (stale mount): mount it again "
                 f"to resume its uploads, or run 'ckptfs umount {mountpoint}'"
             ) from None
-        raise
+        raise not_a_mount(e) from None
+
+
+def not_a_mount(e: client.NoDaemon) -> client.NoDaemon:
+    """``e`` ("no ckptfs mount at PATH") as the bad input it is: exit 2, as UsageError."""
+    return client.NoDaemon(str(e), exit_code=UsageError.exit_code)
 
 
 def canonical_mountpoint(path: str) -> str:

@@ -18,6 +18,7 @@ from ckptfs.cli.common import (
     canonical_mountpoint,
     format_bytes,
     mount_holding,
+    not_a_mount,
     parse_seconds_arg,
     relative_paths,
 )
@@ -205,9 +206,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = canonical_mountpoint(args.mountpoint)
     try:
         pid = _daemon_pid(mountpoint)
-    except client.NoDaemon:
+    except client.NoDaemon as e:
         if mountpoint not in ckptfs_mounts():
-            raise
+            raise not_a_mount(e) from None
         lazy_unmount(mountpoint)
         print(
             f"ckptfs: the daemon of {mountpoint} was gone; unmounted it lazily "

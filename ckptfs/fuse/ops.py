@@ -275,7 +275,9 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def create(self, parent_inode, name, mode, flags, ctx):
         name = self._checked_name(parent_inode, name)
-        handle, attr = self.ns.create(parent_inode, name, mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
+        handle, attr = self.ns.create(
+            parent_inode, name, mode & ~ctx.umask, flags, ctx.uid, ctx.gid, keeps_setid=ctx.uid == 0
+        )
         self.openers.opened(handle.fh, attr.ino, ctx.pid, flags)
         self._opened_at[handle.fh] = time.monotonic()
         # direct_io for write-only handles: the kernel hands large writes straight to us
@@ -291,7 +293,8 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def open(self, inode, flags, ctx):
-        handle, keep_cache, direct_io = await self.ns.open(inode, flags)
+        # (root keeps set-id bits when writing, as with CAP_FSETID: model/files.drops_setid)
+        handle, keep_cache, direct_io = await self.ns.open(inode, flags, keeps_setid=ctx.uid == 0)
         self.openers.opened(handle.fh, inode, ctx.pid, flags)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             self._opened_at[handle.fh] = time.monotonic()

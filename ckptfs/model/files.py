@@ -42,6 +42,25 @@ def appends_here(flags: int) -> bool:
     return bool(flags & os.O_APPEND) and direct_writes(flags)
 
 
+def drop_setid(mode: int) -> int:
+    """``mode`` after a write by a process without CAP_FSETID, as a local disk leaves it (Linux's
+    file_remove_privs): set-user-ID always goes, set-group-ID where group execute is set (without
+    it, the bit marks mandatory locking, not a set-group-ID program). Regular files only."""
+    if not stat.S_ISREG(mode):
+        return mode
+    kill = stat.S_ISUID | (stat.S_ISGID if mode & stat.S_IXGRP else 0)
+    return mode & ~kill
+
+
+def drops_setid(flags: int, keeps_setid: bool) -> bool:
+    """Whether a handle's writes must clear set-id bits here. Through the page cache the kernel
+    does it itself (file_remove_privs: a SETATTR of the mode before the write); a direct write
+    only flags the WRITE (FUSE_WRITE_KILL_SUIDGID), which pyfuse3 does not pass on, so the
+    daemon clears them for an opener without the privilege (``keeps_setid``: CAP_FSETID, which
+    the FUSE request does not carry: taken as uid 0)."""
+    return direct_writes(flags) and not keeps_setid
+
+
 class Files:
     def __init__(self, commits: Commits, fetcher: Fetcher):
         self.commits = commits
@@ -53,7 +72,7 @@ class Files:
         self.fetcher = fetcher
 
     def create(
-        self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int
+        self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int, keeps_setid: bool = True
     ) -> tuple[Handle, Attr]:
         parent = self.tree.dir(parent_ino)
         if name in parent.children:
@@ -68,12 +87,14 @@ class Files:
         node.writing = Writing(StagedFile(self.cache))
         node.writing.dirty = True  # a created file exists once closed, even empty
         handle = self._open_handle(node, node.writing, None, appends_here(flags))
+        handle.drops_setid = drops_setid(flags, keeps_setid)
         self.tree.touch(parent)
         return handle, self.tree.attr(node)
 
-    async def open(self, ino: int, flags: int) -> tuple[Handle, bool, bool]:
+    async def open(self, ino: int, flags: int, keeps_setid: bool = True) -> tuple[Handle, bool, bool]:
         """A handle; whether the kernel may keep its cached pages of this file; whether the
-        handle's I/O bypasses the kernel page cache (direct I/O: write-only handles)."""
+        handle's I/O bypasses the kernel page cache (direct I/O: write-only handles).
+        ``keeps_setid``: the opener's writes leave set-id bits alone (``drops_setid``)."""
         node = self.tree.node(ino)
         if node.gone:  # deleted by another mount; the kernel's entry for it has not expired yet
             raise FsError(errno.ENOENT)
@@ -109,7 +130,9 @@ class Files:
             writing.dirty = True
             node.mtime_ns = node.ctime_ns = time.time_ns()
         node.kernel_version = None  # (its pages will hold the working copy)
-        return self._open_handle(node, writing, None, appends_here(flags)), False, direct_writes(flags)
+        handle = self._open_handle(node, writing, None, appends_here(flags))
+        handle.drops_setid = drops_setid(flags, keeps_setid)
+        return handle, False, direct_writes(flags)
 
     async def _working_copy(self, node: Node, flags: int) -> StagedFile:
         if flags & os.O_TRUNC or node.version is None:
@@ -189,7 +212,10 @@ class Files:
             offset = writing.staged.size
         if writing.staged.remote and offset + len(data) > MAX_PARTS * self.cache.block_size:
             raise FsError(errno.EFBIG, "a file streamed through a full cache cannot outgrow 10,000 parts")
-        self._send_full_blocks(handle.node, writing, offset)
+        node = handle.node
+        if handle.drops_setid and drop_setid(node.mode) != node.mode:
+            node.mode = drop_setid(node.mode)  # (before the write, as the kernel does; the commit stores it)
+        self._send_full_blocks(node, writing, offset)
         try:
             written = await writing.staged.write(offset, data)
         except OSError as exc:  # the cache disk is full or failing: never commit a torn file

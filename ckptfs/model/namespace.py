@@ -229,9 +229,9 @@ class Namespace:
         self.dirs.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags)
 
     def create(
-        self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int
+        self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int, keeps_setid: bool = True
     ) -> tuple[Handle, Attr]:
-        return self.files.create(parent_ino, name, mode, flags, uid, gid)
+        return self.files.create(parent_ino, name, mode, flags, uid, gid, keeps_setid)
 
     async def symlink(self, parent_ino: int, name: str, target: bytes, uid: int, gid: int) -> Attr:
         """A symbolic link, stored as s3fs stores one: a small file whose content is the target
@@ -272,8 +272,8 @@ class Namespace:
         finally:
             self.files.release(handle.fh)
 
-    async def open(self, ino: int, flags: int) -> tuple[Handle, bool, bool]:
-        return await self.files.open(ino, flags)
+    async def open(self, ino: int, flags: int, keeps_setid: bool = True) -> tuple[Handle, bool, bool]:
+        return await self.files.open(ino, flags, keeps_setid)
 
     async def read(self, fh: int, offset: int, size: int, view: bool = False) -> bytes | memoryview:
         """``view``: a block's own bytes may come back as a view of the arena (for a reply sent

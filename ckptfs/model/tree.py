@@ -143,6 +143,9 @@ class Handle:
         self.writing = writing  # writers: the file's shared working copy
         self.content = content  # readers: the version they read (held)
         self.append = append
+        # Its writes clear the file's set-id bits (files.drop_setid): a direct-I/O writer
+        # without CAP_FSETID, where the kernel leaves that to the filesystem.
+        self.drops_setid = False
         self.read_end = 0  # where the last read stopped (sequential reads trigger read-ahead)
 
     @property
