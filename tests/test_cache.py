@@ -548,6 +548,25 @@ def test_the_latest_checkpoint_is_evicted_last(tmp_path):
     assert evicted == ["old-a", "old-b", "latest"]
 
 
+def test_a_read_moves_clean_data_to_the_end_of_the_eviction_order(tmp_path):
+    """Least recently used, not first in first out: the oldest clean content, read since (the
+    read path calls ``touch`` at every read of a file in the store), goes after the others; a
+    touch of an owner with no clean data changes nothing."""
+    cache = Cache(tmp_path / "c", tmp_path / "r", 4096, 3 * 4096, 0)
+    contents = {}
+    for owner in ("first", "second", "third"):
+        ref = cache.try_alloc()
+        contents[owner] = Content(cache, 4096, [ref], in_store=True)
+        cache.mark_clean(owner, contents[owner], lambda: None)
+    cache.touch("first")  # read: now the most recently used
+    cache.touch("not-clean")
+    evicted = []
+    for _ in range(3):
+        assert cache.try_alloc() is not None
+        evicted.append(next(o for o, c in contents.items() if c.blocks[0] is None and o not in evicted))
+    assert evicted == ["second", "third", "first"]  # (in insertion order: first, second, third)
+
+
 @trio_test
 async def test_the_ram_slots_of_the_next_save_are_touched_ahead(tmp_path):
     """After a save of 2 blocks, the 2 free RAM slots the next allocations take get their pages
