@@ -315,7 +315,9 @@ def test_gc_of_a_1000_file_step_is_quick(tmp_path):
     elapsed = time.monotonic() - started
     assert done["deleted_files"] == 1000 and not done["failures"]
     assert not (tmp_path / "store" / "step-1").exists()
-    assert elapsed < 60, f"gc of 1,000 files took {elapsed:.1f} s"
+    print(f"\ngc of a 1,000-file step on a local store: {elapsed:.1f} s")
+    # 0.6 s here, the command's start included; 20 s leaves a loaded 2-core machine room.
+    assert elapsed < 20, f"gc of 1,000 files took {elapsed:.1f} s"
 
 
 # --- errors ---------------------------------------------------------------------------------------
