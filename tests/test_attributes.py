@@ -130,18 +130,26 @@ def test_chmod_survives_a_crash(store, mount_factory):
 
 
 def test_objects_without_attributes_keep_the_defaults(store, mount_factory):
-    """An object another tool wrote (no such metadata): the mounting user's, 0666 less --umask."""
+    """An object another tool wrote (no such metadata): the mounting user's, 0666 (files) or 0777
+    (directories) less --umask: 0600/0700 by default, 0644/0755 with --umask 0022. Set-id bits
+    in a stored mode are never shown (the other bits are)."""
     backend = open_store(store.url, store.endpoint)
     try:
         backend.put("foreign.bin", b"from elsewhere")
         backend.put("odd.bin", b"x", {"mode": "not a number", "uid": "-5"})
+        backend.put("dir/inner.bin", b"in a directory that has no marker object")
+        backend.put("setid.bin", b"x", {"mode": str(stat.S_IFREG | 0o6755)})
     finally:
         backend.close()
-    m = mount_factory().start()
-    for name in ("foreign.bin", "odd.bin"):
-        st = (m.path / name).stat()
-        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, os.getuid()), name
-    m.stop()
+    for umask, file_mode, dir_mode in ((None, 0o600, 0o700), ("0022", 0o644, 0o755)):
+        m = mount_factory(extra=("--umask", umask) if umask else ()).start()
+        for name in ("foreign.bin", "odd.bin", "dir/inner.bin"):
+            st = (m.path / name).stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (file_mode, os.getuid()), (umask, name)
+        st = (m.path / "dir").stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (dir_mode, os.getuid()), umask
+        assert stat.S_IMODE((m.path / "setid.bin").stat().st_mode) == 0o755, umask  # (stored: 06755)
+        m.stop()
 
 
 WRITE_AS = (

@@ -144,8 +144,9 @@ def test_cache_dir_or_shm_dir_another_user_controls_is_refused(store, tmp_path, 
 
 
 def test_everything_the_daemon_creates_is_private(store, mount_factory, tmp_path):
-    """Cache dir tree, RAM tier tree, control socket and its directory: owned by the mounting
-    user (root), directories 0700, files 0600; the RAM tier's name is not derived from anything
+    """Cache dir tree (while mounted, and after a clean umount: the clean index), RAM tier tree,
+    control socket and its directory: owned by the mounting user (root), directories 0700, files
+    0600; the RAM tier's name is not derived from anything
     another user knows."""
     shm = shm_dir(tmp_path)
     m = mount_factory(extra=("--shm-dir", str(shm))).start()
@@ -157,9 +158,12 @@ def test_everything_the_daemon_creates_is_private(store, mount_factory, tmp_path
     sock = control_socket_path(m.path)
     found = {"cache": modes(m.cache_dir), "ram": modes(ram), "sockdir": modes(sock.parent)}
     m.stop()
+    found["after umount"] = modes(m.cache_dir)  # what a clean umount writes: the clean index
 
-    found["cache"].pop("ckptfs.log")  # the CLI's log file: covered with the logging work
+    for tree in ("cache", "after umount"):
+        found[tree].pop("ckptfs.log")  # the CLI's log file: covered with the logging work
     assert {"journal", "disk.arena", "lock", "ram.dir"} <= set(found["cache"])
+    assert "clean.index" in found["after umount"]
     assert {"owner", "ram.arena", "ram.arena.id"} <= set(found["ram"])
     for tree in found.values():
         for name, (kind, mode, uid) in tree.items():
