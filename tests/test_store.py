@@ -7,6 +7,7 @@ import errno
 import os
 import random
 import socket
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -657,6 +658,42 @@ def test_open_store_no_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     err = _check_fails("s3://bucket", "http://127.0.0.1:1")
     assert "no AWS credentials" in str(err) and err.errno == errno.EACCES
+
+
+def test_mount_refuses_a_missing_bucket_and_bad_credentials_in_one_line(s3_server, s3_bucket, tmp_path):
+    """The three failures above through `ckptfs mount` itself: exit 1 (not bad usage: the store
+    said no), one line on stderr naming the cause, no secret in it, nothing mounted."""
+    from tests.support.harness import assert_one_line_error
+    from tests.support.mounting import CKPTFS, is_mounted
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    without_aws = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") or k == "AWS_CA_BUNDLE"}
+    no_credentials = {
+        **without_aws,
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    cases = [  # (store URL, environment, what the line says)
+        ("s3://no-such-bucket-ckptfs/p", os.environ, "bucket 'no-such-bucket-ckptfs' does not exist"),
+        (f"s3://{s3_bucket}", {**os.environ, "AWS_SECRET_ACCESS_KEY": "wrong-secret-42"}, "access denied"),
+        (f"s3://{s3_bucket}", no_credentials, "no AWS credentials"),
+    ]
+    for url, env, needle in cases:
+        argv = [
+            "mount",
+            url,
+            str(mnt),
+            "--endpoint-url",
+            s3_server.endpoint,
+            "--cache-dir",
+            str(tmp_path / "c"),
+        ]
+        done = subprocess.run([*CKPTFS, *argv], env=env, capture_output=True, text=True, timeout=120)
+        assert_one_line_error(done, 1, needle)
+        assert "wrong-secret-42" not in done.stderr
+        assert not is_mounted(mnt), url
 
 
 def test_open_store_bad_endpoint():
