@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -286,9 +288,28 @@ def test_gc_never_collects_unnumbered_steps():
 # --- DCP metadata, safely ------------------------------------------------------------------------
 
 
-def test_dcp_metadata_names_its_shards(dcp_metadata):
+def test_dcp_metadata_names_its_shards(dcp_metadata, tmp_path):
     raw, shards = dcp_metadata
     assert dcpmeta.referenced_files(raw) == shards
+    # Without importing torch: this process has it (the fixture made the metadata), so the
+    # reader runs in a fresh interpreter, which must name the same shards with torch unloaded.
+    (tmp_path / ".metadata").write_bytes(raw)
+    code = (
+        "import json, sys\n"
+        "from ckptfs.admin import dcpmeta\n"
+        "names = dcpmeta.referenced_files(open(sys.argv[1], 'rb').read())\n"
+        "print(json.dumps([sorted(names), sorted(m for m in sys.modules if m.split('.')[0] == 'torch')]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / ".metadata")],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    names, torch_modules = json.loads(done.stdout)
+    assert set(names) == shards and torch_modules == []
 
 
 class _Evil:
