@@ -269,7 +269,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def fsyncdir(self, fh, datasync):
-        pass
+        await self.ns.fsyncdir()
 
     # -- files -----------------------------------------------------------------------------------
     @_errno_boundary

@@ -360,6 +360,15 @@ class Files:
                 disk.release()
         await trio.to_thread.run_sync(self.commits.journal.sync)
 
+    async def fsyncdir(self) -> None:
+        """fsync of a directory: every name change made so far (create, mkdir, rename, unlink,
+        rmdir; here or anywhere on the mount) survives a node reboot, as do the versions the
+        journal names on the disk tier. The disk arena is synced first, then the journal: a
+        synced record never names blocks that were not (versions in the RAM tier are still
+        dropped at a reboot: only a file's fsync copies them to disk)."""
+        await trio.to_thread.run_sync(self.cache.tiers[DISK].sync)
+        await trio.to_thread.run_sync(self.commits.journal.sync)
+
     async def setattr(
         self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None
     ) -> Attr:

@@ -292,6 +292,9 @@ class Namespace:
     async def fsync(self, fh: int) -> None:
         await self.files.fsync(fh)
 
+    async def fsyncdir(self) -> None:
+        await self.files.fsyncdir()
+
     async def setattr(
         self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None
     ) -> Attr:
