@@ -520,9 +520,10 @@ def test_read_racing_the_move_of_a_renamed_file(s3_server, s3_bucket, tmp_path):
     move of a rename: the fetcher took content.key, the publisher copied and deleted the
     object, the GET reached the store after the delete and the reader got EIO ('is gone from
     the store'). The fetcher now follows content.key on NotFound, waiting for the move."""
-    from tests.support.faultproxy import FaultProxy, Rule, delay
+    from tests.support.faultproxy import FaultProxy, Rule, hold
 
     data = os.urandom(1 << 20)
+    client = s3_server.client()
     with FaultProxy(s3_server.endpoint) as proxy:
         writer = Mount(f"s3://{s3_bucket}/run", tmp_path / "w", endpoint_url=proxy.url)
         reader = Mount(f"s3://{s3_bucket}/run", tmp_path / "r", endpoint_url=proxy.url)
@@ -535,8 +536,8 @@ def test_read_racing_the_move_of_a_renamed_file(s3_server, s3_bucket, tmp_path):
             # O_DIRECT: one FUSE read per call. Through the page cache the kernel retries a failed
             # read once, which hides the error unless the retry races too (as in the torture).
             fd = os.open(reader.path / "ckpt.tmp" / "shard.bin", os.O_RDONLY | os.O_DIRECT)
+            gate = proxy.add_rule(Rule(hold(), kind="get", path=r"/ckpt\.tmp/shard\.bin$", count=1))
             try:
-                proxy.add_rule(Rule(delay(1.5), kind="get", path=r"/ckpt\.tmp/shard\.bin$", count=1))
                 result = {}
 
                 def read():
@@ -547,15 +548,35 @@ def test_read_racing_the_move_of_a_renamed_file(s3_server, s3_bucket, tmp_path):
 
                 thread = threading.Thread(target=read)
                 thread.start()
-                time.sleep(0.3)  # the GET is on its way (held by the proxy)
+                get = gate.wait_held(30)  # the fetcher took the old key; its GET is at the proxy
                 os.rename(reader.path / "ckpt.tmp", reader.path / "ckpt")  # a move: copy + delete
+                deadline = time.monotonic() + 30  # the publisher moves the object meanwhile
+                while "run/ckpt.tmp/shard.bin" in (keys := _keys(client, s3_bucket)) or (
+                    "run/ckpt/shard.bin" not in keys
+                ):
+                    assert time.monotonic() < deadline, f"the move did not happen: {keys}"
+                    time.sleep(0.05)
+                assert not get.done.is_set(), "the GET was not held through the move"
+                gate.release()  # the GET reaches the store after the delete
+                assert get.done.wait(30)
+                assert get.status == 404, f"the held GET was answered {get.status}: the race was missed"
                 thread.join(30)
                 assert result.get("data") == data, f"the read failed: {result.get('error')!r}"
             finally:
+                gate.release()
                 os.close(fd)
         finally:
             reader.cleanup()
             writer.cleanup()
+
+
+def _keys(client, bucket: str) -> list[str]:
+    """The bucket's object keys, checksum manifests left out."""
+    return sorted(
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])
+        if not is_reserved(o["Key"].removeprefix("run/"))
+    )
 
 
 @pytest.mark.timeout(120)
@@ -563,28 +584,27 @@ def test_rename_while_the_multipart_upload_is_being_created(s3_server, s3_bucket
     """Found by the torture (fixed since): a rename retargeting a put while its
     CreateMultipartUpload was in flight recorded the upload under the new key; the parts then
     failed with NoSuchUpload, the publisher stalled 30 s and the first upload leaked."""
-    from tests.support.faultproxy import FaultProxy, Rule, delay
+    from tests.support.faultproxy import FaultProxy, Rule, hold
 
     data = os.urandom(20 << 20)
     with FaultProxy(s3_server.endpoint) as proxy:
         m = Mount(f"s3://{s3_bucket}/run", tmp_path / "m", endpoint_url=proxy.url)
+        gate = proxy.add_rule(Rule(hold(), kind="create_multipart", count=1))
         try:
             m.start()
-            proxy.add_rule(Rule(delay(1.0), kind="create_multipart", count=1))
             (m.path / "ckpt.tmp").write_bytes(data)  # committed: hashing, then the create (held)
-            time.sleep(0.5)
+            create = gate.wait_held(60)
+            assert create.path.endswith("/run/ckpt.tmp")
             os.rename(m.path / "ckpt.tmp", m.path / "ckpt")  # retargets the pending put
+            assert not create.done.is_set(), "the rename came after the create was answered"
+            gate.release()
+            assert create.done.wait(30) and create.status == 200
             started = time.monotonic()
             m.sync(timeout=60)
             assert time.monotonic() - started < 15, "the upload stalled"
             client = s3_server.client()
             assert client.get_object(Bucket=s3_bucket, Key="run/ckpt")["Body"].read() == data
-            keys = [
-                o["Key"]
-                for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
-                if not is_reserved(o["Key"].removeprefix("run/"))
-            ]  # (checksum manifests)
-            assert keys == ["run/ckpt"]
+            assert _keys(client, s3_bucket) == ["run/ckpt"]  # (checksum manifests left out)
             deadline = time.monotonic() + 10  # aborts run in the background
             while (
                 uploads := client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
@@ -594,6 +614,7 @@ def test_rename_while_the_multipart_upload_is_being_created(s3_server, s3_bucket
             assert m.status()["errors"] == []
             m.stop()
         finally:
+            gate.release()
             m.cleanup()
 
 
@@ -609,25 +630,31 @@ def _open_uploads(client, bucket: str, wait_s: float = 10) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_kill_during_create_multipart_leaks_no_upload(s3_server, s3_bucket, tmp_path):
-    from tests.support.faultproxy import FaultProxy, Rule, delay
+    from tests.support.faultproxy import FaultProxy, Rule, hold
 
     data = os.urandom(12 << 20)  # two parts: a multipart upload
     client = s3_server.client()
     with FaultProxy(s3_server.endpoint) as proxy:
         m = Mount(f"s3://{s3_bucket}/run", tmp_path / "m", endpoint_url=proxy.url)
+        gate = proxy.add_rule(Rule(hold(), kind="create_multipart", count=1))
         try:
             m.start()
-            proxy.add_rule(Rule(delay(1.5), kind="create_multipart", count=1))  # held, then sent on
             (m.path / "shard.bin").write_bytes(data)  # committed; its upload starts
-            time.sleep(0.5)  # CreateMultipartUpload is on its way
+            create = gate.wait_held(60)  # CreateMultipartUpload is on its way, held at the proxy
+            assert create.path.endswith("/run/shard.bin")
             kill_daemon(m)
-            time.sleep(1.5)  # the store creates the upload; nobody hears its id
+            assert not create.done.is_set(), "the create was answered before the kill"
+            assert _open_uploads(client, s3_bucket, wait_s=0) == []
+            gate.release()  # the store creates the upload; nobody hears its id
+            assert create.done.wait(30) and create.status == 200
+            assert _open_uploads(client, s3_bucket, wait_s=0) == ["run/shard.bin"]  # the orphan
             m.start()
             m.sync(timeout=60)
             assert client.get_object(Bucket=s3_bucket, Key="run/shard.bin")["Body"].read() == data
             assert _open_uploads(client, s3_bucket) == []
             m.stop()
         finally:
+            gate.release()
             m.cleanup()
             for u in client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []):
                 client.abort_multipart_upload(Bucket=s3_bucket, Key=u["Key"], UploadId=u["UploadId"])

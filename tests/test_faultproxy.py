@@ -20,6 +20,7 @@ from tests.support.faultproxy import (
     corrupt_response_body,
     delay,
     drop_response,
+    hold,
     reset_mid_body,
     status,
 )
@@ -169,6 +170,40 @@ def test_drop_response_after_put_leaves_the_object(s3_server, s3_bucket, proxy):
     with pytest.raises((bex.ConnectionClosedError, bex.EndpointConnectionError, bex.ReadTimeoutError)):
         client.put_object(Bucket=s3_bucket, Key="dropped", Body=b"acted")
     assert s3_server.client().get_object(Bucket=s3_bucket, Key="dropped")["Body"].read() == b"acted"
+
+
+def test_hold_keeps_a_request_until_released(s3_server, s3_bucket, proxy):
+    client, direct = _client(s3_server, proxy), s3_server.client()
+    results: dict[str, object] = {}
+
+    def put(key: str) -> None:
+        try:
+            results[key] = client.put_object(Bucket=s3_bucket, Key=key, Body=b"held")["ETag"]
+        except Exception as exc:  # noqa: BLE001 - the dropped one fails
+            results[key] = exc
+
+    # forwarded on release: the server acts only then
+    rule = proxy.add_rule(Rule(hold(), kind="put", count=1))
+    thread = threading.Thread(target=put, args=("kept",))
+    thread.start()
+    held = rule.wait_held(30)
+    assert held.path.endswith("/kept") and not held.done.is_set()
+    assert direct.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 0  # not sent upstream yet
+    rule.release()
+    assert held.done.wait(30) and held.status == 200
+    thread.join(30)
+    assert isinstance(results["kept"], str)
+    assert direct.get_object(Bucket=s3_bucket, Key="kept")["Body"].read() == b"held"
+    # dropped on release: the server never sees it
+    rule = proxy.add_rule(Rule(hold(), kind="put", count=1))
+    thread = threading.Thread(target=put, args=("dropped",))
+    thread.start()
+    held = rule.wait_held(30)
+    rule.release(forward=False)
+    assert held.done.wait(30) and held.status == 0
+    thread.join(30)
+    assert isinstance(results["dropped"], Exception)
+    assert [o["Key"] for o in direct.list_objects_v2(Bucket=s3_bucket)["Contents"]] == ["kept"]
 
 
 def test_reset_mid_body(s3_server, s3_bucket, proxy):

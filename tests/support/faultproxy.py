@@ -17,7 +17,20 @@ complete_multipart, abort, head, list, delete, copy) and counted per (method, ki
 first rule that matches it (method, path regex, query substring, kind, header regexes; within its count,
 probability and time window) decides what happens; with none, it is forwarded as is.
 Actions: ``status(code, s3_code)``, ``delay(seconds)``, ``reset_mid_body()``,
-``drop_response()``, ``blackhole()``, ``corrupt_request_body()``, ``corrupt_response_body()``.
+``drop_response()``, ``blackhole()``, ``corrupt_request_body()``, ``corrupt_response_body()``,
+``hold()``.
+
+``hold()`` is a gate, for tests that must act while a request is in flight (no sleeps):
+
+    rule = proxy.add_rule(Rule(hold(), kind="create_multipart", count=1))
+    ...                                   # something sends the request
+    held = rule.wait_held()               # the request is at the proxy, not yet sent upstream
+    ...                                   # act in the window (kill, rename, ...)
+    rule.release()                        # forward it now (forward=False: reset, never sent)
+    held.done.wait(10)                    # the server answered (held.status) or it was dropped
+
+Each request's ``done`` event is set once the proxy is through with it (answered, dropped, or
+failed), and ``status`` is the server's answer when one came.
 
 ``verify_checksums = True`` makes the proxy check what AWS S3 checks and the servers here
 (Swift 2.30, moto 5.2) do not: a request body sent with ``x-amz-checksum-crc32c`` that does not
@@ -97,6 +110,12 @@ def corrupt_request_body() -> Action:
     return Action("corrupt_request_body")
 
 
+def hold() -> Action:
+    """Keep the request (its head read, its body unread) at the proxy until ``rule.release()``:
+    then forward it, or (``release(forward=False)``) reset the connection without sending it."""
+    return Action("hold")
+
+
 def corrupt_response_body() -> Action:
     """Forward, then flip a byte in the middle of the response body (length and headers kept):
     a bit error the transport did not catch, as a client sees it over plain http."""
@@ -118,6 +137,22 @@ class Rule:
     hits: int = 0  # times it fired
     added: float = field(default=0.0, repr=False)
     removed: threading.Event = field(default_factory=threading.Event, repr=False)
+    held: list[Request] = field(default_factory=list, repr=False)  # requests a hold() rule caught
+    _entered: threading.Event = field(default_factory=threading.Event, repr=False)
+    _released: threading.Event = field(default_factory=threading.Event, repr=False)
+    _forward: bool = field(default=True, repr=False)
+
+    def wait_held(self, timeout: float = 60) -> Request:
+        """Wait until a request is being held by this (hold) rule; the first one held."""
+        if not self._entered.wait(timeout):
+            raise AssertionError(f"no request matching {self} reached the proxy in {timeout} s")
+        return self.held[0]
+
+    def release(self, forward: bool = True) -> None:
+        """Let held requests (and any this rule catches later) go: forwarded upstream, or
+        (forward=False) the client connection reset with nothing sent upstream."""
+        self._forward = forward
+        self._released.set()
 
     def matches(self, req: Request) -> bool:
         kinds = (self.kind,) if isinstance(self.kind, str) else self.kind
@@ -150,6 +185,7 @@ class Request:
     kind: str = ""
     action: str = "forward"
     status: int = 0  # the answer's status (the server's, or the injected one); 0: none came
+    done: threading.Event = field(default_factory=threading.Event, repr=False)  # the proxy is through
 
 
 def classify(method: str, path: str, query: str, headers: dict[str, str]) -> str:
@@ -322,10 +358,25 @@ class _Handler(socketserver.BaseRequestHandler):
         headers = _headers(head)
         path, _, query = target.partition("?")
         req = Request(method, path, query, headers, classify(method, path, query, headers))
+        try:
+            return self._serve(proxy, sock, rfile, req, head, version)
+        finally:
+            req.done.set()
+
+    def _serve(self, proxy: FaultProxy, sock: socket.socket, rfile, req: Request, head, version) -> bool:
+        method, path, headers = req.method, req.path, req.headers
         rule = proxy._match(req)
         action = rule.action if rule else Action("forward")
         req.action = action.name
         proxy._record(req)
+        if rule is not None and action.name == "hold":
+            rule.held.append(req)
+            rule._entered.set()
+            while not (rule._released.wait(0.05) or proxy._stopping.is_set()):
+                pass
+            if not rule._forward or proxy._stopping.is_set():
+                _reset(sock)
+                return False
         keep_alive = version.strip() != "HTTP/1.0" and headers.get("connection", "").lower() != "close"
         if headers.get("expect", "").lower() == "100-continue":
             sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
