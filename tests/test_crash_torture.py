@@ -4,10 +4,13 @@ Each trial runs ``tests/support/crash_writer.py`` in its own process: it saves a
 files of varied sizes around the 8 MiB part size, sometimes a real ``torch.save``, sometimes
 into a temp directory renamed into place) into ``trial-NNN/`` of one long-lived mount, then a
 ``latest`` pointer naming them, and logs every ``close()``/``rename`` that returned to a file
-outside the mount. At a random moment (during the writes, between commits, during the
-uploads, after everything is durable) the test SIGKILLs the daemon, sometimes twice (the
-second time during the recovery), remounts with the same cache dir, syncs, and checks with
-xxh3 of bytes read straight from the store (boto3 on the real endpoint):
+outside the mount. The test SIGKILLs the daemon in a phase of the save that trial i takes in
+turn (i mod 4: during the writes, during the uploads, twice: during the uploads and again
+during the recovery, after everything is durable; ``PHASES``), at a random moment inside it,
+and fails if the kill did not land in that phase; the mount reaches the store through the
+fault proxy, whose holds keep the uploads phases' window open. Then it remounts with the same
+cache dir, syncs, and checks with xxh3 of bytes read straight from the store (boto3 on the
+real endpoint):
 
 - every file whose close returned is there, byte-identical (on the mount before the sync,
   in the store after it);
@@ -23,6 +26,7 @@ The mount and its cache dir are reused across trials, so the journal, the arenas
 store accumulate state as a real job's restarts do; earlier trials' objects must stay intact
 (same ETag). 6 trials per cache by default, 100 with CKPTFS_LONG=1 (CKPTFS_TORTURE_TRIALS overrides);
 CKPTFS_TORTURE_SEED replays a run (the seed is printed in the summary line and in failures);
+a run of 4 trials or more fails unless each phase was reached at least once;
 CKPTFS_TORTURE_VERBOSE=1 prints a line per trial (when the kill landed).
 
 Bugs the torture found are reproduced by the regular tests at the bottom, all fixed. The
@@ -35,6 +39,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -342,6 +347,7 @@ def _read_log(path: Path) -> list[tuple[str, float]]:
 def _stop_writer(proc: subprocess.Popen | None) -> None:
     if proc is None or proc.poll() is not None:
         return
+    proc.send_signal(signal.SIGCONT)  # a writer that stopped itself (the writes phase)
     try:
         proc.wait(timeout=15)  # it gets ENOTCONN/EIO from the dead mount and exits
     except subprocess.TimeoutExpired:
@@ -355,17 +361,38 @@ def _stop_writer(proc: subprocess.Popen | None) -> None:
 CACHES = {"roomy": ("32MiB", "2GiB"), "tight": ("8MiB", "16MiB")}
 
 
+# The kill phases, in the order trial i takes them (phase i mod 4): every run of 4 trials or more
+# reaches each of them, whatever the seed (the moments inside a phase are random). The writes: the
+# writer stops itself at a random point of its writes (a file open, half written) unless the
+# random kill moment comes first. The uploads: the pointer's upload (`latest` or `latest.tmp`,
+# the last one a save makes) or, in the roomy cache, a random data file's first request is held
+# at the fault proxy when the kill lands, then dropped or sent on. Again during recovery: as the
+# uploads (the pointer held, then dropped), then the remounted daemon is killed while its
+# recovery's upload of the pointer is held. After all was durable: once the store holds every
+# file and the new pointer.
+PHASES = (
+    "killed during writes",
+    "killed during uploads",
+    "killed again during recovery",
+    "killed after all was durable",
+)
+POINTER = rf"/{PREFIX}/latest(\.tmp)?$"
+
+
 @pytest.mark.timeout(3600 if LONG else 600)
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
+    from tests.support.faultproxy import FaultProxy, Rule, hold
+
     seed = int(os.environ.get("CKPTFS_TORTURE_SEED") or random.SystemRandom().randrange(1 << 32))
     rng = random.Random(seed)
     store = Store(s3_server.client(), s3_bucket, PREFIX)
     ram_cache, cache_size = CACHES[cache]
+    proxy = FaultProxy(s3_server.endpoint).start()  # the mount's way to the store: its holds
     m = Mount(
         f"s3://{s3_bucket}/{PREFIX}",
         tmp_path / "m",
-        endpoint_url=s3_server.endpoint,
+        endpoint_url=proxy.url,
         ram_cache=ram_cache,
         cache_size=cache_size,
         extra=("--upload-concurrency", "3"),
@@ -380,18 +407,34 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
     try:
         m.start()
         for trial in range(TRIALS):
+            planned = PHASES[trial % len(PHASES)]
             t = Trial(
                 trial,
                 store,
                 known,
                 known_latest,
                 tmp_path / "scratch",
-                f"trial {trial} (seed {seed}, plan {crash_writer.plan(trial)})",
+                f"trial {trial} (seed {seed}, {planned}, plan {crash_writer.plan(trial)})",
             )
+            stop = []
+            if planned == "killed during writes":
+                entry = rng.choice(t.plan.entries)
+                stop = [f"{entry.index}:{rng.randint(0, crash_writer.chunks(entry))}"]
+            gate = None
+            if planned == "killed during uploads" and cache == "roomy" and rng.random() < 0.5:
+                # A data file's first request held (its put, or its multipart upload's create,
+                # part or completion); the roomy cache only: in the tight one a file whose blocks
+                # cannot go out stalls the writes.
+                entry = rng.choice(t.plan.entries)
+                path = rf"/{PREFIX}/{t.plan.dir}(\.tmp)?/{re.escape(entry.name)}$"
+                kinds = ("put", "create_multipart", "upload_part", "complete_multipart", "copy")
+                gate = proxy.add_rule(Rule(hold(), kind=kinds, path=path, count=1))
+            elif planned in ("killed during uploads", "killed again during recovery"):
+                gate = proxy.add_rule(Rule(hold(), kind=("put", "copy"), path=POINTER, count=1))
             log = logs / f"trial-{trial:03d}.log"
             with open(logs / f"trial-{trial:03d}.out", "wb") as out:
                 writer = subprocess.Popen(
-                    [sys.executable, str(WRITER), str(m.path), str(trial), str(log)],
+                    [sys.executable, str(WRITER), str(m.path), str(trial), str(log), *stop],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )
@@ -400,35 +443,52 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
                 if writer.poll() is not None or time.monotonic() > deadline:
                     t.fail(f"the writer did not start: {(logs / f'trial-{trial:03d}.out').read_text()}")
                 time.sleep(0.01)
-            # When to kill. The writes take 0.05-0.5 s from "ready"; the uploads end 0.1-0.5 s
-            # after the last close. So: some time after "ready" (mostly during the writes), or
-            # some time after "done" (mostly during the uploads, sometimes after them).
-            r = rng.random()
-            if r < 0.4:
-                time.sleep(rng.uniform(0, 0.5))
-            else:
-                deadline = time.monotonic() + 60
-                while "done" not in [what for what, _ in _read_log(log)] and writer.poll() is None:
-                    assert time.monotonic() < deadline, "the writer hangs"
+            if planned == "killed during writes":  # a random moment, at the latest its stop
+                until = time.monotonic() + rng.uniform(0, 0.5)
+                while time.monotonic() < until and proc_state(writer.pid) != "T":
+                    if writer.poll() is not None:
+                        t.fail(f"the writer exited: {(logs / f'trial-{trial:03d}.out').read_text()}")
                     time.sleep(0.005)
-                time.sleep(rng.uniform(0, 0.25) if r < 0.85 else rng.uniform(0.25, 1.5))
+            else:
+                _wait_for_done(t, writer, log)
+                if gate is not None:
+                    gate.wait_held(60)  # an upload's request is at the proxy, held
+                    time.sleep(rng.uniform(0, 0.25))
+                else:
+                    deadline = time.monotonic() + 120
+                    while not _all_durable(t, store):
+                        if time.monotonic() > deadline:
+                            t.fail("the save did not become durable in 120 s")
+                        time.sleep(0.05)
+                    time.sleep(rng.uniform(0, 1.0))
             killed_at = time.monotonic()
             kill_daemon(m)
-            _stop_writer(writer)
+            _stop_writer(writer)  # it gets ENOTCONN/EIO (a stopped one once continued) and exits
             events = _read_log(log)
             t.confirmed = [what for what, _ in events]
             ready_at = events[0][1]
             if "done" not in t.confirmed:
-                stats["killed during writes"] += 1
+                observed = "killed during writes"
                 phase = f"during writes, after {t.confirmed[1:] or 'nothing'}"
-            t.check_store("right after the kill")
-            if "done" in t.confirmed:  # every file and the pointer committed: were they all uploaded?
-                keys = [f"{t.plan.dir}/{e.name}" for e in t.plan.entries] + ["latest"]
-                everything = all(store.exists(k) for k in keys)
-                stats["killed after all was durable" if everything else "killed during uploads"] += 1
+            else:  # every file and the pointer committed: were they all uploaded?
+                everything = _all_durable(t, store)
+                observed = "killed after all was durable" if everything else "killed during uploads"
                 phase = f"{killed_at - events[-1][1]:.3f} s after the writer's last close, " + (
                     "everything durable" if everything else "uploads pending"
                 )
+            if gate is not None:
+                phase += f" ({gate.held[0].kind} {gate.held[0].path} held)"
+            stats[observed] += 1
+            first = "killed during uploads" if planned == "killed again during recovery" else planned
+            if observed != first:
+                t.fail(f"the kill was planned {first} but landed {phase}")
+            if gate is not None:
+                assert not gate.held[0].done.is_set(), "the pointer's held upload went on before the kill"
+                forward = planned == "killed during uploads" and rng.random() < 0.5
+                gate.release(forward=forward)  # an in-flight request that reaches the store, or not
+                gate.held[0].done.wait(30)
+                proxy.remove_rule(gate)
+            t.check_store("right after the kill")
             if VERBOSE:
                 with capsys.disabled():
                     print(
@@ -436,13 +496,20 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
                         f"writes took {events[-1][1] - ready_at:.3f} s",
                         end="",
                     )
-            m.start()
-            if rng.random() < 0.25:  # crash again during the recovery
-                time.sleep(rng.uniform(0, 0.5))
-                kill_daemon(m)
-                stats["killed again during recovery"] += 1
-                t.check_store("right after the second kill")
+            if planned == "killed again during recovery":
+                # The pointer never reached the store: the recovery uploads it; kill it then.
+                again = proxy.add_rule(Rule(hold(), kind=("put", "copy"), path=POINTER, count=1))
                 m.start()
+                again.wait_held(60)
+                time.sleep(rng.uniform(0, 0.25))
+                kill_daemon(m)
+                assert not again.held[0].done.is_set()
+                stats["killed again during recovery"] += 1
+                again.release(forward=False)
+                again.held[0].done.wait(30)
+                proxy.remove_rule(again)
+                t.check_store("right after the second kill")
+            m.start()
             t.check_mount(m.path, "after the remount, before sync")
             m.sync(timeout=240)
             known = t.check_after_sync(m.path, store)
@@ -456,13 +523,33 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
         m.stop()
     finally:
         _stop_writer(writer)
+        proxy.clear()
         m.cleanup()
+        proxy.stop()
     summary = ", ".join(f"{v} {k}" for k, v in sorted(stats.items()))
     with capsys.disabled():
         print(
             f"\ncrash torture ({cache} cache): {TRIALS} trials in {time.monotonic() - started:.0f} s, "
             f"seed {seed}: {summary}"
         )
+    if TRIALS >= len(PHASES):
+        missing = [p for p in PHASES if not stats[p]]
+        assert not missing, f"seed {seed}: no kill landed {missing}: {summary}"
+
+
+def _wait_for_done(t: Trial, writer: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while "done" not in [what for what, _ in _read_log(log)]:
+        if writer.poll() is not None or time.monotonic() > deadline:
+            t.fail(f"the writer {'exited' if writer.poll() is not None else 'hangs'} before it was done")
+        time.sleep(0.005)
+
+
+def _all_durable(t: Trial, store: Store) -> bool:
+    """The store holds every file of the trial (under its final directory) and the new pointer."""
+    if (store.get("latest") or (None,))[0] != t.latest:
+        return False
+    return all(store.exists(f"{t.plan.dir}/{e.name}") for e in t.plan.entries)
 
 
 # -- minimal reproductions of bugs the torture found ----------------------------------------------

@@ -1,6 +1,6 @@
 """The writer of tests/test_crash_torture.py: a training job saving one checkpoint.
 
-    python tests/support/crash_writer.py MOUNTPOINT TRIAL LOG
+    python tests/support/crash_writer.py MOUNTPOINT TRIAL LOG [STOP]
 
 Writes the files of ``plan(TRIAL)`` under MOUNTPOINT, with content that depends only on
 (trial, file), then a ``latest`` pointer naming them (written last, as Megatron's
@@ -14,6 +14,11 @@ line ends with a tab and the time.monotonic() at which it was written):
     renamed trial-007          the temp directory was renamed into place
     done                       everything returned
 
+STOP, ``ENTRY:CHUNK``, makes the writer stop itself (SIGSTOP) in the middle of its writes: with
+entry ENTRY's file open, before writing its chunk CHUNK (1 MiB each; a chunk past the end: before
+its close; a torch entry: before its save). The test uses it to be sure its kill lands during the
+writes; it sends SIGCONT after the kill.
+
 The test SIGKILLs the ckptfs daemon at a random moment; this process then gets ENOTCONN
 (or EIO) and exits non-zero, which is expected. The test imports ``plan`` and
 ``expected_bytes`` from here to know what each file must contain.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -130,15 +136,29 @@ def _log(fd: int, line: str) -> None:
     os.fsync(fd)
 
 
-def _write_raw(path: Path, data: bytes, pace: random.Random) -> None:
+def chunks(entry: Entry) -> int:
+    """How many writes the writer makes of a raw entry (the stop points are 0..chunks)."""
+    return -(-entry.size // CHUNK)
+
+
+def _stop() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)  # the test kills the daemon, then sends SIGCONT
+
+
+def _write_raw(path: Path, data: bytes, pace: random.Random, stop_at: int | None = None) -> None:
     with open(path, "wb", buffering=0) as f:
-        for start in range(0, len(data), CHUNK):
+        for i, start in enumerate(range(0, len(data) + CHUNK, CHUNK)):
+            if i == stop_at:
+                _stop()
+            if start >= len(data):
+                break
             f.write(data[start : start + CHUNK])
             time.sleep(pace.uniform(0, 0.004))  # a little time for the kill to land mid-file
 
 
-def main(mountpoint: str, trial: int, log_path: str) -> int:
+def main(mountpoint: str, trial: int, log_path: str, stop: str | None = None) -> int:
     p = plan(trial)
+    stop_entry, stop_chunk = (int(x) for x in stop.split(":")) if stop else (-1, -1)
     root = Path(mountpoint)
     if any(e.kind == "torch" for e in p.entries):
         import torch  # noqa: F401 - import before "ready": the kill delay counts from there
@@ -149,10 +169,12 @@ def main(mountpoint: str, trial: int, log_path: str) -> int:
     for entry in p.entries:
         path = root / p.write_dir / entry.name
         if entry.kind == "raw":
-            _write_raw(path, raw_bytes(trial, entry), pace)
+            _write_raw(path, raw_bytes(trial, entry), pace, stop_chunk if entry.index == stop_entry else None)
         else:
             import torch
 
+            if entry.index == stop_entry:
+                _stop()
             torch.save(torch_state(trial, entry), path)  # opens, writes, closes
         _log(log, f"closed {p.write_dir}/{entry.name}")
         time.sleep(pace.uniform(0, 0.03))
@@ -171,4 +193,4 @@ def main(mountpoint: str, trial: int, log_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None))
