@@ -293,27 +293,39 @@ async def test_rename_of_a_pending_file_to_a_name_a_later_pending_move_touches(
     assert store_files(local) == {"blocker": b"b", **{name: data[which] for name, which in expected.items()}}
 
 
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+@pytest.mark.parametrize("flags", [os.O_RDONLY, WRITE], ids=["reader", "writer_with_nothing_new"])
 @trio_test
-async def test_fsync_of_a_pending_version_on_the_disk_tier_syncs_the_disk_arena(tmp_path, local):
+async def test_fsync_of_a_pending_version_on_the_disk_tier_syncs_the_disk_arena(tmp_path, local, tier, flags):
     """Was a bug: a pending version whose blocks were all on the disk tier was fsynced by
     syncing the journal alone: after a node reboot its journal record could name disk slots
-    whose bytes never reached the disk."""
+    whose bytes never reached the disk. The fsync of a reader, or of a writer that wrote
+    nothing (it has nothing new: the committed version is what it makes durable), with the
+    version's blocks on the disk tier or in RAM (copied to the disk first): the disk arena is
+    synced, and before the journal (the record must not name bytes not yet on the disk)."""
     store = FaultyStore(local)
     async with mounted(tmp_path, store) as m:
         ns = m.ns
         ram_taken = []
-        while (ref := m.cache.try_alloc(only=RAM)) is not None:  # the RAM tier is full
+        while tier == "disk" and (ref := m.cache.try_alloc(only=RAM)) is not None:  # RAM full
             ram_taken.append(ref)
         gate = store.hold("put", "f")  # the version stays pending
         f = await create(ns, "/f", blob(BS + 1, 1))
-        assert all(ref[0] == DISK for ref in ns.node(f).version.content.refs())
-        disk = m.cache.tiers[DISK]
-        synced, sync = [], disk.sync
-        disk.sync = lambda: (synced.append(True), sync())
-        reader, *_ = await ns.open(f, os.O_RDONLY)
-        await ns.fsync(reader.fh)
-        assert synced, "fsync did not sync the disk arena holding the version's blocks"
-        ns.release(reader.fh)
+        on = DISK if tier == "disk" else RAM
+        assert all(ref[0] == on for ref in ns.node(f).version.content.refs())
+        disk, journal = m.cache.tiers[DISK], ns.commits.journal
+        events: list[str] = []
+        disk_sync, journal_sync = disk.sync, journal.sync
+        disk.sync = lambda: (events.append("arena"), disk_sync())
+        journal.sync = lambda: (events.append("journal"), journal_sync())
+        handle, *_ = await ns.open(f, flags)
+        await ns.fsync(handle.fh)
+        assert "arena" in events, "fsync did not sync the disk arena holding the version's blocks"
+        assert "journal" in events, "fsync did not sync the journal"
+        assert events.index("arena") < events.index("journal"), f"the journal was synced first: {events}"
+        if tier == "ram":  # copied: a journal record names disk blocks holding the version
+            assert ns.node(f).version.seq is not None and ns.state(f) == "pending"
+        ns.release(handle.fh)
         gate.open()
         for ref in ram_taken:
             m.cache.decref(ref)
