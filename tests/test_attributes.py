@@ -129,6 +129,71 @@ def test_chmod_survives_a_crash(store, mount_factory):
     m.stop()
 
 
+def test_attribute_changes_before_the_commit_and_while_the_put_is_pending(
+    s3_server, s3_bucket, proxy, tmp_path
+):
+    """A file not yet committed (chmod/chown/utime on its open descriptor) gets its attributes
+    with its first upload: one PUT, no metadata op after it. A file committed and still pending
+    (its PUT held at the fault proxy, carrying the old attributes) gets them in an op after its
+    put: a CopyObject onto itself follows the PUT."""
+    from tests.support.faultproxy import Rule, hold
+
+    view = S3StoreView(s3_server, s3_bucket, prefix="run")  # read behind the proxy's back
+    m = Mount(view.url, tmp_path / "m", endpoint_url=proxy.url)
+    gate = None
+    try:
+        m.start()
+        # Not yet committed: the changes come while the writer holds the file open.
+        early = m.path / "early.pt"
+        with open(early, "wb") as f:
+            f.write(b"e" * 4096)
+            f.flush()  # the write reaches the mount before the changes (no writeback cache)
+            os.fchmod(f.fileno(), 0o640)
+            os.fchown(f.fileno(), 4321, 4321)
+            os.utime(f.fileno(), (MTIME, MTIME))
+        m.sync()
+        meta = stored(view, "early.pt").metadata
+        assert (meta["mode"], meta["uid"], meta["gid"], meta["mtime"]) == (
+            str(stat.S_IFREG | 0o640),
+            "4321",
+            "4321",
+            str(MTIME),
+        )
+        sent = [r.kind for r in proxy.requests if r.path.endswith("/run/early.pt")]
+        assert sent.count("put") == 1 and "copy" not in sent, sent
+        # Committed and still pending: the PUT is held at the proxy while the attributes change.
+        gate = proxy.add_rule(Rule(hold(), kind="put", path=r"/run/late\.pt$", count=1))
+        late = m.path / "late.pt"
+        late.write_bytes(b"l" * 4096)
+        committed_mode = late.stat().st_mode
+        put = gate.wait_held(60)
+        assert put.headers.get("x-amz-meta-mode") == str(committed_mode)  # the put carries the commit's
+        late.chmod(0o604 if stat.S_IMODE(committed_mode) != 0o604 else 0o640)
+        new_mode = late.stat().st_mode
+        os.chown(late, 1234, 1234)
+        os.utime(late, (MTIME, MTIME))
+        assert os.getxattr(late, "user.ckptfs.state") == b"pending" and not put.done.is_set()
+        gate.release()
+        m.sync()
+        meta = stored(view, "late.pt").metadata
+        assert (meta["mode"], meta["uid"], meta["gid"], meta["mtime"]) == (
+            str(new_mode),
+            "1234",
+            "1234",
+            str(MTIME),
+        )
+        sent = [
+            r.kind for r in proxy.requests if r.path.endswith("/run/late.pt") and r.kind in ("put", "copy")
+        ]
+        assert sent[0] == "put" and "copy" in sent[1:], f"no metadata op after the put: {sent}"
+        assert view.read("late.pt") == b"l" * 4096
+        m.stop()
+    finally:
+        if gate is not None:
+            gate.release()
+        m.cleanup()
+
+
 def test_objects_without_attributes_keep_the_defaults(store, mount_factory):
     """An object another tool wrote (no such metadata): the mounting user's, 0666 (files) or 0777
     (directories) less --umask: 0600/0700 by default, 0644/0755 with --umask 0022. Set-id bits
