@@ -937,6 +937,36 @@ async def test_lookup_of_an_unknown_name_asks_the_store_and_remembers_a_miss(tmp
         assert await read_all(ns, await alookup(ns, "theirs.txt")) == b"t"
 
 
+@trio_test
+async def test_a_failed_head_of_a_listed_name_is_eio_and_its_entry_shows_no_permission(tmp_path, local):
+    """A name a listing showed is answered only once a HEAD read its attributes: if the HEAD
+    fails, lookup gets EIO, and the entry (in a directory listing) shows as root's with no
+    permission bits until one succeeds; opendir's refresh reads every entry's attributes."""
+    import stat
+
+    local.put("f.bin", b"x", {"mode": str(stat.S_IFREG | 0o644), "uid": "1234", "gid": "1234"})
+    store = FaultyStore(local)
+    async with mounted(tmp_path, store) as m:
+        ns = m.ns
+
+        def shown() -> tuple[int, int, int]:
+            attr = dict(ns.readdir(ROOT_INODE))["f.bin"]
+            return attr.mode, attr.uid, attr.gid
+
+        assert shown() == (stat.S_IFREG, 0, 0)  # listed, not read yet
+        store.fail("head", 100, "f.bin")
+        assert await aerr(ns.lookup_async, ROOT_INODE, "f.bin") == errno.EIO
+        await ns.refresh(ROOT_INODE)  # opendir: the HEAD fails again, the entry stays closed
+        assert shown() == (stat.S_IFREG, 0, 0)
+        assert store.count("head", "f.bin") == 2
+        store.fail("head", 0, "f.bin")  # the store answers again
+        await ns.refresh(ROOT_INODE)  # opendir reads the entries' attributes, no lookup needed
+        assert shown() == (stat.S_IFREG | 0o644, 1234, 1234)
+        attr = await ns.lookup_async(ROOT_INODE, "f.bin")
+        assert (attr.mode, attr.uid) == (stat.S_IFREG | 0o644, 1234)
+        assert store.count("head", "f.bin") == 3  # (known now: the lookup asks no more)
+
+
 def test_a_file_gone_from_the_store_goes_unless_open_or_pending_here(tmp_path, local):
     store = FaultyStore(local)
     for key in ("d/gone", "d/open", "d/unlinked", "d/sub/f"):
