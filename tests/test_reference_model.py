@@ -932,7 +932,16 @@ def test_fork_parent_close_commits_while_the_child_still_holds_the_file(local_mo
     finally:
         os.close(go_w)
         _wait(pid)
-    assert path.read_bytes() == b"parent's bytes, child's bytes"
+    whole = b"parent's bytes, child's bytes"
+    assert path.read_bytes() == whole
+    # The child's close committed them (not only the shared working copy shows them): the file
+    # leaves the writing state (at the close, or at the release just after it) and the store
+    # gets the child's bytes.
+    deadline = time.monotonic() + 30
+    while os.getxattr(path, "user.ckptfs.state") == b"writing":
+        assert time.monotonic() < deadline, "the child's exit did not commit the file"
+        time.sleep(0.01)
+    assert stored(local_mount, "ckpt.pt") == whole
 
 
 def test_dup_and_a_second_writer_commit_at_the_last_close(local_mount):
