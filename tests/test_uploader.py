@@ -7,7 +7,6 @@ calls), and once over the real S3 server of the test session.
 
 from __future__ import annotations
 
-import math
 from contextlib import asynccontextmanager
 
 import pytest
@@ -18,10 +17,10 @@ from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content, StagedFile
 from ckptfs.cache.journal import PUT, Journal, Op
 from ckptfs.objects.integrity import UPLOAD_META, Checksums, manifest_key, part_hash
+from ckptfs.parts import PartLayout, PartSchedule
 from ckptfs.store import open_store
 from ckptfs.store.base import MAX_PARTS
 from ckptfs.store.local import LocalStore
-from ckptfs.transfer.upload_tasks import part_size_for
 from ckptfs.transfer.uploader import Uploader
 from tests.support.faults import FaultyStore
 from tests.support.harness import blob, trio_test
@@ -30,40 +29,20 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 BS = 64 * KiB  # block size = base part size
 
 
-# -- part_size_for ---------------------------------------------------------------------------------
+# -- part layouts (the schedule itself: tests/test_part_layout.py) -----------------------------------
 
 
-def test_part_size_for_small_files_keep_the_base():
-    assert part_size_for(0, 8 * MiB) == 8 * MiB
-    assert part_size_for(1, 8 * MiB) == 8 * MiB
-    assert part_size_for(8 * MiB * MAX_PARTS, 8 * MiB) == 8 * MiB  # exactly 10,000 parts
+def test_files_up_to_max_parts_keep_the_uniform_layout():
+    schedule = PartSchedule(8 * MiB, MAX_PARTS, 5 * GiB, 5 * TiB)
+    for size in (0, 1, 8 * MiB * MAX_PARTS):  # exactly 10,000 parts
+        assert schedule.layout(size) == PartLayout.uniform_of(8 * MiB)
 
 
-def test_part_size_for_doubles_past_max_parts():
-    assert part_size_for(8 * MiB * MAX_PARTS + 1, 8 * MiB) == 16 * MiB
-    assert part_size_for(16 * MiB * MAX_PARTS + 1, 8 * MiB) == 32 * MiB
-
-
-def test_part_size_for_a_1_tib_file():
-    part = part_size_for(TiB, 8 * MiB)
-    assert part == 128 * MiB  # 8 -> 16 -> 32 -> 64 -> 128 MiB
-    assert math.ceil(TiB / part) <= MAX_PARTS < math.ceil(TiB / (part // 2))
-
-
-def test_part_size_for_tiny_max_parts():
-    assert part_size_for(100, 10, max_parts=1) == 160  # 10, 20, 40, 80 all need 2+ parts
-    assert part_size_for(100, 10, max_parts=3) == 40
-    assert part_size_for(100, 10, max_parts=10) == 10
-
-
-@pytest.mark.parametrize("size", [1, 999, 1000, 1001, 12_345, 10**6, 10**9])
-def test_part_size_for_is_the_smallest_doubling_that_fits(size):
-    base, max_parts = 100, 7
-    part = part_size_for(size, base, max_parts)
-    k = (part // base).bit_length() - 1
-    assert part == base << k  # base times a power of two
-    assert math.ceil(size / part) <= max_parts
-    assert k == 0 or math.ceil(size / (part // 2)) > max_parts
+def test_a_1_tib_file_grows_its_parts_within_max_parts():
+    schedule = PartSchedule(8 * MiB, MAX_PARTS, 5 * GiB, 5 * TiB)
+    layout = schedule.layout(TiB)
+    assert not layout.uniform and layout.count(TiB) <= MAX_PARTS
+    assert layout.size(0) == 8 * MiB and max(size for _, size in layout.runs) <= 5 * GiB
 
 
 # -- an uploader over a local store -------------------------------------------------------------------
@@ -408,7 +387,7 @@ def test_multipart_upload_to_s3(tmp_path, s3_server, s3_bucket):
             task = await env.commit("step-100/model.pt", data)
             await env.commit("latest", b"step-100")
             await up.wait_durable(up.last_seq())
-            assert task.multipart and task.part_size == bs
+            assert task.multipart and task.layout == PartLayout.uniform_of(bs)
 
     try:
         trio.run(main)

@@ -166,7 +166,8 @@ async def _verify(
             return Result(key, size, "unverified", checks.source)
         bad: list[tuple[int, str]] = []
         async with trio.open_nursery() as nursery:
-            for start in range(0, max(size, 1), checks.part_size):
+            layout = checks.layout
+            for start in (layout.start(i) for i in range(layout.count(size))):
                 await parts.acquire()
                 nursery.start_soon(_check_part, store, key, checks, start, parts, threads, state, bad)
         if bad:
@@ -200,7 +201,7 @@ async def _check_part(
     bad: list[tuple[int, str]],
 ) -> None:
     try:
-        length = min(checks.part_size, checks.size - start)
+        length = checks.layout.length(checks.layout.index(start), checks.size)
 
         def read_and_check() -> None:  # (in a thread: decoding and hashing 8 MiB would stall a daemon's loop)
             if checks.compressed:  # the part's frame, decoded (zstd checks the frame, xxh3 the part)

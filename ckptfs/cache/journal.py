@@ -50,6 +50,10 @@ class Op:
     replaces: str = ""
     # PUT, MKDIR, ATTR: the attributes stored with the object (model/tree.py attr_metadata)
     meta: dict[str, str] = field(default_factory=dict)
+    # PUT of a file streamed in the grown part layout whose parts past those it shares with the
+    # uniform one were evicted (ckptfs/parts.py): it keeps the grown layout. ``parts`` and
+    # ``hashes`` are by part index (by block index before grown layouts: the same for uniform ones).
+    grown: bool = False
 
     def to_record(self) -> dict:
         rec = {"t": "op", "seq": self.seq, "kind": self.kind, "key": self.key}
@@ -68,6 +72,8 @@ class Op:
             rec["replaces"] = self.replaces
         if self.meta:
             rec["meta"] = dict(self.meta)
+        if self.kind == PUT and self.grown:
+            rec["grown"] = True
         return rec
 
     @classmethod
@@ -88,6 +94,7 @@ class Op:
             bool(rec.get("small", False)),
             rec.get("replaces", ""),
             dict(rec.get("meta", {})),
+            bool(rec.get("grown", False)),
         )
 
 

@@ -20,6 +20,7 @@ from ckptfs.errors import FsError
 from ckptfs.model.policy import Retention
 from ckptfs.model.prefill import Prefill
 from ckptfs.model.tree import MIN_MULTIPART, Node, Shadow, Tree, Version, Writing, attr_metadata
+from ckptfs.parts import PartSchedule
 from ckptfs.transfer.uploader import Uploader
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class Commits:
         """``node``'s new version; its mtime is its last write's, as the caller set it (the
         object's metadata says so too)."""
         try:
-            op = put_op(node.key(), content, attr_metadata(node))
+            op = put_op(node.key(), content, attr_metadata(node), self.uploader.schedule)
             op.replaces = self._replaced_manifest(node)
             op = self.log(op)
         except BaseException:
@@ -210,7 +211,7 @@ class Commits:
 
     # -- fsync shadows -----------------------------------------------------------------------------
     def add_shadow(self, node: Node, content: Content, writing: Writing | None, covers: int | None) -> None:
-        op = self.journal.append(put_op(node.key(), content, attr_metadata(node)))
+        op = self.journal.append(put_op(node.key(), content, attr_metadata(node), self.uploader.schedule))
         for old in [s for s in node.shadows if writing is not None and s.writing is writing]:
             self._retire_shadow(node, old)  # superseded by this later fsync of the same working copy
         shadow = Shadow(op, content, writing, covers)
@@ -223,7 +224,9 @@ class Commits:
         delete of the file it replaced) must not land on top of what was fsynced."""
         for shadow in node.shadows:
             old_seq = shadow.op.seq
-            shadow.op = self.journal.append(put_op(node.key(), shadow.content, attr_metadata(node)))
+            shadow.op = self.journal.append(
+                put_op(node.key(), shadow.content, attr_metadata(node), self.uploader.schedule)
+            )
             self.journal.cancel(old_seq)  # (after the append: a crash between keeps one of them)
             del self.shadows.by_seq[old_seq]
             self.shadows.by_seq[shadow.op.seq] = shadow
@@ -252,7 +255,9 @@ class Commits:
         return names
 
 
-def put_op(key: str, content: Content, meta: dict[str, str] | None = None) -> Op:
+def put_op(
+    key: str, content: Content, meta: dict[str, str] | None = None, schedule: PartSchedule | None = None
+) -> Op:
     op = Op(PUT, key, size=content.size, blocks=list(content.blocks))
     if meta is not None:
         op.meta = meta
@@ -261,6 +266,9 @@ def put_op(key: str, content: Content, meta: dict[str, str] | None = None) -> Op
         upload = cast("Upload", content.upload)
         remote = cast("dict[int, PartInfo]", content.remote)
         op.upload = [upload.key, upload.upload_id, upload.journal_id]
-        op.parts = {index: part.token for index, part in remote.items()}
-        op.hashes = {index: part.xxh3 for index, part in remote.items() if part.xxh3}
+        # By part index (a part of k blocks: k remote blocks). Parts past those the grown layout
+        # shares with the uniform one: the file keeps the grown layout (ckptfs/parts.py).
+        op.parts = {part.number - 1: part.token for part in remote.values()}
+        op.hashes = {part.number - 1: part.xxh3 for part in remote.values() if part.xxh3}
+        op.grown = schedule is not None and schedule.keeps_grown(remote)
     return op

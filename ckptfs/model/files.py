@@ -19,7 +19,6 @@ from ckptfs.cache.contents import Content, StagedFile
 from ckptfs.errors import FsError
 from ckptfs.model.commits import Commits
 from ckptfs.model.tree import Attr, Handle, Node, Writing, attr_metadata
-from ckptfs.store.base import MAX_PARTS
 from ckptfs.transfer.fetcher import Fetcher
 
 log = logging.getLogger(__name__)
@@ -210,8 +209,6 @@ class Files:
             )
         if handle.append:
             offset = writing.staged.size
-        if writing.staged.remote and offset + len(data) > MAX_PARTS * self.cache.block_size:
-            raise FsError(errno.EFBIG, "a file streamed through a full cache cannot outgrow 10,000 parts")
         node = handle.node
         if handle.drops_setid and drop_setid(node.mode) != node.mode:
             node.mode = drop_setid(node.mode)  # (before the write, as the kernel does; the commit stores it)
@@ -434,4 +431,16 @@ class Files:
                 "the file's new last block was uploaded and evicted from the cache "
                 "(cache full): a compressed file cannot end there before it is closed",
             )
+        stream = writing.stream
+        if stream is not None and staged.remote and 0 < size < staged.size:
+            # The new last part is sent again at commit, cut short: a block of it evicted to
+            # the store cannot be read back for that (a part of the grown layout holds many).
+            part = stream.layout.index(size - 1)
+            start, end = stream.layout.start(part), stream.layout.start(part) + stream.layout.size(part)
+            if end != size and any(start // bs <= i < end // bs for i in staged.remote):
+                raise FsError(
+                    errno.EIO,
+                    "the file's new last part was uploaded and partly evicted from the cache "
+                    "(cache full): the file cannot end there before it is closed",
+                )
         await staged.truncate(size)

@@ -84,9 +84,13 @@ def replay(commits: Commits, op: Op) -> None:
         parent = tree.ensure_dir(parts[:-1])
         content = Content(commits.cache, op.size, list(op.blocks))
         if op.upload:  # parts evicted before the crash: readable once the upload completes
+            # (its parts by part index: each stands for the blocks its layout gives it)
+            layout, bs = uploader.schedule.layout(op.size, op.grown), commits.cache.block_size
             content.remote = {
-                index: PartInfo(index + 1, token, op.hashes.get(index, ""))
+                block: PartInfo(index + 1, token, op.hashes.get(index, ""))
                 for index, token in op.parts.items()
+                for block in layout.blocks(index, bs)
+                if block < len(content.blocks)
             }
             content.upload = Upload(*op.upload)
         if parent is not None and (node is None or not node.is_dir):

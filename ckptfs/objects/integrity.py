@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 
 import xxhash
 
-from ckptfs.blocks import block_length, n_blocks
 from ckptfs.objects import compression
+from ckptfs.parts import PartLayout
 from ckptfs.store.base import RESERVED_PREFIX
 
 MANIFEST_PREFIX = ".ckptfs-manifest/"  # under store.base.RESERVED_PREFIX: never a path on the mount
@@ -65,8 +65,10 @@ class ManifestMissing(IntegrityError):
 
 @dataclass(frozen=True)
 class Checksums:
-    """What a version's bytes are checked against: ``parts[i]`` covers bytes
-    [i * part_size, (i + 1) * part_size). ``parts`` empty: nothing recorded (unverified)."""
+    """What a version's bytes are checked against: ``parts[i]`` covers part ``i`` of the layout:
+    bytes [i * part_size, (i + 1) * part_size) when ``runs`` is None (every part of one size, as
+    every manifest before grown layouts), else the parts of ``PartLayout(runs)``
+    (ckptfs/parts.py). ``parts`` empty: nothing recorded (unverified)."""
 
     size: int
     part_size: int
@@ -77,6 +79,11 @@ class Checksums:
     # A compressed object (objects/compression.py): per part, its frame's stored size and byte grouping.
     # The part checksums are of the uncompressed bytes either way.
     frames: tuple[tuple[int, int], ...] = ()
+    runs: tuple[tuple[int, int], ...] | None = None  # a grown layout's runs (None: uniform)
+
+    @property
+    def layout(self) -> PartLayout:
+        return PartLayout(self.runs) if self.runs is not None else PartLayout.uniform_of(self.part_size)
 
     @property
     def compressed(self) -> bool:
@@ -85,15 +92,17 @@ class Checksums:
     def stored_range(self, begin: int, span: int) -> tuple[int, int, int, int]:
         """For whole parts [begin, begin + span) of a compressed object: the stored byte range of
         their frames (offset, length) and the frames' indexes [first, last)."""
-        first = begin // self.part_size
-        last = first + max(1, n_blocks(span, self.part_size))
+        layout = self.layout
+        first = layout.index(begin)
+        last = layout.index(begin + max(span, 1) - 1) + 1
         offset = sum(stored for stored, _ in self.frames[:first])
         return offset, sum(stored for stored, _ in self.frames[first:last]), first, last
 
     def decompress(self, first: int, last: int, data: bytes) -> bytes:
         """The uncompressed parts [first, last) from their stored frames ``data`` (IntegrityError
         if a frame does not decode: zstd checks each frame's own checksum)."""
-        sizes = [block_length(self.size, i, self.part_size) for i in range(first, last)]
+        layout = self.layout
+        sizes = [layout.length(i, self.size) for i in range(first, last)]
         try:
             return compression.decode(data, list(self.frames[first:last]), sizes)
         except compression.CorruptFrame as exc:
@@ -107,25 +116,29 @@ class Checksums:
         """The byte range of whole parts covering [start, start + length)."""
         if not self.verified:
             return start, length
-        first = start // self.part_size
-        last = (start + max(length, 1) - 1) // self.part_size
-        begin = first * self.part_size
-        return begin, min((last + 1) * self.part_size, self.size) - begin
+        layout = self.layout
+        first, last = layout.index(start), layout.index(start + max(length, 1) - 1)
+        begin = layout.start(first)
+        return begin, min(layout.start(last) + layout.size(last), self.size) - begin
 
     def check(self, start: int, data) -> None:
         """Raise IntegrityError unless ``data`` (whole parts from ``start``) matches."""
         if not self.verified:
             return
         view = memoryview(data)
-        for offset in range(0, len(view), self.part_size):
-            index = (start + offset) // self.part_size
-            got = part_hash(view[offset : offset + self.part_size])
+        layout = self.layout
+        offset = 0
+        while offset < len(view):
+            index = layout.index(start + offset)
+            end = layout.start(index) + layout.size(index) - start  # the part's end, in ``view``
+            piece = view[offset:end]
+            got = part_hash(piece)
             if index >= len(self.parts) or got != self.parts[index]:
                 raise IntegrityError(
-                    f"part {index + 1} (bytes {start + offset}-"
-                    f"{start + offset + len(view[offset : offset + self.part_size]) - 1}) "
+                    f"part {index + 1} (bytes {start + offset}-{start + offset + len(piece) - 1}) "
                     f"has xxh3 {got}, recorded {self.parts[index] if index < len(self.parts) else 'none'}"
                 )
+            offset = end
 
     def to_manifest(self) -> bytes:
         record = {
@@ -137,6 +150,8 @@ class Checksums:
             "upload": self.upload,
             "parts": self.parts,
         }
+        if self.runs is not None:  # (only grown layouts: a uniform one's manifest is as before)
+            record["runs"] = [list(run) for run in self.runs]
         if self.frames:
             record["compression"] = {"format": compression.FORMAT, "frames": [list(f) for f in self.frames]}
         return json.dumps(record, separators=(",", ":")).encode()
@@ -147,11 +162,14 @@ class Checksums:
         try:
             rec = json.loads(raw)
             parts, part_size = [str(p) for p in rec["parts"]], int(rec["part_size"])
+            runs = PartLayout.from_json(rec["runs"]).runs if "runs" in rec else None
+            layout = PartLayout(runs) if runs is not None else PartLayout.uniform_of(part_size)
             ok = (
                 rec.get("algorithm") == ALGORITHM
                 and int(rec["size"]) == size
                 and part_size > 0
-                and len(parts) == max(1, n_blocks(size, part_size))
+                and layout.base == part_size
+                and len(parts) == layout.count(size)
             )
             frames = _frames(rec.get("compression"), len(parts))
         except (ValueError, KeyError, TypeError):
@@ -159,7 +177,14 @@ class Checksums:
         if not ok:
             raise IntegrityError(f"manifest unreadable or not for an object of {size} bytes")
         return cls(
-            size, part_size, parts, str(rec.get("xxh3", "")), str(rec.get("upload", "")), "manifest", frames
+            size,
+            part_size,
+            parts,
+            str(rec.get("xxh3", "")),
+            str(rec.get("upload", "")),
+            "manifest",
+            frames,
+            runs,
         )
 
     @classmethod

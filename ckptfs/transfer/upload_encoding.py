@@ -135,7 +135,7 @@ class Encoder:
             return None
         # (the parts before the last are sent by now, as frames: each has a PartInfo and a frame)
         frames = [compression.untag(part.xxh3)[1][0] for part in task.parts[:-1]]  # type: ignore[index, union-attr]
-        sizes = [task.part_size] * len(frames) + [task.op.size - len(frames) * task.part_size]
+        sizes = [task.layout.length(i, task.op.size) for i in range(len(task.parts))]
         return lambda last: compression.seek_table(list(zip(frames + [last], sizes)))
 
     async def mark_compressed(self, key: str) -> None:
@@ -158,14 +158,16 @@ class Encoder:
             return None
         upload = task.upload
         assert upload is not None  # only asked of a multipart put whose upload is made (publish_multipart)
+        layout = task.layout
         return integrity.Checksums(
             task.op.size,
-            task.part_size,
+            layout.base,
             hashes,
             task.xxh3,
             upload.journal_id,
             "manifest",
             cast("tuple[tuple[int, int], ...]", frames),  # (no None: checked above)
+            None if layout.uniform else layout.runs,  # (a uniform layout's manifest is as it was)
         )
 
     async def put_manifest(self, key: str, checksums: integrity.Checksums) -> None:

@@ -24,6 +24,7 @@ from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import Journal
 from ckptfs.errors import NotFound, StoreError
 from ckptfs.objects import compression, integrity
+from ckptfs.parts import PartSchedule
 from ckptfs.store.base import PartInfo
 from ckptfs.transfer.store_calls import StoreCalls
 from ckptfs.transfer.upload_encoding import Encoder
@@ -44,7 +45,7 @@ class PartSender:
         encoder: Encoder,
         cache: Cache,
         journal: Journal,
-        part_size: int,
+        schedule: PartSchedule,
         concurrency: int,
         hash_threads: trio.CapacityLimiter,
     ):
@@ -53,13 +54,13 @@ class PartSender:
         self.encoder = encoder
         self.cache = cache
         self.journal = journal
-        self.part_size = part_size
+        self.schedule = schedule
         self.hash_threads = hash_threads
         self.streams: set[Stream] = set()
         self.uploads: dict[str, Upload] = {}  # live multipart uploads by journal id
         self.creating: dict[str, str] = {}  # journal id -> key, while CreateMultipartUpload runs
         self.part_slots = trio.Semaphore(concurrency)
-        self.part_buffers = PartBuffers(part_size, concurrency)
+        self.part_buffers = PartBuffers(schedule.base, concurrency)  # (parts of the base size)
         self.cache_gate = Gate("the cache")  # store threads copy parts out of the cache through it
         self._uploaded_bytes = 0
         self.upload_rate = RateMeter()  # recent bytes/s, fed by uploaded_bytes
@@ -96,7 +97,7 @@ class PartSender:
             task.parts = [None] * task.n_parts()
             for index, token in task.op.parts.items():
                 task.parts[index] = PartInfo(index + 1, token, task.op.hashes.get(index, ""))
-                task.bytes_sent += task.part_size
+                task.bytes_sent += task.part_bounds(index)[1]
             # (those parts say whether the upload holds frames, whatever this mount's --compress)
             task.compressed = any(compression.untag(h)[1] is not None for h in task.op.hashes.values())
         if task.stream is not None:
@@ -121,12 +122,13 @@ class PartSender:
         assert stream is not None  # called only when the task has one (_prepare_once)
         stream.closed = True
         await stream.idle.wait()  # (cancelled here, the stream is still the task's to abandon)
+        self._drop_filling(stream)
         task.stream = None
         self.streams.discard(stream)
         if stream.upload is None:
             return
         usable = (
-            task.multipart and task.part_size == self.cache.block_size and stream.upload.key == task.op.key
+            task.multipart and task.layout.base == self.cache.block_size and stream.upload.key == task.op.key
         )
         if stream.upload != task.upload and (task.upload is not None or not usable):
             assert self.nursery is not None  # set in Uploader.run, before any submit
@@ -138,19 +140,30 @@ class PartSender:
             task.compressed = self.encoder.codec is not None
         content = task.content
         assert content is not None  # a put's task holds its content until finish()
-        for index, (stamp, part) in stream.sent.items():
-            full = content.block_length(index) == task.part_size
+        bs = self.cache.block_size
+        # A streamed part is kept where the commit's layout has a part of the same bytes, full,
+        # and none of its blocks changed since it was sent (past the parts the grown layout
+        # shares with the uniform one, a file that took the uniform layout sends them again).
+        for index in sorted({part.number - 1 for _, part in stream.sent.values()}):
+            if index >= len(task.parts) or task.parts[index] is not None:
+                continue
             if task.compressed and index == len(task.parts) - 1:
                 continue  # the last part carries the seek table: sent at commit
-            if (
-                index < len(task.parts)
-                and task.parts[index] is None
-                and index < len(task.stamps)
-                and task.stamps[index] == stamp
-                and full
+            start, length = task.part_bounds(index)
+            if stream.layout.start(index) != start or stream.layout.size(index) != length:
+                continue
+            blocks = range(start // bs, (start + length) // bs)
+            sent = [stream.sent.get(block) for block in blocks]
+            if all(
+                entry is not None
+                and entry[1].number == index + 1
+                and block < len(task.stamps)
+                and task.stamps[block] == entry[0]
+                and content.block_length(block) == bs
+                for block, entry in zip(blocks, sent)
             ):
-                task.parts[index] = part
-                task.bytes_sent += task.part_size
+                task.parts[index] = sent[0][1]  # type: ignore[index]
+                task.bytes_sent += length
 
     async def _upload_parts(self, task: Task) -> None:
         if task.upload is None:
@@ -161,7 +174,7 @@ class PartSender:
                 {
                     **task.op.meta,
                     **({"xxh3": task.xxh3} if task.xxh3 else {}),
-                    "ckptfs-part-size": str(task.part_size),
+                    "ckptfs-part-size": str(task.layout.base),
                     integrity.MANIFEST_META: integrity.ALGORITHM,
                     **self.encoder.format_meta(task.compressed),
                 },
@@ -175,7 +188,7 @@ class PartSender:
         last = len(task.parts)
         if task.compressed and task.parts[last - 1] is not None:
             task.parts[last - 1] = None
-            task.bytes_sent -= task.op.size - (last - 1) * task.part_size
+            task.bytes_sent -= task.part_bounds(last - 1)[1]
         async with trio.open_nursery() as parts:
             for number in range(1, last + (not task.compressed)):
                 if task.parts[number - 1] is None:
@@ -195,8 +208,7 @@ class PartSender:
 
     async def _send_part(self, task: Task, upload: Upload, number: int, gone: list[int]) -> None:
         try:
-            start = (number - 1) * task.part_size
-            length = min(task.part_size, task.op.size - start)
+            start, length = task.part_bounds(number - 1)
             content = task.content
             assert content is not None  # a put's task holds its content until finish()
             hole = content.holes(start, length)
@@ -242,22 +254,45 @@ class PartSender:
 
     # -- streams: parts of files still open for writing ------------------------------------------
     def open_stream(self, key: str) -> Stream:
-        stream = Stream(key)
+        stream = Stream(key, self.schedule.grown)
         self.streams.add(stream)
         return stream
 
     def stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
-        """Send a full block of a file still being written as part ``index + 1``."""
-        if stream.closed or index in stream.sending or index >= self.store.limits.max_parts:
-            return  # (a block already on its way: the commit re-sends it if it changed since)
-        self.cache.incref(ref)  # the bytes stay put while they travel; a write copies the block
-        stream.sending.add(index)
+        """Take block ``index``, full, of a file still being written: once every block of its part
+        (the stream's layout: one block, or a power of two of them past the parts the grown
+        layout shares with the uniform one) is handed over, the part is sent. A handed block is
+        held (a write copies it) until its part is sent; a block handed again replaces it."""
+        bs = self.cache.block_size
+        part = stream.layout.index(index * bs)
+        if stream.closed or part in stream.sending or part >= self.store.limits.max_parts:
+            return  # (a part already on its way: the commit re-sends it if a block changed since)
+        self.cache.incref(ref)  # the bytes stay put while they wait and travel; a write copies the block
+        filling = stream.filling.setdefault(part, {})
+        old = filling.get(index)
+        filling[index] = (ref, stamp)
+        if old is not None:
+            self.cache.decref(old[0])
+        if len(filling) < len(stream.layout.blocks(part, bs)):
+            return
+        del stream.filling[part]
+        stream.sending.add(part)
         if stream.idle.is_set():
             stream.idle = trio.Event()
         assert self.nursery is not None  # set in Uploader.run, before any submit
-        self.nursery.start_soon(self._stream_part, stream, index, ref, stamp)
+        self.nursery.start_soon(self._stream_part, stream, part, filling)
 
-    async def _stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
+    def _drop_filling(self, stream: Stream) -> None:
+        """Let go of the blocks held for parts never completed (the stream is closed)."""
+        for filling in stream.filling.values():
+            for ref, _ in filling.values():
+                self.cache.decref(ref)
+        stream.filling.clear()
+        self.cache.notify_space()
+
+    async def _stream_part(self, stream: Stream, part: int, filling: dict[int, tuple[BlockRef, int]]) -> None:
+        bs = self.cache.block_size
+        blocks = sorted(filling)
         try:
             with trio.CancelScope() as scope:
                 stream.scopes.add(scope)
@@ -270,42 +305,48 @@ class PartSender:
                                 stream.key,
                                 {
                                     **stream.meta,
-                                    "ckptfs-part-size": str(self.part_size),
+                                    "ckptfs-part-size": str(self.schedule.base),
                                     integrity.MANIFEST_META: integrity.ALGORITHM,
                                     **self.encoder.format_meta(self.encoder.codec is not None),
                                 },
                             )
-                    upload, size = stream.upload, self.cache.block_size
+                    upload, size = stream.upload, len(blocks) * bs
                     compressed = self.encoder.codec is not None
 
+                    def fill(out: memoryview) -> None:
+                        for k, block in enumerate(blocks):
+                            self._from_cache(
+                                self.cache.read_into, filling[block][0], 0, out[k * bs : (k + 1) * bs]
+                            )
+
                     def send() -> PartInfo:
-                        with self.part_buffers.body(
-                            size, lambda out: self._from_cache(self.cache.read_into, ref, 0, out)
-                        ) as body:
+                        with self.part_buffers.body(size, fill) as body:
                             digest = integrity.part_hash(body)  # sealed: what the manifest records
                             if compressed:
-                                return self.encoder.send_frame(upload, index + 1, body, digest, None)
+                                return self.encoder.send_frame(upload, part + 1, body, digest, None)
                             return replace(
-                                self.store.upload_part(upload.key, upload.upload_id, index + 1, body),
+                                self.store.upload_part(upload.key, upload.upload_id, part + 1, body),
                                 xxh3=digest,
                             )
 
                     try:
-                        part = await self.calls.call(upload.key, send)
+                        info = await self.calls.call(upload.key, send)
                     except NotFound:
                         return  # the upload vanished: the commit sends this part again
-                    stream.sent[index] = (stamp, part)
+                    for block in blocks:
+                        stream.sent[block] = (filling[block][1], info)
                     self.uploaded_bytes += size
                     if not compressed:
                         self.encoder.count_stored(size)
                     self.streamed_bytes += size
         finally:
             stream.scopes.discard(scope)
-            self.cache.decref(ref)
-            stream.sending.discard(index)
+            for ref, _ in filling.values():
+                self.cache.decref(ref)
+            stream.sending.discard(part)
             if not stream.sending:
                 stream.idle.set()
-            self.cache.notify_space()  # the block may be reclaimable now (or a waiter must give up)
+            self.cache.notify_space()  # the blocks may be reclaimable now (or a waiter must give up)
 
     def abandon(self, stream: Stream) -> None:
         """The file was closed without a commit (or unlinked): abort its upload."""
@@ -318,6 +359,7 @@ class PartSender:
 
     async def _close_stream(self, stream: Stream) -> None:
         await stream.idle.wait()
+        self._drop_filling(stream)
         self.streams.discard(stream)
         if stream.upload is not None:
             await self.abort(stream.upload)

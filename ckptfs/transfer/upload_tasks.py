@@ -1,13 +1,12 @@
 """The uploader's records: a pending op's progress (``Task``), a multipart upload (``Upload``),
-the parts of a file still open for writing (``Stream``), the part size for a file, and the
-reused request bodies of parts (``PartBuffers``). Plain state; ``uploader.Uploader`` and its
-``PartSender`` and ``Encoder`` act on it.
+the parts of a file still open for writing (``Stream``), and the reused request bodies of parts
+(``PartBuffers``). Plain state; ``uploader.Uploader`` and its ``PartSender`` and ``Encoder`` act
+on it. Which parts a file has is ``ckptfs/parts.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -15,17 +14,11 @@ from dataclasses import dataclass
 
 import trio
 
+from ckptfs.blocks import BlockRef
 from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import PUT, Op
-from ckptfs.store.base import MAX_PARTS, PartInfo
-
-
-def part_size_for(size: int, base: int, max_parts: int = MAX_PARTS) -> int:
-    """The part size for a file: ``base`` doubled until the file fits in ``max_parts`` parts."""
-    part = base
-    while math.ceil(size / part) > max_parts:
-        part *= 2
-    return part
+from ckptfs.parts import PartLayout
+from ckptfs.store.base import PartInfo
 
 
 class PartBuffers:
@@ -84,12 +77,17 @@ class Upload:
 class Stream:
     """The parts of a file still open for writing, sent before its close."""
 
-    def __init__(self, key: str):
+    def __init__(self, key: str, layout: PartLayout):
         self.key = key  # the upload goes under the key the file had when streaming began
+        # Its parts: the grown layout (ckptfs/parts.py), whose first parts are the uniform one's.
+        self.layout = layout
+        # Blocks handed over (and held) for parts not complete yet: part index -> {block: (ref, stamp)}
+        self.filling: dict[int, dict[int, tuple[BlockRef, int]]] = {}
         self.meta: dict[str, str] = {}  # the file's attributes for the upload's metadata (no mtime yet)
         self.upload: Upload | None = None
-        self.sent: dict[int, tuple[int, PartInfo]] = {}  # block index -> (change stamp, part)
-        self.sending: set[int] = set()
+        # block index -> (its change stamp, the part holding it): a part of k blocks has k entries
+        self.sent: dict[int, tuple[int, PartInfo]] = {}
+        self.sending: set[int] = set()  # part indexes on their way
         self.idle = trio.Event()
         self.idle.set()
         self.creating = trio.Lock()
@@ -116,7 +114,7 @@ class Task:
         self.publishing = False
         self.cancelled = False
         self.xxh3 = ""
-        self.part_size = 0
+        self.layout = PartLayout.uniform_of(1)  # set by Uploader.submit
         self.upload: Upload | None = None
         self.parts: list[PartInfo | None] = []
         self.bytes_sent = 0
@@ -128,10 +126,14 @@ class Task:
 
     @property
     def multipart(self) -> bool:
-        return self.op.kind == PUT and self.op.size > self.part_size
+        return self.op.kind == PUT and self.op.size > self.layout.size(0)
 
     def n_parts(self) -> int:
-        return math.ceil(self.op.size / self.part_size)
+        return self.layout.count(self.op.size)
+
+    def part_bounds(self, index: int) -> tuple[int, int]:
+        """Part ``index`` as (start, length)."""
+        return self.layout.bounds(index, self.op.size)
 
 
 INLINE_BYTES = 256 << 10  # hashed or copied on the trio thread up to this size

@@ -49,12 +49,13 @@ from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
 from ckptfs.errors import NotFound
 from ckptfs.objects import compression, integrity
+from ckptfs.parts import PartSchedule
 from ckptfs.store.base import ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer.store_calls import StoreCalls
 from ckptfs.transfer.upload_encoding import Encoder
 from ckptfs.transfer.upload_parts import PartSender
-from ckptfs.transfer.upload_tasks import Stream, Task, Upload, part_size_for
+from ckptfs.transfer.upload_tasks import Stream, Task, Upload
 from ckptfs.util.background import BackgroundThreads
 from ckptfs.util.stats import Histogram, RateMeter
 
@@ -81,6 +82,11 @@ class Uploader:
         self.cache = cache
         self.journal = journal
         self.part_size = part_size
+        limits = store.limits
+        # Each file's part layout (ckptfs/parts.py): uniform up to max_parts parts, grown beyond.
+        self.schedule = PartSchedule(
+            part_size, limits.max_parts, limits.max_part_size, limits.max_object_size
+        )
         # (the daemon shares one StoreHealth with the fetcher and the namespace)
         health = health if health is not None else StoreHealth()
         self.calls = StoreCalls(store, BackgroundThreads(concurrency + 2, "ckptfs-store"), health)
@@ -94,7 +100,7 @@ class Uploader:
             compression.Governor(behind=lambda: cache.waiters > 0),
         )
         self.sender = PartSender(
-            self.calls, self.encoder, cache, journal, part_size, concurrency, hash_threads
+            self.calls, self.encoder, cache, journal, self.schedule, concurrency, hash_threads
         )
         self.pending: dict[int, Task] = {}  # by seq; insertion order is sequence order
         self.progress = trio.Event()  # set (and replaced) whenever an op is done
@@ -161,10 +167,10 @@ class Uploader:
         stamps: list[int] | None = None,
     ) -> Task:
         task = Task(op, content.hold() if content is not None else None, on_durable)
-        task.part_size = part_size_for(op.size, self.part_size, self.store.limits.max_parts)
+        # (a streamed file whose grown parts were evicted keeps that layout: op.grown)
+        task.layout = self.schedule.layout(op.size, op.grown)
         task.stream, task.stamps = stream, stamps or []
         if op.upload:  # parts evicted from the cache live in this upload: it must be the one
-            task.part_size = self.part_size
             self.sender.uploads[op.upload[2]] = Upload(*op.upload)
         if not self.pending:
             self.clear_since = time.monotonic()
@@ -216,7 +222,8 @@ class Uploader:
         return self.sender.open_stream(key)
 
     def stream_part(self, stream: Stream, index: int, ref: BlockRef, stamp: int) -> None:
-        """Send a full block of a file still being written as part ``index + 1``."""
+        """Hand a full block of a file still being written to its stream (its part goes once
+        every block of it is handed over)."""
         self.sender.stream_part(stream, index, ref, stamp)
 
     def abandon(self, stream: Stream) -> None:
