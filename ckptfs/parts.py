@@ -180,6 +180,11 @@ class PartSchedule:
         return PartLayout(self._grown_runs(self.shared))
 
     @property
+    def largest_part(self) -> int:
+        """The grown layout's largest part (the cap; the base when parts cannot grow)."""
+        return max(size for _, size in self.grown.runs)
+
+    @property
     def max_file_size(self) -> int:
         """The largest file the schedule can cut into ``max_parts`` parts (at most the object limit)."""
         return min(self.max_object_size, self._reach(self.grown.runs))

@@ -231,3 +231,35 @@ def test_a_put_that_keeps_the_grown_layout_says_so_in_the_journal():
     del rec["grown"]  # a record written before grown layouts
     assert Op.from_record(rec).grown is False
     assert "grown" not in Op(PUT, "b", size=1, seq=4).to_record()
+
+
+# -- the byte budget of part bodies and fetched parts --------------------------------------------------
+
+
+def test_a_byte_budget_bounds_bytes_and_lets_a_larger_taker_go_alone():
+    import trio
+
+    from ckptfs.util.byte_budget import ByteBudget
+
+    budget = ByteBudget(100)
+    peak, order = [0], []
+
+    async def taker(name: str, nbytes: int) -> None:
+        async with budget.take(nbytes):
+            peak[0] = max(peak[0], budget.used)
+            order.append(name)
+            await trio.sleep(0.01)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(taker, f"small{i}", 40)
+                await trio.sleep(0)
+            nursery.start_soon(taker, "huge", 250)  # more than the whole budget: alone
+            await trio.sleep(0)
+            nursery.start_soon(taker, "late", 10)  # after the huge one, though it would fit
+
+    trio.run(main)
+    assert order.index("huge") < order.index("late")
+    assert peak[0] == 250  # the huge one alone; the small ones two at a time (80)
+    assert budget.used == 0

@@ -35,9 +35,11 @@ from ckptfs.cache.contents import Content
 from ckptfs.errors import FsError, NotFound, StoreError
 from ckptfs.objects import compression, integrity
 from ckptfs.objects.integrity import Checksums, IntegrityError
+from ckptfs.parts import PartSchedule
 from ckptfs.store.base import ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer import retry
+from ckptfs.util.byte_budget import ByteBudget
 from ckptfs.util.stats import LATENCY_BUCKETS, Histogram
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,13 @@ class Fetcher:
         # Fetched blocks held in memory at once, GET to cache (one may wait for cache space):
         # without it, many readers' read-ahead could hold any number of part-sized bodies.
         self.bodies = trio.Semaphore(concurrency)
+        # ... and their bytes: a part of a grown layout (ckptfs/parts.py) is fetched whole, up to
+        # 4 GiB: ``concurrency`` blocks' worth at once, or one of the largest parts alone.
+        limits = store.limits
+        schedule = PartSchedule(
+            cache.block_size, limits.max_parts, limits.max_part_size, limits.max_object_size
+        )
+        self.body_bytes = ByteBudget(max(concurrency * cache.block_size, schedule.largest_part))
         self.inflight: dict[tuple[int, int], trio.Event] = {}
         self.fetched_bytes = 0
         self.get_latency = Histogram(LATENCY_BUCKETS)  # each ranged GET that answered
@@ -102,7 +111,7 @@ class Fetcher:
             return
         last = min(len(content.blocks), first + self.read_ahead)
         for index in range(first, last):
-            if content.blocks[index] is None and (id(content), index) not in self.inflight:
+            if content.blocks[index] is None and self._slot(content, index) not in self.inflight:
                 self.nursery.start_soon(self._prefetch_block, content.hold(), index)
 
     async def _prefetch_block(self, content: Content, index: int) -> None:
@@ -206,16 +215,30 @@ class Fetcher:
         await progress(dict(state))
         return {"files": len(contents), "total_bytes": total, "fetched_bytes": missing}
 
+    def _part_of(self, content: Content, index: int) -> tuple[int, int]:
+        """The bytes a fetch of block ``index`` gets: its whole part where the checksums are
+        known (a part of a grown layout holds many blocks), else the block."""
+        start, length = index * self.cache.block_size, content.block_length(index)
+        checks = cast("Checksums | None", content.checksums)
+        return checks.span(start, length) if checks is not None else (start, length)
+
+    def _slot(self, content: Content, index: int) -> tuple[int, int]:
+        """What fetches are single-flight by: the first block of the part they get."""
+        return (id(content), self._part_of(content, index)[0] // self.cache.block_size)
+
+    def _fetch_size(self, content: Content, index: int) -> int:
+        return self._part_of(content, index)[1]
+
     async def _fetch_block(self, content: Content, index: int) -> None:
         while content.blocks[index] is None:
-            slot = (id(content), index)
+            slot = self._slot(content, index)
             event = self.inflight.get(slot)
             if event is not None:  # someone is fetching it: wait, then look again
                 await event.wait()
                 continue
             event = self.inflight[slot] = trio.Event()
             try:
-                async with self.bodies:
+                async with self.bodies, self.body_bytes.take(self._fetch_size(content, index)):
                     await self._download_in_time(content, index)
             finally:
                 del self.inflight[slot]

@@ -30,6 +30,7 @@ from ckptfs.transfer.store_calls import StoreCalls
 from ckptfs.transfer.upload_encoding import Encoder
 from ckptfs.transfer.upload_tasks import PartBuffers, Stream, Task, Upload, in_thread_if_large
 from ckptfs.util.background import Gate
+from ckptfs.util.byte_budget import ByteBudget
 from ckptfs.util.stats import RateMeter
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class PartSender:
         self.creating: dict[str, str] = {}  # journal id -> key, while CreateMultipartUpload runs
         self.part_slots = trio.Semaphore(concurrency)
         self.part_buffers = PartBuffers(schedule.base, concurrency)  # (parts of the base size)
+        # Bytes of part bodies being read, hashed and sent at once: ``concurrency`` parts of the
+        # base size, or one of the grown layout's largest (up to 4 GiB: it goes alone).
+        self.body_bytes = ByteBudget(max(concurrency * schedule.base, schedule.largest_part))
         self.cache_gate = Gate("the cache")  # store threads copy parts out of the cache through it
         self._uploaded_bytes = 0
         self.upload_rate = RateMeter()  # recent bytes/s, fed by uploaded_bytes
@@ -212,45 +216,53 @@ class PartSender:
             content = task.content
             assert content is not None  # a put's task holds its content until finish()
             hole = content.holes(start, length)
-
-            def send() -> PartInfo:
-                if hole:  # a sparse file's hole: neither read, hashed nor sent byte by byte
-                    if task.compressed:
-                        return self.encoder.send_frame(
-                            upload,
-                            number,
-                            None,
-                            zeros_xxh3(length),
-                            self.encoder.seek_table_after(task, number),
-                            zeros=length,
-                        )
-                    return replace(
-                        self.store.upload_zero_part(upload.key, upload.upload_id, number, length),
-                        xxh3=zeros_xxh3(length),
-                    )
-                with self.part_buffers.body(
-                    length, lambda out: self._from_cache(content.read_into, start, out)
-                ) as body:
-                    digest = integrity.part_hash(body)  # sealed: what the manifest records
-                    if task.compressed:
-                        return self.encoder.send_frame(
-                            upload, number, body, digest, self.encoder.seek_table_after(task, number)
-                        )
-                    return replace(
-                        self.store.upload_part(upload.key, upload.upload_id, number, body), xxh3=digest
-                    )
-
-            try:
-                task.parts[number - 1] = await self.calls.call(upload.key, send)
-            except NotFound:
-                gone.append(number)
-                return
-            task.bytes_sent += length
-            self.uploaded_bytes += length
-            if not task.compressed and not hole:  # (a hole's bytes were never sent)
-                self.encoder.count_stored(length)
+            async with self.body_bytes.take(0 if hole else length):
+                await self._send_part_body(task, upload, number, gone, start, length, hole)
         finally:
             self.part_slots.release()
+
+    async def _send_part_body(
+        self, task: Task, upload: Upload, number: int, gone: list[int], start: int, length: int, hole: bool
+    ) -> None:
+        content = task.content
+        assert content is not None  # a put's task holds its content until finish()
+
+        def send() -> PartInfo:
+            if hole:  # a sparse file's hole: neither read, hashed nor sent byte by byte
+                if task.compressed:
+                    return self.encoder.send_frame(
+                        upload,
+                        number,
+                        None,
+                        zeros_xxh3(length),
+                        self.encoder.seek_table_after(task, number),
+                        zeros=length,
+                    )
+                return replace(
+                    self.store.upload_zero_part(upload.key, upload.upload_id, number, length),
+                    xxh3=zeros_xxh3(length),
+                )
+            with self.part_buffers.body(
+                length, lambda out: self._from_cache(content.read_into, start, out)
+            ) as body:
+                digest = integrity.part_hash(body)  # sealed: what the manifest records
+                if task.compressed:
+                    return self.encoder.send_frame(
+                        upload, number, body, digest, self.encoder.seek_table_after(task, number)
+                    )
+                return replace(
+                    self.store.upload_part(upload.key, upload.upload_id, number, body), xxh3=digest
+                )
+
+        try:
+            task.parts[number - 1] = await self.calls.call(upload.key, send)
+        except NotFound:
+            gone.append(number)
+            return
+        task.bytes_sent += length
+        self.uploaded_bytes += length
+        if not task.compressed and not hole:  # (a hole's bytes were never sent)
+            self.encoder.count_stored(length)
 
     # -- streams: parts of files still open for writing ------------------------------------------
     def open_stream(self, key: str) -> Stream:
@@ -330,7 +342,8 @@ class PartSender:
                             )
 
                     try:
-                        info = await self.calls.call(upload.key, send)
+                        async with self.body_bytes.take(size):
+                            info = await self.calls.call(upload.key, send)
                     except NotFound:
                         return  # the upload vanished: the commit sends this part again
                     for block in blocks:

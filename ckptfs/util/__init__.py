@@ -1,2 +1,2 @@
 """Leaf helpers with no ckptfs knowledge: background threads, single-flight calls, figures
-(histograms, rates), and files created safely (owned 0700 directories, O_NOFOLLOW, O_EXCL)."""
+(histograms, rates), byte budgets, and files created safely (owned 0700 directories, O_NOFOLLOW, O_EXCL)."""
