@@ -225,10 +225,21 @@ def test_a_restart_completes_a_grown_upload_whose_parts_were_evicted(tmp_path, l
             assert local.list_multipart() == []
             assert await inprocess.read_in_pieces(m.ns, "big.bin") == data
 
+    async def fresh_mount_reads_each_part_once():
+        async with inprocess.mounted(tmp_path / "fresh", store) as m:
+            before = store.done["get_range_meta"] + store.done["get_range"]
+            assert await inprocess.read_in_pieces(m.ns, "big.bin") == data
+            gets = store.done["get_range_meta"] + store.done["get_range"] - before
+            # One GET per part (read-ahead of a part's blocks shares it), the manifest, and the
+            # first block read before the checksums were known.
+            assert gets <= m.uploader.schedule.grown.count(len(data)) + 3
+
     trio.run(first_run)
     store.fail("complete_multipart", 0)
     store._gates.clear()
     trio.run(second_run)
+    (tmp_path / "fresh").mkdir()
+    trio.run(fresh_mount_reads_each_part_once)
     manifest = json.loads(
         local.get_range(
             integrity.manifest_key(local.head("big.bin").metadata[integrity.UPLOAD_META]), 0, 1 << 20

@@ -110,8 +110,14 @@ class Fetcher:
         if self.nursery is None or not content.in_store:
             return
         last = min(len(content.blocks), first + self.read_ahead)
+        # A part of a grown layout is fetched whole: read ahead into one only if it takes at most
+        # a quarter of the cache, or its blocks could push out the part being read (fetched
+        # again, and again: the cache evicts a file's clean blocks in no particular order).
+        room = sum(tier.budget for tier in self.cache.tiers) // 4
         for index in range(first, last):
             if content.blocks[index] is None and self._slot(content, index) not in self.inflight:
+                if self._fetch_size(content, index) > max(room, self.cache.block_size):
+                    break
                 self.nursery.start_soon(self._prefetch_block, content.hold(), index)
 
     async def _prefetch_block(self, content: Content, index: int) -> None:
@@ -329,10 +335,19 @@ class Fetcher:
             self._mismatch(content, index, IntegrityError("the object kept changing while read"), final=True)
         if not fresh.verified:
             self.unverified_reads += 1
-        await self._attach(content, begin, data)
+        await self._attach(content, begin, data, index)
 
-    async def _attach(self, content: Content, begin: int, data: bytes) -> None:
-        """Put the blocks that ``data`` (checked bytes from ``begin``) covers whole into the cache."""
+    async def _attach(self, content: Content, begin: int, data: bytes, wanted: int) -> None:
+        """Put the blocks that ``data`` (checked bytes from ``begin``) covers whole into the cache.
+        Block ``wanted`` (the one asked for) and those after it, up to a quarter of the cache, are
+        kept from eviction meanwhile: a part of a grown layout holds many blocks, and the
+        allocations of its later blocks must not evict its first ones (fetched again, forever)."""
+        bs = self.cache.block_size
+        room = max(bs, sum(tier.budget for tier in self.cache.tiers) // 4)
+        with content.reading(wanted * bs, min(begin + len(data) - wanted * bs, room)):
+            await self._attach_blocks(content, begin, data)
+
+    async def _attach_blocks(self, content: Content, begin: int, data: bytes) -> None:
         bs = self.cache.block_size
         end = begin + len(data)
         self.fetched_bytes += len(data)
