@@ -10,6 +10,7 @@ zeros to its disks, and copies them at its own pace)."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -41,6 +42,8 @@ def test_a_sparse_file_is_stored_whole_without_the_daemon_touching_its_holes(sto
     assert status["uploaded_bytes"] >= size
     assert status["stored_bytes"] <= 3 * 8 * MiB
     assert stored(store, "sparse.bin").size == size
+    if store.url.startswith("file:"):  # its object file's disk: the parts sent, no byte of hole
+        assert (store.root / "sparse.bin").stat().st_blocks * 512 <= 3 * 8 * MiB + MiB  # (+ extents)
 
     other = mount_factory("r").start()  # an empty cache: every byte read comes from the store, checked
     with open(other.path / "sparse.bin", "rb") as f:
@@ -53,6 +56,9 @@ def test_a_sparse_file_is_stored_whole_without_the_daemon_touching_its_holes(sto
         assert f.read() == bytes(5)
     xattr = os.getxattr(other.path / "sparse.bin", "user.ckptfs.verified")
     assert xattr == b"yes"
+    with pytest.raises(OSError) as info:  # no whole-file xxh3 for a file with holes
+        os.getxattr(other.path / "sparse.bin", "user.ckptfs.xxh3")
+    assert info.value.errno == errno.ENODATA
 
 
 def test_deleting_a_sparse_file_being_uploaded_stops_its_upload_and_umount_finishes(store, mount_factory):

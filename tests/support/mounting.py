@@ -137,10 +137,11 @@ def kill_daemon(m: Mount) -> None:
     """SIGKILL the daemon and wait until it is dead and its mount answers ENOTCONN.
 
     Dead = gone or a zombie (the daemon is reparented to init, which may take a while to reap
-    it; Mount.kill waits for the reaping). The wait for ENOTCONN works around a bug shown by
-    test_crash_torture.py's test_mount_right_after_sigkill_clears_the_stale_mount: for up to the
-    kernel's attribute timeout (1 s) after the death, stat() of the mountpoint still succeeds from
-    the attribute cache, and `ckptfs mount` then refuses with "already a mount point"."""
+    it; Mount.kill waits for the reaping). The wait for ENOTCONN makes the death visible to what
+    the caller does next: for up to the kernel's attribute timeout (1 s) after it, stat() of the
+    mountpoint still succeeds from the attribute cache. `ckptfs mount` no longer needs the wait
+    (it asks the daemon, not stat(): test_crash_torture.py's
+    test_mount_right_after_sigkill_clears_the_stale_mount)."""
     pid = m.pid
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
