@@ -212,7 +212,9 @@ class Files:
         node = handle.node
         if handle.drops_setid and drop_setid(node.mode) != node.mode:
             node.mode = drop_setid(node.mode)  # (before the write, as the kernel does; the commit stores it)
-        self._send_full_blocks(node, writing, offset)
+        self._note_position(writing, offset, len(data))
+        if writing.sequential:
+            self._send_full_blocks(node, writing, offset)
         try:
             written = await writing.staged.write(offset, data)
         except OSError as exc:  # the cache disk is full or failing: never commit a torn file
@@ -222,6 +224,15 @@ class Files:
         writing.dirty = True
         handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
         return written
+
+    def _note_position(self, writing: Writing, offset: int, length: int) -> None:
+        """A write of ``length`` bytes at ``offset``: the copy stops being sequential when it
+        goes back behind the block holding its furthest byte so far (it may change the blocks
+        it moved past: they are no longer streamed, nor evicted under pressure)."""
+        bs = self.cache.block_size
+        if writing.high_water and offset // bs < (writing.high_water - 1) // bs:
+            writing.sequential = False
+        writing.high_water = max(writing.high_water, offset + length)
 
     def _send_full_blocks(self, node: Node, writing: Writing, offset: int) -> None:
         """Streaming upload: blocks a writer filled and has moved past (it now writes at
@@ -444,3 +455,7 @@ class Files:
                     "(cache full): the file cannot end there before it is closed",
                 )
         await staged.truncate(size)
+        if size == 0:  # empty again (O_TRUNC): a sequential writer may start over
+            writing.sequential, writing.high_water = True, 0
+        elif size < writing.high_water:  # cut back behind its writes: it may go back there
+            writing.sequential = False

@@ -5,7 +5,7 @@ built with its policy, the uploader with the cache):
 
 - ``CheckpointEvictionPolicy``, the cache's ``EvictionPolicy`` (ckptfs/cache/cache.py), built
   with the tree before the cache: ``pinned(owner)`` (the latest checkpoint's clean data goes
-  last), ``reclaim()`` (drop one block of a file being written whose part is already uploaded)
+  last), ``reclaim()`` (drop one block of a file being written sequentially whose part is already uploaded)
   and ``releases_pending()`` (whether a writer waiting for space can expect some). It keeps
   where the latest checkpoint is.
 - ``Retention``, built after the cache and the uploader, what the model tells the cache: a
@@ -60,11 +60,15 @@ class CheckpointEvictionPolicy(EvictionPolicy):
 
     def reclaim(self) -> bool:
         """The cache is full: drop one block of a file being written whose part is already in
-        the store (its upload keeps it). Blocks shared with a committed version stay."""
+        the store (its upload keeps it). Only a writer sequential so far (``Writing.sequential``):
+        one that went back may change the block again. Blocks shared with a committed version stay."""
         for handle in self.tree.handles.values():
             stream, staged = handle.stream, handle.staged
             if stream is None or stream.upload is None or stream.key != handle.node.key():
                 continue  # (renamed since streaming began: its parts may not stay under that key)
+            assert handle.writing is not None  # (a handle with a stream is a writer)
+            if not handle.writing.sequential:
+                continue  # it went back: it may change those blocks again (it waits for space)
             assert staged is not None  # a handle with a stream is a writer: it has a working copy
             for index, (stamp, part) in stream.sent.items():
                 ref = staged.blocks[index] if index < len(staged.blocks) else None

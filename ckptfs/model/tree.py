@@ -130,6 +130,12 @@ class Writing:
         self.dirty = False  # changed since the last commit
         self.error = 0  # sticky: a write that failed (ENOSPC, EIO) poisons the commit
         self.stream: Stream | None = None  # parts sent before the commit
+        # Written sequentially so far (files.Files.write): the copy began empty and no write
+        # went back behind the block its furthest byte so far (``high_water``) lies in. Only
+        # then are blocks it moved past streamed and, under cache pressure, evicted: a writer
+        # that goes back (fsx, a file rewritten in place) may change them again.
+        self.sequential = staged.size == 0
+        self.high_water = 0  # the end of its furthest write (bytes)
         # Committed with parts evicted to the store: no more writes (they belong to that upload).
         self.frozen = False
         self.handles: set[Handle] = set()  # its open writer handles
