@@ -165,11 +165,7 @@ class Files:
         assert reading is not None  # no working copy: a reader, opened with the version it reads
         content = reading.hold()  # (a commit here may move the handle to a newer version meanwhile)
         try:
-            while content.remote and not content.in_store:
-                # Parts evicted under cache pressure come back once the file is in the store.
-                if content.orphaned:
-                    raise FsError(errno.EIO, "this version was replaced before it reached the store")
-                await self.uploader.progress.wait()
+            await self._wait_for_evicted(content)
             if content.in_store:
                 if offset == handle.read_end:  # sequential: keep the next blocks coming
                     self.fetcher.prefetch(content, (offset + size) // self.cache.block_size)
@@ -186,11 +182,21 @@ class Files:
         finally:
             content.release()
 
+    async def _wait_for_evicted(self, content: Content) -> None:
+        """Parts evicted under cache pressure come back once the file is in the store."""
+        while content.remote and not content.in_store:
+            if content.orphaned:
+                raise FsError(errno.EIO, "this version was replaced before it reached the store")
+            await self.uploader.progress.wait()
+
     async def _fetch_range(self, node: Node, content: Content, offset: int, size: int) -> None:
         """Cache a range of ``content`` to build a writer's copy from: none of it may be evicted
         before the copy shares it (a file larger than the cache gets ENOSPC)."""
         self.retention.keep(node)
         try:
+            # (Not cached is not a hole here: a block evicted to the version's upload, not yet
+            # complete, must come from the store once it is, never read as zeros: issue 28.)
+            await self._wait_for_evicted(content)
             while missing := content.missing(offset, size):
                 await self.fetcher.fill(content, missing)
         finally:
