@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.harness import private_shm_dir
 from tests.support.swift import ACCESS_KEY, REGION, SECRET_KEY, S3Endpoint, SwiftServer
 
 # =============================================================================================
@@ -292,8 +293,7 @@ def store(request, tmp_path):
 
 @pytest.fixture
 def proxied_store(s3_server, s3_bucket, proxy):
-    shm = Path("/dev/shm") / f"ckptfs-tests-{uuid.uuid4().hex[:8]}"
-    shm.mkdir(mode=0o700)
+    shm = private_shm_dir()
     try:
         yield S3StoreView(
             s3_server, s3_bucket, prefix="run", proxy=proxy, mount_extra=("--shm-dir", str(shm))

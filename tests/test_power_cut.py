@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.faultproxy import Rule, blackhole
+from tests.support.harness import private_shm_dir
 from tests.support.mounting import Mount, is_mounted
 
 pytestmark = [pytest.mark.e2e, pytest.mark.store]
@@ -174,8 +175,7 @@ class Node:
 
     def __init__(self, disk, s3_bucket, proxy, tmp_path: Path, ram_cache: str):
         self.disk, self.proxy = disk, proxy
-        self.shm = Path("/dev/shm") / f"ckptfs-tests-{uuid.uuid4().hex[:8]}"
-        self.shm.mkdir(mode=0o700)
+        self.shm = private_shm_dir()
         self.m = Mount(
             f"s3://{s3_bucket}/run",
             tmp_path / "node",

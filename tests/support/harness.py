@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import trio
@@ -86,6 +87,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def private_shm_dir() -> Path:
+    """A fresh 0700 directory in /dev/shm for a mount's RAM tier (``--shm-dir``). Its name carries
+    the scripts/test session (CKPTFS_TEST_SHM_TAG), so that session's cleanup removes what a
+    killed pytest left behind without touching another session's."""
+    tag = os.environ.get("CKPTFS_TEST_SHM_TAG", "")
+    shm = Path("/dev/shm") / f"ckptfs-tests-{tag + '-' if tag else ''}{uuid.uuid4().hex[:8]}"
+    shm.mkdir(mode=0o700)
+    return shm
 
 
 def write_files(root: Path, files: dict[str, bytes]) -> None:
