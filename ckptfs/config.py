@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MiB = 1 << 20
@@ -62,6 +62,11 @@ class MountConfig:
     # Seconds a read of data not in the cache waits while the store is in trouble (failing or
     # not answering) before it fails with EIO. A store that answers, however slowly, never trips it.
     read_timeout: float = 60.0
+    # Seconds a close waits for the store to take this node's writer record of the file's
+    # directory (cluster/records.py) before it goes on without it.
+    record_timeout: float = 10.0
+    # Globs of files that are never held as checkpoint markers (model/gate.py): "*" turns it off.
+    no_marker: list[str] = field(default_factory=list)
     shm_dir: str = "/dev/shm"  # the tmpfs that holds the RAM tier (a container's may be small)
     allow_other: bool = False  # let other users in (the kernel still checks each file's mode)
     # Modes of what the store does not record (objects loaded from it): 0666/0777 less this.

@@ -37,14 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ckptfs"
 
 # Bottom first. An entry is a package ("store": its __init__ and every module below it) or a
-# module ("errors", "admin.dcpmeta"); the most specific entry naming a module gives its layer.
+# module ("errors", "cluster.dcpmeta"); the most specific entry naming a module gives its layer.
 # "" is the package's own __init__ (ckptfs/__init__.py).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves: import nothing of ckptfs", {"errors", "config", "blocks", "parts", "admin.dcpmeta"}),
+    ("leaves: import nothing of ckptfs", {"errors", "config", "blocks", "parts", "cluster.dcpmeta"}),
     ("util: threads, single flight, figures, private files", {"util"}),
     ("store: the object stores", {"store"}),
     ("objects, cache: what objects hold and their checksums; the node's cache", {"objects", "cache"}),
     ("transfer: uploads, fetches, retries", {"transfer"}),
+    ("cluster: what the nodes of one store tell each other through it; checkpoint markers", {"cluster"}),
     ("model: the filesystem behind the FUSE glue", {"model"}),
     ("fuse, control: the kernel's calls; the control socket", {"fuse", "control"}),
     ("admin: catalogs, series, targets, verify", {"admin"}),
@@ -59,7 +60,7 @@ LAYERS: list[tuple[str, set[str]]] = [
 SUBLAYERS: dict[str, list[set[str]]] = {
     "model": [
         {"model.tree", "model.prefill"},
-        {"model.policy"},
+        {"model.policy", "model.gate"},
         {"model.commits"},
         {"model.startup", "model.refresh", "model.files", "model.dirs"},
         {"model.namespace"},

@@ -1,5 +1,5 @@
 """Unit tests of checkpoint series recognition and retention (ckptfs/series.py) and of reading
-DCP .metadata without torch (ckptfs/dcpmeta.py): pure, on lists of files."""
+DCP .metadata without torch (ckptfs/cluster/dcpmeta.py): pure, on lists of files."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.admin import dcpmeta
 from ckptfs.admin.series import Entry, analyse, plan_gc
+from ckptfs.cluster import dcpmeta
 
 pytestmark = pytest.mark.unit
 
@@ -296,7 +296,7 @@ def test_dcp_metadata_names_its_shards(dcp_metadata, tmp_path):
     (tmp_path / ".metadata").write_bytes(raw)
     code = (
         "import json, sys\n"
-        "from ckptfs.admin import dcpmeta\n"
+        "from ckptfs.cluster import dcpmeta\n"
         "names = dcpmeta.referenced_files(open(sys.argv[1], 'rb').read())\n"
         "print(json.dumps([sorted(names), sorted(m for m in sys.modules if m.split('.')[0] == 'torch')]))"
     )

@@ -27,32 +27,22 @@ from __future__ import annotations
 import fnmatch
 import json
 import posixpath
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ckptfs.admin import dcpmeta
+from ckptfs.cluster import dcpmeta
+from ckptfs.cluster.markers import (
+    ACCELERATE_RNG_STATE,
+    DCP_METADATA,
+    HF_TRAINER_STATE,
+    INDEX_MAX_BYTES,
+    METADATA_MAX_BYTES,
+    POINTER_MAX_BYTES,
+    POINTER_NAMES,
+)
+from ckptfs.cluster.markers import locate as _locate
 
 DURABLE = "durable"
-
-_NUMBERED = [  # (layout, pattern of a step's name); a file step may add an extension
-    ("hf-trainer", re.compile(r"checkpoint-(\d+)")),
-    ("megatron", re.compile(r"iter_(\d+)")),
-    ("deepspeed", re.compile(r"global_step_?(\d+)")),
-    ("step", re.compile(r"(?:step|ckpt|checkpoint)[-_]?(\d+)")),
-    ("lightning", re.compile(r"epoch=\d+-step=(\d+)(?:-v\d+)?(?:\.ckpt)?")),
-]
-_FILE_SUFFIX = re.compile(r"\.(?:pt|pth|ckpt|bin|safetensors|pkl|tar)\Z")
-_LIGHTNING_LAST = re.compile(r"last(?:-v\d+)?\.ckpt\Z")
-POINTER_NAMES = ("latest_checkpointed_iteration.txt", "latest", "latest.txt", "LATEST")
-DCP_METADATA = ".metadata"
-HF_TRAINER_STATE = "trainer_state.json"
-# accelerate's save_state writes each process's RNG state after the model, optimizer, scheduler,
-# sampler and scaler files; it names its steps checkpoint_N (the "step" layout).
-ACCELERATE_RNG_STATE = re.compile(r"random_states_\d+\.pkl\Z")
-POINTER_MAX_BYTES = 4096
-METADATA_MAX_BYTES = 256 << 20  # a DCP .metadata of a very large model is tens of MB
-INDEX_MAX_BYTES = 64 << 20
 
 Reader = Callable[[str, int], bytes]  # (path, most bytes wanted) -> the bytes; OSError if unreadable
 
@@ -131,34 +121,6 @@ class Series:
             "restart": restart.path if restart else None,
             "steps": [s.to_json() for s in self.steps],
         }
-
-
-def _match_step(name: str, is_file: bool) -> tuple[str, int] | None:
-    if is_file:
-        if _LIGHTNING_LAST.match(name):
-            return "lightning", -1
-        if not _FILE_SUFFIX.search(name):
-            return None
-        stem = name if name.endswith(".ckpt") and name.startswith("epoch=") else _FILE_SUFFIX.sub("", name)
-    else:
-        stem = name
-    for layout, pattern in _NUMBERED:
-        m = pattern.fullmatch(stem)
-        if m:
-            return layout, int(m.group(1))
-    return None
-
-
-def _locate(path: str, is_file: bool) -> tuple[int, str, int | None] | None:
-    """The index of the component that makes ``path`` part of a step, its layout and number."""
-    parts = path.split("/")
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        found = _match_step(part, is_file and last)
-        if found is not None:
-            layout, number = found
-            return i, layout, None if number < 0 else number
-    return None
 
 
 def analyse(entries: Iterable[Entry], read: Reader) -> list[Series]:

@@ -130,6 +130,22 @@ def add_parser(sub) -> None:
         f"answer before it fails with EIO (default {MountConfig.read_timeout:g})",
     )
     p.add_argument(
+        "--record-timeout",
+        type=parse_seconds_arg,
+        metavar="SECONDS",
+        help="how long a close waits for the store to take this node's record of the directory it "
+        "writes in (other nodes' checkpoint markers wait for files it names) before it goes on "
+        f"without it (default {MountConfig.record_timeout:g})",
+    )
+    p.add_argument(
+        "--no-marker",
+        action="append",
+        metavar="GLOB",
+        help="files matching GLOB (a path or a name: 'latest', '*.index.json') are published as "
+        "plain files, never held until the checkpoint they mark is whole in the store; "
+        "repeatable; '*' turns the hold off",
+    )
+    p.add_argument(
         "--shm-dir", metavar="DIR", help=f"the tmpfs that holds the RAM tier (default {MountConfig.shm_dir})"
     )
     p.add_argument(
@@ -207,6 +223,8 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "list_ttl": args.list_ttl,
         "write_timeout": args.write_timeout,
         "read_timeout": args.read_timeout,
+        "record_timeout": args.record_timeout,
+        "no_marker": args.no_marker,
         "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
         "umask": args.umask,
         "log_level": args.log_level,
@@ -298,6 +316,8 @@ def daemon_argv(config: MountConfig) -> list[str]:
         repr(config.write_timeout),
         "--read-timeout",
         repr(config.read_timeout),
+        "--record-timeout",
+        repr(config.record_timeout),
         "--shm-dir",
         config.shm_dir,
         "--log-level",
@@ -305,6 +325,8 @@ def daemon_argv(config: MountConfig) -> list[str]:
         "--foreground",
     ]
     argv += ["--umask", f"{config.umask:04o}"]
+    for glob in config.no_marker:
+        argv += [f"--no-marker={glob}"]
     argv += ["--compress", f"zstd:{config.compress}"] * bool(config.compress)
     argv += ["--allow-other"] * config.allow_other + ["--keep-ram-cache"] * config.keep_ram_cache
     if config.endpoint_url:

@@ -23,6 +23,11 @@ The build order, and the two cycles in it (docs/architecture.md, "Wiring"):
   ops when it compacts the journal. The shadows are a holder (``Shadows``) made first and
   handed to both.
 - one ``StoreHealth`` for the uploader, the fetcher and the namespace (its refresh).
+- records -> uploader -> gate -> records: this node's writer records (cluster/records.py) are
+  kept to what it has pending (the uploader's ops) and written through the uploader's store
+  calls, while the uploader asks the marker gate, which reads other nodes' records. So the
+  records are given two functions (``writing_in``, ``store_call``) that read the uploader built
+  a few lines later; they run only once the workers start.
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ from ckptfs.cache.arena import RAM
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.clean_index import CleanEntry
 from ckptfs.cache.journal import Journal, Op
+from ckptfs.cluster import records as writer_records
+from ckptfs.cluster.records import WriterRecords
 from ckptfs.config import MountConfig
 from ckptfs.daemon import limits
 from ckptfs.model.commits import Commits, Shadows
+from ckptfs.model.gate import MarkerGate
 from ckptfs.model.namespace import Namespace
 from ckptfs.model.policy import CheckpointEvictionPolicy, Retention
 from ckptfs.model.prefill import KernelCache, Prefill
@@ -66,6 +74,8 @@ class Core:
     journal: Journal
     uploader: Uploader
     fetcher: Fetcher
+    records: WriterRecords
+    gate: MarkerGate
     namespace: Namespace
     pending: list[Op]  # the journal's ops the last run left unfinished
     open_uploads: list  # multipart uploads the journal recorded as open
@@ -75,6 +85,7 @@ class Core:
         """The uploader (resuming the open uploads) and the fetcher, in ``nursery``."""
         await nursery.start(self.uploader.run, self.open_uploads)
         await nursery.start(self.fetcher.run)
+        await nursery.start(self.records.run)
 
     def load(self, listing: Iterable[ObjectInfo]) -> None:
         """The tree: the store's ``listing`` with the pending ops replayed (after ``start``)."""
@@ -136,6 +147,23 @@ def build_core(
     if pending:
         log.info("journal: %d operations still pending from the last run; resuming", len(pending))
     shadows = Shadows()  # (the cycle uploader <-> commits: see the module doc)
+
+    def writing_in() -> dict[str, str]:
+        # (the cycle records -> uploader -> gate -> records: see the module doc)
+        return gate.writing_in(t.op for t in uploader.pending.values())
+
+    async def store_call(key: str, fn, *args):
+        return await uploader.calls.call(key, fn, *args)
+
+    records = WriterRecords(
+        store,
+        writer_records.node_id(cache_dir),
+        writing_in,
+        store_call,
+        health.in_trouble,
+        config.record_timeout,
+    )
+    gate = MarkerGate(tree, store, records, health, config.no_marker)
     uploader = Uploader(
         store,
         cache,
@@ -145,15 +173,29 @@ def build_core(
         compress_level=config.compress or None,
         health=health,
         retained_ops=shadows.retained_ops,
+        gate=gate,
     )
     fetcher = Fetcher(
         store, cache, config.upload_concurrency, health=health, read_timeout=config.read_timeout
     )
     retention = Retention(tree, cache, uploader, policy)
     prefill = Prefill(retention.busy, kernel)
-    commits = Commits(tree, cache, journal, uploader, retention, prefill, shadows)
+    commits = Commits(tree, cache, journal, uploader, retention, prefill, shadows, records)
     namespace = Namespace(commits, fetcher, health, list_ttl=config.list_ttl, kernel=kernel)
-    return Core(store, health, cache, journal, uploader, fetcher, namespace, pending, open_uploads, clean)
+    return Core(
+        store,
+        health,
+        cache,
+        journal,
+        uploader,
+        fetcher,
+        records,
+        gate,
+        namespace,
+        pending,
+        open_uploads,
+        clean,
+    )
 
 
 def _adopt_blocks(cache: Cache, pending: list[Op]) -> list[Op]:

@@ -212,6 +212,7 @@ class Operations(pyfuse3.Operations):
             self._checked_name(parent_inode_new, name_new),
             flags,
         )
+        await self.ns.recorded()
 
     @_errno_boundary
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
@@ -228,6 +229,7 @@ class Operations(pyfuse3.Operations):
             self.ns.flush(handle.fh)
         finally:
             self.ns.release(handle.fh)
+        await self.ns.recorded()
         return self._entry(self.ns.getattr(attr.ino))
 
     @_errno_boundary
@@ -322,7 +324,9 @@ class Operations(pyfuse3.Operations):
         # Every close of a descriptor sends FLUSH, a forked child's too: commit only at the
         # close after which the opening process holds the file no more (fuse/openers.py).
         commit = await self.openers.opener_closed(fh)
-        self.ns.flush(fh, commit=commit)
+        committed = self.ns.flush(fh, commit=commit)
+        if committed:
+            await self.ns.recorded()  # (other nodes' markers wait for what this close committed)
         if commit:
             self._saved(fh)
 
@@ -330,7 +334,9 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh):
         self.openers.released(fh)
         try:
-            self.ns.release(fh)  # commits a handle still dirty (its opener's close was not seen)
+            # commits a handle still dirty (its opener's close was not seen)
+            if self.ns.release(fh):
+                await self.ns.recorded()
         finally:
             self._saved(fh)
 

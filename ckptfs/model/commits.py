@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import ATTR, DELETE, MKDIR, MOVE, PUT, Journal, Op
+from ckptfs.cluster.records import WriterRecords, dir_key
 from ckptfs.errors import FsError
 from ckptfs.model.policy import Retention
 from ckptfs.model.prefill import Prefill
@@ -54,6 +55,7 @@ class Commits:
         retention: Retention,
         prefill: Prefill,
         shadows: Shadows,
+        records: WriterRecords | None = None,
     ):
         self.tree = tree
         self.cache = cache
@@ -62,11 +64,26 @@ class Commits:
         self.retention = retention
         self.prefill = prefill
         self.shadows = shadows
+        self.records = records  # this node's writer records in the store (None: none kept)
+
+    # -- writer records ------------------------------------------------------------------------------
+    def writing(self, key: str) -> None:
+        """A file is being written (or committed, or moved) at ``key``: this node's record of its
+        directory goes to the store now, so that the close finds it there (cluster/records.py)."""
+        if self.records is not None:
+            self.records.want(dir_key(key))
+
+    async def recorded(self) -> None:
+        """Return once the store holds the records of every directory this node writes in
+        (bounded by --record-timeout): called before a close, rename or fsync returns."""
+        if self.records is not None:
+            await self.records.settled()
 
     # -- commits -----------------------------------------------------------------------------------
     def commit(self, node: Node, content: Content, writing: Writing | None = None) -> None:
         """``node``'s new version; its mtime is its last write's, as the caller set it (the
         object's metadata says so too)."""
+        self.writing(node.key())
         try:
             op = put_op(node.key(), content, attr_metadata(node), self.uploader.schedule)
             op.replaces = self._replaced_manifest(node)
@@ -166,6 +183,7 @@ class Commits:
         if node.is_dir:
             node.last_seq = self.log(Op(MKDIR, new_key, meta=attr_metadata(node))).seq
             return
+        self.writing(new_key)
         self._relocate_version(node, old_key, new_key)
         self._rejournal_shadows(node)
 

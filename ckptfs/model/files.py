@@ -85,6 +85,7 @@ class Files:
         node.nlookup += 1
         node.writing = Writing(StagedFile(self.cache))
         node.writing.dirty = True  # a created file exists once closed, even empty
+        self.commits.writing(node.key())
         handle = self._open_handle(node, node.writing, None, appends_here(flags))
         handle.drops_setid = drops_setid(flags, keeps_setid)
         self.tree.touch(parent)
@@ -129,6 +130,7 @@ class Files:
             writing.dirty = True
             node.mtime_ns = node.ctime_ns = time.time_ns()
         node.kernel_version = None  # (its pages will hold the working copy)
+        self.commits.writing(node.key())
         handle = self._open_handle(node, writing, None, appends_here(flags))
         handle.drops_setid = drops_setid(flags, keeps_setid)
         return handle, False, direct_writes(flags)
@@ -261,29 +263,28 @@ class Files:
             assert ref is not None  # sealed blocks are cached (filtered above)
             self.uploader.stream_part(writing.stream, index, ref, staged.stamps[index])
 
-    def flush(self, fh: int, commit: bool = True) -> None:
+    def flush(self, fh: int, commit: bool = True) -> bool:
         """A close. The file is committed when every writer's opener has closed it (a clean
         file: a no-op); until then the other writers keep changing the one working copy.
         ``commit=False``: a close that is not the opener's last (a forked child's copy): only
-        report a failed write."""
+        report a failed write. True if it committed a version."""
         handle = self.tree.handle(fh)
         writing = handle.writing
         if writing is None:
-            return
+            return False
         if writing.error:
             raise FsError(writing.error, "an earlier write failed: the file was not committed")
         if not commit:
-            return
+            return False
         writing.closed.add(handle)
-        if writing.handles <= writing.closed:
-            self._commit(handle.node, writing)
+        return writing.handles <= writing.closed and self._commit(handle.node, writing)
 
-    def _commit(self, node: Node, writing: Writing) -> None:
+    def _commit(self, node: Node, writing: Writing) -> bool:
         if not writing.dirty or writing.error:
-            return  # (never commit a torn file)
+            return False  # (never commit a torn file)
         writing.dirty = False
         if node.unlinked:
-            return  # written after unlink: nobody can see it
+            return False  # written after unlink: nobody can see it
         content = writing.staged.snapshot()
         if content.remote:
             assert writing.stream is not None  # evicted blocks are parts of its streamed upload
@@ -292,6 +293,7 @@ class Files:
         if writing.staged.remote:
             writing.frozen = True
         self._readers_follow(node)
+        return True
 
     def _readers_follow(self, node: Node) -> None:
         """Descriptors open for reading read the version just committed here, as on a local
@@ -306,13 +308,15 @@ class Files:
                 assert old is not None  # no working copy: a reader, opened with a version
                 old.release()
 
-    def release(self, fh: int) -> None:
+    def release(self, fh: int) -> bool:
+        """The last close of a handle; True if it committed a version."""
         handles = self.tree.handles
         handle = handles.pop(fh, None)
         if handle is None:
-            return
+            return False
         node = handle.node
         writing = handle.writing
+        committed = False
         try:
             if writing is not None:
                 node.writers -= 1
@@ -321,7 +325,7 @@ class Files:
                 # Every writer left has been closed by its opener (or none is left): commit
                 # what no close did (an opener's close not seen, a writer closed before another).
                 if writing.handles <= writing.closed:
-                    self._commit(node, writing)
+                    committed = self._commit(node, writing)
         finally:
             if writing is not None and not writing.handles:
                 if writing.stream is not None:  # no commit took its parts
@@ -336,6 +340,7 @@ class Files:
             self.prefill.closed(node)
         self.retention.maybe_clean(node)
         self.tree.maybe_drop(node)
+        return committed
 
     async def fsync(self, fh: int) -> None:
         """Local durability: what this handle wrote so far (a writer), or the committed version

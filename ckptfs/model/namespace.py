@@ -255,6 +255,7 @@ class Namespace:
             self.files.release(handle.fh)
             raise
         self.files.release(handle.fh)
+        await self.commits.recorded()
         return self.tree.attr(node)
 
     async def readlink(self, ino: int) -> bytes:
@@ -283,14 +284,21 @@ class Namespace:
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         return await self.files.write(fh, offset, data)
 
-    def flush(self, fh: int, commit: bool = True) -> None:
-        self.files.flush(fh, commit)
+    def flush(self, fh: int, commit: bool = True) -> bool:
+        """A close; True if it committed a version (then await ``recorded`` before answering)."""
+        return self.files.flush(fh, commit)
 
-    def release(self, fh: int) -> None:
-        self.files.release(fh)
+    async def recorded(self) -> None:
+        """Before a close, rename or fsync returns: the store holds this node's writer record of
+        every directory it writes in (other nodes' markers then wait for these files)."""
+        await self.commits.recorded()
+
+    def release(self, fh: int) -> bool:
+        return self.files.release(fh)
 
     async def fsync(self, fh: int) -> None:
         await self.files.fsync(fh)
+        await self.commits.recorded()
 
     async def fsyncdir(self) -> None:
         await self.files.fsyncdir()

@@ -39,7 +39,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import trio
 
@@ -61,6 +62,31 @@ from ckptfs.util.stats import Histogram, RateMeter
 
 log = logging.getLogger(__name__)
 
+RECHECK_MIN_S, RECHECK_MAX_S = 0.2, 2.0  # how often a held marker is asked about again
+
+
+class PublishGate(Protocol):
+    """What the uploader asks before it publishes a checkpoint marker (the model's ``MarkerGate``:
+    model/gate.py): a marker waits until what it stands for is in the store, whichever node
+    wrote it, held aside meanwhile so that the ops after it publish as usual."""
+
+    def gated(self, op: Op) -> bool:
+        """Whether ``op`` puts a checkpoint marker (by its key alone)."""
+        ...
+
+    async def clear(self, task: Task, earlier: Iterable[Op]) -> bool:
+        """Whether the marker may be published now; ``earlier``: this node's ops committed before
+        it and still pending."""
+        ...
+
+    def drops(self, op: Op, held: Op, published: bool) -> str | None:
+        """Why ``op`` (submitted, or just ``published``) makes the held marker ``held`` obsolete."""
+        ...
+
+    def forget(self, seq: int) -> None:
+        """The op ``seq`` is published, dropped or cancelled."""
+        ...
+
 
 class Uploader:
     """The op queue, its publication in commit order, journal compaction and figures. A put's
@@ -77,6 +103,7 @@ class Uploader:
         compress_level: int | None = None,
         health: StoreHealth | None = None,
         retained_ops: Callable[[], list[Op]] = list,
+        gate: PublishGate | None = None,
     ):
         self.store = store
         self.cache = cache
@@ -110,6 +137,11 @@ class Uploader:
         self.durable_files = 0
         self.nursery: trio.Nursery | None = None
         self.retained_ops = retained_ops  # ops the journal keeps besides pending ones
+        self.gate = gate
+        self.held: dict[int, Task] = {}  # markers waiting for files of other nodes (or of ours held)
+        self.held_added = trio.Event()
+        self.dropped: deque[dict] = deque(maxlen=20)  # markers given up: what and why (status)
+        self.dropped_count = 0
 
     # -- the collaborators' state, under the names status and the daemon use ---------------------
     @property
@@ -166,6 +198,8 @@ class Uploader:
         stream: Stream | None = None,
         stamps: list[int] | None = None,
     ) -> Task:
+        if self.held:
+            self._drop_obsolete(op, published=False)
         task = Task(op, content.hold() if content is not None else None, on_durable)
         # (a streamed file whose grown parts were evicted keeps that layout: op.grown)
         task.layout = self.schedule.layout(op.size, op.grown)
@@ -191,6 +225,8 @@ class Uploader:
         if task is None or task.publishing:
             return False
         del self.pending[seq]
+        if self.held.pop(seq, None) is not None and self.gate is not None:
+            self.gate.forget(seq)
         task.cancelled = True
         task.scope.cancel()
         task.ready.set()
@@ -287,31 +323,105 @@ class Uploader:
                 else:
                     nursery.start_soon(self.sender.abort, Upload(key, upload_id, journal_id))
             nursery.start_soon(self._publisher)
+            if self.gate is not None:
+                nursery.start_soon(self._recheck_held)
             task_status.started()
 
     async def _publisher(self) -> None:
         while True:
-            if not self.pending:
+            task = self._next_task()
+            if task is None:
                 self.new_work = trio.Event()
                 await self.new_work.wait()
                 continue
-            seq, task = next(iter(self.pending.items()))
+            seq = task.op.seq
             await task.ready.wait()
             if task.cancelled or self.pending.get(seq) is not task:
                 continue
-            task.publishing = True
-            await self.calls.until_done(task, self._publish)
-            del self.pending[seq]
-            self.journal.done(seq)
-            if self.journal.should_compact():
-                self._compact()
-            if task.op.kind == PUT:
-                self.durable_files += 1
-            callback = task.on_durable
-            self.sender.finish(task)
-            if callback is not None:
-                callback(task.op)
-            self._signal_progress()
+            if self.gate is not None and self.gate.gated(task.op):
+                cleared = await self.gate.clear(task, self._earlier(seq))
+                if task.cancelled or self.pending.get(seq) is not task:
+                    continue
+                if not cleared:  # aside: the ops after it go on
+                    self.held[seq] = task
+                    self.held_added.set()
+                    continue
+            await self._publish_task(seq, task)
+
+    def _next_task(self) -> Task | None:
+        """The first pending op that is not a held marker nor about a key one of them holds."""
+        if not self.held:
+            return next(iter(self.pending.values()), None)
+        blocked: set[str] = set()
+        for seq, task in self.pending.items():
+            if seq in self.held or task.op.key in blocked or (task.op.src and task.op.src in blocked):
+                blocked.update(k for k in (task.op.key, task.op.src) if k)
+                continue
+            return task
+        return None
+
+    def _earlier(self, seq: int) -> list[Op]:
+        return [t.op for s, t in self.pending.items() if s < seq]
+
+    async def _recheck_held(self) -> None:
+        """Ask about each held marker again, less and less often while none clears."""
+        assert self.gate is not None
+        delay = RECHECK_MIN_S
+        while True:
+            if not self.held:
+                self.held_added = trio.Event()
+                await self.held_added.wait()
+            with trio.move_on_after(delay):
+                self.held_added = trio.Event()
+                await self.held_added.wait()  # (a new held marker: the backoff starts again)
+                delay = RECHECK_MIN_S
+                continue
+            cleared = False
+            for seq, task in sorted(self.held.items()):
+                if self.held.get(seq) is not task or self.pending.get(seq) is not task:
+                    continue
+                if await self.gate.clear(task, self._earlier(seq)) and self.held.get(seq) is task:
+                    await self._publish_task(seq, task)
+                    cleared = True
+            delay = RECHECK_MIN_S if cleared else min(delay * 2, RECHECK_MAX_S)
+
+    async def _publish_task(self, seq: int, task: Task) -> None:
+        task.publishing = True
+        await self.calls.until_done(task, self._publish)
+        del self.pending[seq]
+        self.journal.done(seq)
+        if self.journal.should_compact():
+            self._compact()
+        if task.op.kind == PUT:
+            self.durable_files += 1
+        callback = task.on_durable
+        self.sender.finish(task)
+        if callback is not None:
+            callback(task.op)
+        if self.gate is not None:
+            was_held = self.held.pop(seq, None) is not None
+            if self.held:
+                self._drop_obsolete(task.op, published=True)
+            self.gate.forget(seq)
+            if was_held:
+                log.info("marker %s published", task.op.key)
+                self.new_work.set()  # (ops about its key may go now)
+        self._signal_progress()
+
+    def _drop_obsolete(self, op: Op, published: bool) -> None:
+        """Held markers that ``op`` (submitted or just published) leaves nothing to do: dropped,
+        the journal forgets them; said once in the log and in status."""
+        assert self.gate is not None
+        for seq, held in list(self.held.items()):
+            reason = self.gate.drops(op, held.op, published)
+            if reason is None or held.publishing:
+                continue
+            key = held.op.key
+            if self.cancel(seq):
+                self.dropped_count += 1
+                self.dropped.append({"marker": key, "reason": reason, "at": time.time()})
+                log.warning("marker %s will not be published: %s", key, reason)
+        self.new_work.set()
 
     async def _publish(self, task: Task) -> None:
         op = task.op

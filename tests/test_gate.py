@@ -1,0 +1,177 @@
+"""Checkpoint markers across nodes, in process (model/gate.py, cluster/records.py): two nodes'
+namespaces on one local store, each through its own FaultyStore so that one node's uploads can
+be held while the other's go on. Real stores and real journals; no FUSE (tests/test_nodes.py
+drives real mounts and real frameworks).
+
+A marker (a shard index, a ``latest`` pointer) is published only once what it names is in the
+store, whoever wrote it; until then it is held aside and later files publish as usual; a held
+marker made obsolete (replaced, its step deleted, a newer step of its series whole) is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+
+from ckptfs.cluster import records as writer_records
+from tests.support.faults import FaultyStore
+from tests.support.harness import trio_test, wait_until_async
+from tests.support.inprocess import ROOT_INODE, create, ino, mkdirs, mounted, store_files, sync
+
+pytestmark = pytest.mark.unit
+
+GUARD = 30.0
+
+
+async def write(m, path: str, data: bytes) -> None:
+    """create + write + close, then what the FUSE glue awaits before the close returns."""
+    await create(m.ns, path, data)
+    await m.ns.recorded()
+
+
+def index(*shards: str) -> bytes:
+    return json.dumps({"metadata": {}, "weight_map": {f"w{i}": s for i, s in enumerate(shards)}}).encode()
+
+
+def records_in(store) -> set[str]:
+    inner = store.inner if isinstance(store, FaultyStore) else store
+    return {o.key for o in inner.list(writer_records.PREFIX) if not o.key.endswith("/")}
+
+
+async def nodes(stack: AsyncExitStack, tmp_path, local, n: int = 2):
+    made = []
+    for i in range(n):
+        root = tmp_path / f"node{i}"
+        root.mkdir()
+        made.append(await stack.enter_async_context(mounted(root, FaultyStore(local))))
+    return made
+
+
+@trio_test
+async def test_an_index_waits_for_the_shard_another_node_still_uploads(tmp_path, local):
+    async with AsyncExitStack() as stack:
+        a, b = await nodes(stack, tmp_path, local)
+        mkdirs(a.ns, "step_100")
+        mkdirs(b.ns, "step_100")
+        held = b.store.hold("put", "step_100/shard-1.bin")  # B's upload is never answered
+        await write(b, "step_100/shard-1.bin", b"1" * 5000)
+        # (the close returned: B's record of step_100/ is in the store)
+        assert any(k.startswith(writer_records.PREFIX + "step_100/") for k in records_in(local))
+        await write(a, "step_100/shard-0.bin", b"0" * 5000)
+        await write(a, "step_100/model.index.json", index("shard-0.bin", "shard-1.bin"))
+        await write(a, "unrelated.txt", b"later files go on")
+        await wait_until_async(lambda: "unrelated.txt" in store_files(local), GUARD, "a later file published")
+        files = store_files(local)
+        assert "step_100/shard-0.bin" in files and "step_100/model.index.json" not in files
+        (wait,) = a.core.gate.waiting()
+        assert wait.key == "step_100/model.index.json" and b.core.records.node in wait.nodes
+        assert a.ns.state(ino(a.ns, "step_100/model.index.json")) == "pending"
+
+        held.open()
+        with trio.fail_after(GUARD):
+            await sync(a)
+        files = store_files(local)
+        assert files["step_100/model.index.json"] == index("shard-0.bin", "shard-1.bin")
+        assert "step_100/shard-1.bin" in files
+        assert a.ns.state(ino(a.ns, "step_100/model.index.json")) == "durable"
+        assert not a.core.gate.waiting()
+        # B's record goes once its files are all published and the directory is idle
+        await wait_until_async(lambda: not records_in(local), GUARD, "no writer record left")
+
+
+@trio_test
+async def test_a_pointer_to_a_step_whose_node_is_lost_never_lands_and_gives_way(tmp_path, local):
+    async with AsyncExitStack() as stack:
+        a, b = await nodes(stack, tmp_path, local)
+        for m in (a, b):
+            mkdirs(m.ns, "global_step100")
+        b.store.hold("put", "global_step100/mp_rank_01_model_states.pt")  # never answered: B is lost
+        await write(b, "global_step100/mp_rank_01_model_states.pt", b"b" * 3000)
+        await write(a, "global_step100/mp_rank_00_model_states.pt", b"a" * 3000)
+        await write(a, "latest", b"global_step100")
+        await trio.sleep(1.0)  # a few rounds of checks
+        assert "latest" not in store_files(local)
+        (wait,) = a.core.gate.waiting()
+        assert wait.key == "latest" and b.core.records.node in wait.nodes
+
+        # The job goes on without B (a replacement node): step 200 is whole, and its pointer
+        # replaces the one that could never complete.
+        mkdirs(a.ns, "global_step200")
+        await write(a, "global_step200/mp_rank_00_model_states.pt", b"A" * 3000)
+        await write(a, "global_step200/mp_rank_01_model_states.pt", b"B" * 3000)
+        fh = (await a.ns.open(ino(a.ns, "latest"), os.O_WRONLY | os.O_TRUNC))[0].fh
+        await a.ns.write(fh, 0, b"global_step200")
+        a.ns.flush(fh)
+        a.ns.release(fh)
+        with trio.fail_after(GUARD):
+            await sync(a)
+        assert store_files(local)["latest"] == b"global_step200"
+        # (the rewrite replaced the pending version, as for any file rewritten before its upload)
+        assert not a.uploader.held and not a.core.gate.waiting()
+
+
+@trio_test
+async def test_a_stuck_marker_is_dropped_when_a_newer_step_is_whole(tmp_path, local):
+    async with AsyncExitStack() as stack:
+        a, b = await nodes(stack, tmp_path, local)
+        for m in (a, b):
+            mkdirs(m.ns, "ckpts/step_100")
+        b.store.hold("put", "ckpts/step_100/b.bin")
+        await write(b, "ckpts/step_100/b.bin", b"b" * 100)
+        await write(a, "ckpts/step_100/a.bin", b"a" * 100)
+        await write(a, "ckpts/step_100/model.index.json", index("a.bin", "b.bin"))
+        await wait_until_async(lambda: a.core.gate.waiting(), GUARD, "the index held")
+        mkdirs(a.ns, "ckpts/step_200")
+        await write(a, "ckpts/step_200/a.bin", b"A" * 100)
+        await write(a, "ckpts/step_200/model.index.json", index("a.bin"))
+        with trio.fail_after(GUARD):
+            await sync(a)
+        files = store_files(local)
+        assert "ckpts/step_200/model.index.json" in files
+        assert "ckpts/step_100/model.index.json" not in files
+        assert a.uploader.dropped_count == 1
+        assert "step 200" in a.uploader.dropped[0]["reason"]
+
+
+@trio_test
+async def test_deleting_the_step_drops_its_held_marker(tmp_path, local):
+    async with AsyncExitStack() as stack:
+        a, b = await nodes(stack, tmp_path, local)
+        for m in (a, b):
+            mkdirs(m.ns, "iter_0000100")
+        b.store.hold("put", "iter_0000100/b.pt")
+        await write(b, "iter_0000100/b.pt", b"b")
+        await write(a, "iter_0000100/a.pt", b"a")
+        await write(a, "latest_checkpointed_iteration.txt", b"100")
+        await wait_until_async(lambda: a.core.gate.waiting(), GUARD, "the tracker held")
+        with trio.fail_after(GUARD):
+            await a.uploader.wait_durable(a.uploader.last_seq() - 1)  # all but the tracker
+        # rotation removes the step: the tracker that names it has nothing left to wait for
+        a.ns.unlink(ino(a.ns, "iter_0000100"), "a.pt")
+        a.ns.rmdir(ROOT_INODE, "iter_0000100")
+        with trio.fail_after(GUARD):
+            await sync(a)
+        assert "latest_checkpointed_iteration.txt" not in store_files(local)
+        assert a.uploader.dropped_count == 1
+
+
+@trio_test
+async def test_one_node_publishes_as_before_with_one_listing_per_marker(tmp_path, local):
+    async with AsyncExitStack() as stack:
+        (a,) = await nodes(stack, tmp_path, local, n=1)
+        mkdirs(a.ns, "step_5")
+        for i in range(4):
+            await write(a, f"step_5/shard-{i}.bin", bytes([i]) * 2000)
+        await write(a, "step_5/model.index.json", index(*(f"shard-{i}.bin" for i in range(4))))
+        await write(a, "latest", b"step_5")
+        with trio.fail_after(GUARD):
+            await sync(a)
+        assert {"step_5/model.index.json", "latest"} <= set(store_files(local))
+        assert a.uploader.dropped_count == 0 and not a.uploader.held
+        # the records listing of each marker, and nothing per named file
+        assert a.core.gate.listings == 2
+        assert a.store.count("head") == 0
