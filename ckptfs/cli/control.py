@@ -400,6 +400,20 @@ def format_status(s: dict) -> str:
             else str(when or "")
         )
         lines.append(f"  {when} {e.get('key', '')}: {one_line(str(e.get('message', '')))}".rstrip())
+    waiting = s.get("markers_waiting")
+    if isinstance(waiting, list) and waiting:  # held until their checkpoint is whole in the store
+        lines.append(f"markers waiting: {len(waiting)}")
+        for w in waiting[:10]:
+            if isinstance(w, dict):
+                since = w.get("since")
+                age = _seconds_ago(time.time() - since) if isinstance(since, (int, float)) else None
+                lines.append(f"  {w.get('marker', '')}: waits for {w.get('waits_for', '')}; since {age}")
+    dropped = s.get("markers_dropped")
+    if isinstance(dropped, list) and dropped:
+        lines.append(f"markers dropped: {len(dropped)}")
+        for d in dropped[-5:]:
+            if isinstance(d, dict):
+                lines.append(f"  {d.get('marker', '')}: {d.get('reason', '')}")
     integrity = s.get("integrity_errors")
     if (
         isinstance(integrity, list) and integrity

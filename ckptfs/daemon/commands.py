@@ -36,6 +36,7 @@ class Commands:
         self.config, self.mountpoint, self.cache_dir, self.started = config, mountpoint, cache_dir, started
         self.store, self.health, self.cache = core.store, core.health, core.cache
         self.uploader, self.fetcher, self.namespace = core.uploader, core.fetcher, core.namespace
+        self.gate, self.records = core.gate, core.records
         self.ops = ops  # fuse_ops.Operations: bytes written, save stalls
         self.metrics = metrics  # metrics.MetricsServer with --metrics-port, else None
         self.stop_requested = stop_requested  # set by umount: the daemon unmounts
@@ -80,6 +81,9 @@ class Commands:
             },
             "errors": self.health.failures.snapshot(),
             "store_up": 1 if health.get("state") == "ok" else 0,
+            "markers_waiting": len(up.held),
+            "markers_dropped": up.dropped_count,
+            "unrecorded_closes": self.records.unrecorded,
         }
 
     # -- control commands -------------------------------------------------------------------------
@@ -121,6 +125,10 @@ class Commands:
             "latest_checkpoint": self.namespace.checkpoint_dir or None,  # pinned: evicted last
             "metrics_url": self.metrics.url if self.metrics is not None else None,
             "server_checksums": self.store.server_checksums,
+            # checkpoint markers held until what they stand for is in the store (model/gate.py)
+            "markers_waiting": [{**w.to_json(), "waits_for": w.describe()} for w in self.gate.waiting()],
+            "markers_dropped": list(up.dropped),
+            "writer_records": self.records.status(),
             **self.namespace.status(),
         }
 
@@ -136,10 +144,15 @@ class Commands:
             await self._drain(target, progress)
         if scope.cancelled_caught:
             up = self.uploader
+            markers = "".join(
+                f"; {w.key} waits for {w.describe()}"
+                for seq, w in sorted(self.gate.waits.items())
+                if seq <= target
+            )
             raise TimedOut(
                 f"timed out after {timeout:g} s: {up.pending_count(target)} operations "
                 f"({up.pending_bytes(target)} bytes) not yet in the store "
-                f"(store: {describe(self.health.status())}); nothing is lost, they stay pending"
+                f"(store: {describe(self.health.status())}){markers}; nothing is lost, they stay pending"
             )
         return {
             "durable_up_to": target,

@@ -93,6 +93,21 @@ class FiguresCollector:
             "0 while everything committed is durable; otherwise seconds since the last moment it was.",
             f["at_risk_s"],
         )
+        yield gauge(
+            "ckptfs_markers_waiting",
+            "Checkpoint markers held until the files they stand for (other nodes' too) are in the store.",
+            f["markers_waiting"],
+        )
+        yield counter(
+            "ckptfs_markers_dropped",
+            "Held markers given up: replaced, their step deleted, or a newer step of their series whole.",
+            f["markers_dropped"],
+        )
+        yield counter(
+            "ckptfs_unrecorded_closes",
+            "Closes that went on before the store took this node's writer record of their directory.",
+            f["unrecorded_closes"],
+        )
         used = GaugeMetricFamily("ckptfs_cache_used_bytes", "Cache bytes in use, per tier.", labels=["tier"])
         budget = GaugeMetricFamily("ckptfs_cache_budget_bytes", "Cache budget, per tier.", labels=["tier"])
         for tier in ("ram", "disk"):
