@@ -216,6 +216,33 @@ def test_shard_index_naming_a_missing_shard():
     assert "names 1 missing shard" in s.steps[0].reasons[0]
 
 
+def test_shards_of_a_sharded_save_without_their_index_are_incomplete():
+    # (a sharded save_pretrained writes the index last; a node lost before it leaves the shards)
+    s = one_series(
+        files(
+            "step-1/model-00001-of-00002.safetensors",
+            "step-1/model-00002-of-00002.safetensors",
+            "step-1/model.safetensors.index.json",
+            "step-2/model-00001-of-00002.safetensors",
+            "step-2/model-00002-of-00002.safetensors",
+        ),
+        {
+            "step-1/model.safetensors.index.json": json.dumps(
+                {
+                    "weight_map": {
+                        "a": "model-00001-of-00002.safetensors",
+                        "b": "model-00002-of-00002.safetensors",
+                    }
+                }
+            ).encode()
+        },
+    )
+    steps = by_name(s)
+    assert steps["step-1"].complete
+    assert not steps["step-2"].complete and "without their" in steps["step-2"].reasons[0]
+    assert s.restart is steps["step-1"]
+
+
 def test_series_per_directory_and_steps_nested_in_a_step_belong_to_it():
     found = analyse(
         files(

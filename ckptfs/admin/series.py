@@ -36,9 +36,11 @@ from ckptfs.cluster.markers import (
     DCP_METADATA,
     HF_TRAINER_STATE,
     INDEX_MAX_BYTES,
+    INDEX_SUFFIX,
     METADATA_MAX_BYTES,
     POINTER_MAX_BYTES,
     POINTER_NAMES,
+    SHARD_NAME,
 )
 from ckptfs.cluster.markers import locate as _locate
 
@@ -326,8 +328,16 @@ def _dcp_problems(step: Step, files: set[str], read: Reader) -> list[str]:
 def _index_problems(step: Step, files: set[str], read: Reader) -> list[str]:
     """A sharded safetensors / PyTorch save's ``*.index.json`` must name only shards present."""
     problems = []
+    indexed = {posixpath.dirname(e.path) for e in step.entries if e.path.endswith(INDEX_SUFFIX)}
+    sharded = {
+        posixpath.dirname(e.path)
+        for e in step.entries
+        if not e.is_dir and SHARD_NAME.search(posixpath.basename(e.path))
+    }
+    for directory in sorted(sharded - indexed):
+        problems.append(f"shards without their *{INDEX_SUFFIX}{_relative(directory, step.path)} (written last)")
     for entry in step.entries:
-        if entry.is_dir or not entry.path.endswith(".index.json"):
+        if entry.is_dir or not entry.path.endswith(INDEX_SUFFIX):
             continue
         directory, name = posixpath.split(entry.path)
         try:

@@ -47,6 +47,8 @@ HF_TRAINER_STATE = "trainer_state.json"
 # sampler and scaler files; it names its steps checkpoint_N (the "step" layout).
 ACCELERATE_RNG_STATE = re.compile(r"random_states_\d+\.pkl\Z")
 INDEX_SUFFIX = ".index.json"
+# the shards a sharded save_pretrained / save_model writes before its index
+SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.(?:safetensors|bin)\Z")
 
 POINTER_MAX_BYTES = 4096
 METADATA_MAX_BYTES = 256 << 20  # a DCP .metadata of a very large model is tens of MB
