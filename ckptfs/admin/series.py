@@ -335,7 +335,9 @@ def _index_problems(step: Step, files: set[str], read: Reader) -> list[str]:
         if not e.is_dir and SHARD_NAME.search(posixpath.basename(e.path))
     }
     for directory in sorted(sharded - indexed):
-        problems.append(f"shards without their *{INDEX_SUFFIX}{_relative(directory, step.path)} (written last)")
+        problems.append(
+            f"shards without their *{INDEX_SUFFIX}{_relative(directory, step.path)} (written last)"
+        )
     for entry in step.entries:
         if entry.is_dir or not entry.path.endswith(INDEX_SUFFIX):
             continue

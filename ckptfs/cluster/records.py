@@ -167,6 +167,19 @@ class WriterRecords:
                 missing[0],
             )
 
+    async def let_go(self, timeout: float) -> None:
+        """At a clean umount, once everything is published: delete this node's records now (not
+        after the idle delay), waiting at most ``timeout`` seconds. A record left (the store
+        down) is deleted by the next mount with this cache dir."""
+        uses = self.in_use()
+        for directory in list(self.target):
+            if directory not in uses:
+                del self.target[directory]
+                self._reconcile(directory)
+        with trio.move_on_after(timeout):
+            while any(d not in uses for d in self.present):
+                await self._wait_change()
+
     # -- other nodes' records --------------------------------------------------------------------------
     def others(self, scope: str) -> list[Record]:
         """Other nodes' records under the directory ``scope`` (blocking: one listing)."""

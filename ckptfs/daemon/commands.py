@@ -17,6 +17,7 @@ from ckptfs.errors import CkptfsError, FsError, StoreError, TimedOut
 from ckptfs.store.health import describe
 
 PROGRESS_INTERVAL_S = 0.5
+LET_GO_S = 5.0  # umount: at most this long deleting this node's writer records
 CHECKSUM_LOOKUPS = 16  # catalog: HEADs (and manifest GETs) in flight for checksums=true
 YIELD_EVERY = 2000  # catalog: nodes walked between yields to the FUSE loop (a huge tree must not stall it)
 
@@ -144,11 +145,7 @@ class Commands:
             await self._drain(target, progress)
         if scope.cancelled_caught:
             up = self.uploader
-            markers = "".join(
-                f"; {w.key} waits for {w.describe()}"
-                for seq, w in sorted(self.gate.waits.items())
-                if seq <= target
-            )
+            markers = self._markers_waiting(target)
             raise TimedOut(
                 f"timed out after {timeout:g} s: {up.pending_count(target)} operations "
                 f"({up.pending_bytes(target)} bytes) not yet in the store "
@@ -275,7 +272,7 @@ class Commands:
                 await self._drain(target, progress)
             if scope.cancelled_caught:  # the mount stays: the caller decides whether to leave anyway
                 up = self.uploader
-                store = describe(self.health.status())
+                store = describe(self.health.status()) + self._markers_waiting(target)
                 raise TimedOut(
                     f"gave up after {timeout:g} s: {up.pending_count(target)} files "
                     f"({humanfriendly.format_size(up.pending_bytes(target), binary=True)}) not yet in the store "
@@ -283,8 +280,17 @@ class Commands:
                     f"'ckptfs umount --no-wait {self.mountpoint}' (pending uploads resume at the next mount "
                     "with the same cache dir)"
                 )
+            await self.records.let_go(LET_GO_S)  # (nothing of ours unpublished: others need not wait)
         self.stop_requested.set()
         return {"pending_files": self.uploader.pending_count()}
+
+    def _markers_waiting(self, target: int) -> str:
+        """What each held marker up to ``target`` waits for (model/gate.py), for a timeout's message."""
+        return "".join(
+            f"; {w.key} waits for {w.describe()}"
+            for seq, w in sorted(self.gate.waits.items())
+            if seq <= target
+        )
 
     async def _drain(self, target: int, progress) -> None:
         """Wait until every op up to ``target`` is in the store, reporting progress."""
