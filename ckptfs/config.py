@@ -65,6 +65,9 @@ class MountConfig:
     # Seconds a close waits for the store to take this node's writer record of the file's
     # directory (cluster/records.py) before it goes on without it.
     record_timeout: float = 10.0
+    # Seconds without a heartbeat after which a node holding writer records counts as lost: its
+    # records no longer hold the markers of saves made after that (cluster/records.py).
+    lost_node_after: float = 300.0
     # Globs of files that are never held as checkpoint markers (model/gate.py): "*" turns it off.
     no_marker: list[str] = field(default_factory=list)
     shm_dir: str = "/dev/shm"  # the tmpfs that holds the RAM tier (a container's may be small)

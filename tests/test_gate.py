@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from ckptfs.cluster import records as writer_records
+from ckptfs.errors import FsError
 from tests.support.faults import FaultyStore
 from tests.support.harness import trio_test, wait_until_async
 from tests.support.inprocess import ROOT_INODE, create, ino, mkdirs, mounted, store_files, sync
@@ -28,8 +29,17 @@ GUARD = 30.0
 
 
 async def write(m, path: str, data: bytes) -> None:
-    """create + write + close, then what the FUSE glue awaits before the close returns."""
-    await create(m.ns, path, data)
+    """create (or open with O_TRUNC) + write + close, then what the FUSE glue awaits before the
+    close returns."""
+    try:
+        existing = ino(m.ns, path)
+    except FsError:
+        await create(m.ns, path, data)
+    else:
+        fh = (await m.ns.open(existing, os.O_WRONLY | os.O_TRUNC))[0].fh
+        await m.ns.write(fh, 0, data)
+        m.ns.flush(fh)
+        m.ns.release(fh)
     await m.ns.recorded()
 
 
@@ -103,10 +113,7 @@ async def test_a_pointer_to_a_step_whose_node_is_lost_never_lands_and_gives_way(
         mkdirs(a.ns, "global_step200")
         await write(a, "global_step200/mp_rank_00_model_states.pt", b"A" * 3000)
         await write(a, "global_step200/mp_rank_01_model_states.pt", b"B" * 3000)
-        fh = (await a.ns.open(ino(a.ns, "latest"), os.O_WRONLY | os.O_TRUNC))[0].fh
-        await a.ns.write(fh, 0, b"global_step200")
-        a.ns.flush(fh)
-        a.ns.release(fh)
+        await write(a, "latest", b"global_step200")
         with trio.fail_after(GUARD):
             await sync(a)
         assert store_files(local)["latest"] == b"global_step200"
@@ -175,3 +182,33 @@ async def test_one_node_publishes_as_before_with_one_listing_per_marker(tmp_path
         # the records listing of each marker, and nothing per named file
         assert a.core.gate.listings == 2
         assert a.store.count("head") == 0
+
+
+@trio_test
+async def test_a_node_lost_before_a_save_does_not_hold_its_markers(tmp_path, local):
+    """A job resumed after a node was lost writes the torn step again, into the same directory:
+    the lost node's record holds the marker of the save it was lost in, not the new one."""
+    async with AsyncExitStack() as stack:
+        a, b = await nodes(stack, tmp_path, local)
+        for m in (a, b):
+            m.core.records.lost_after = 1.0
+            mkdirs(m.ns, "step_100")
+        b.store.hold("put", "step_100/b.bin")  # B never uploads its shard, nor ever beats
+        b.store.hold("put", writer_records.NODES_PREFIX + b.core.records.node)
+        await write(b, "step_100/b.bin", b"b" * 100)
+        await write(a, "step_100/a.bin", b"a" * 100)
+        await write(a, "step_100/model.index.json", index("a.bin", "b.bin"))
+        await wait_until_async(lambda: a.core.gate.waiting(), GUARD, "the index held")
+        await trio.sleep(2.5)  # B is lost now, but it was alive when that index was written
+        (wait,) = a.core.gate.waiting()
+        assert b.core.records.node in wait.nodes and not wait.lost
+        assert "step_100/model.index.json" not in store_files(local)
+
+        # the job resumes without B: step 100 is written again, whole, by the nodes left
+        await write(a, "step_100/b.bin", b"B" * 100)
+        await write(a, "step_100/model.index.json", index("a.bin", "b.bin"))
+        with trio.fail_after(GUARD):
+            await sync(a)
+        files = store_files(local)
+        assert files["step_100/b.bin"] == b"B" * 100
+        assert files["step_100/model.index.json"] == index("a.bin", "b.bin")

@@ -138,6 +138,14 @@ def add_parser(sub) -> None:
         f"without it (default {MountConfig.record_timeout:g})",
     )
     p.add_argument(
+        "--lost-node-after",
+        type=parse_seconds_arg,
+        metavar="SECONDS",
+        help="how long a node holding unpublished files may go without a heartbeat in the store "
+        "before it counts as lost: its files then no longer hold back the markers of checkpoints "
+        f"saved after that (default {MountConfig.lost_node_after:g})",
+    )
+    p.add_argument(
         "--no-marker",
         action="append",
         metavar="GLOB",
@@ -224,6 +232,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "write_timeout": args.write_timeout,
         "read_timeout": args.read_timeout,
         "record_timeout": args.record_timeout,
+        "lost_node_after": args.lost_node_after,
         "no_marker": args.no_marker,
         "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
         "umask": args.umask,
@@ -318,6 +327,8 @@ def daemon_argv(config: MountConfig) -> list[str]:
         repr(config.read_timeout),
         "--record-timeout",
         repr(config.record_timeout),
+        "--lost-node-after",
+        repr(config.lost_node_after),
         "--shm-dir",
         config.shm_dir,
         "--log-level",

@@ -17,6 +17,12 @@ commits a file under it returns: a framework writes its pointer after a barrier 
 every rank's close, so the pointer's node then sees the record. When the store does not take
 it within ``--record-timeout`` the close goes on without it (one warning, a counter).
 
+A node lost for good leaves its records. They keep holding the markers of the save it was lost
+in, but not those of a save made after its loss into the same directories (a job resumed from
+the step before writes that step again): while a node holds records it refreshes a heartbeat
+(``.ckptfs-nodes/<node>``) every ``lost_after / 6`` seconds, and a record whose node's heartbeat
+is older than ``--lost-node-after`` is ignored for a marker written after that moment.
+
 Node ids are random and kept in the cache dir: a node restarted on its cache dir is the same
 node (its journal resumes its uploads, and the sweep at start deletes what it no longer holds).
 """
@@ -41,6 +47,7 @@ from ckptfs.util import private_files
 log = logging.getLogger(__name__)
 
 PREFIX = RESERVED_PREFIX + "writers/"
+NODES_PREFIX = RESERVED_PREFIX + "nodes/"  # a heartbeat per node holding records: <node>
 DATA, MARKS = "data", "marks"
 IDLE_S = 0.5  # a directory idle this long after its last file was published loses its record
 SWEEP_S = 0.25
@@ -107,6 +114,7 @@ class WriterRecords:
         call: StoreCall,
         failing: Callable[[], bool],
         timeout: float,
+        lost_after: float = 300.0,
     ):
         self.store = store
         self.node = node
@@ -114,6 +122,8 @@ class WriterRecords:
         self.call = call
         self.failing = failing
         self.timeout = timeout
+        self.lost_after = lost_after
+        self.beating = False  # the heartbeat is in the store (and kept fresh while records are)
         self.target: dict[str, str] = {}  # directory -> the state its record should have
         self.present: dict[str, set[str]] = {}  # directory -> states of ours the store holds
         self.last_use: dict[str, float] = {}
@@ -179,6 +189,12 @@ class WriterRecords:
         with trio.move_on_after(timeout):
             while any(d not in uses for d in self.present):
                 await self._wait_change()
+            if self.beating and not self.present:
+                await self.call(self.heartbeat_key(), self.store.delete, self.heartbeat_key())
+                self.beating = False
+
+    def heartbeat_key(self) -> str:
+        return NODES_PREFIX + self.node
 
     # -- other nodes' records --------------------------------------------------------------------------
     def others(self, scope: str) -> list[Record]:
@@ -190,12 +206,28 @@ class WriterRecords:
                 found.append(record)
         return found
 
+    def heartbeats(self) -> dict[str, float]:
+        """Every node's last heartbeat (store time), by node (blocking: one listing)."""
+        beats = {}
+        for info in self.store.list(NODES_PREFIX):
+            node = info.key[len(NODES_PREFIX) :]
+            if len(node) == 16 and "/" not in node:
+                beats[node] = info.mtime
+        return beats
+
+    def lost(self, record: Record, beats: dict[str, float], now: float) -> float | None:
+        """When ``record``'s node was last heard of, if it is lost (no heartbeat for
+        ``lost_after``; a record with none: since the record), else None."""
+        heard = max(beats.get(record.node, 0.0), record.mtime)
+        return heard if now - heard > self.lost_after else None
+
     # -- the worker ----------------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             task_status.started()
             nursery.start_soon(self._adopt_own)
+            nursery.start_soon(self._beat)
             while True:
                 self._sweep()
                 await trio.sleep(SWEEP_S)
@@ -215,6 +247,22 @@ class WriterRecords:
                 self.target.setdefault(record.directory, record.state)
                 self.last_use.setdefault(record.directory, now)
         self._sweep()
+
+    async def _beat(self) -> None:
+        """The heartbeat, refreshed while this node holds records (an idle node costs nothing)."""
+        key = self.heartbeat_key()
+        while True:
+            if self.target or self.present:
+                await self.call(key, self.store.put, key, self.body)
+                self.beating = True
+                self._signal()
+                await trio.sleep(self.lost_after / 6)
+            else:
+                if self.beating:
+                    await self.call(key, self.store.delete, key)
+                    self.beating = False
+                    continue
+                await self._wait_change()
 
     def _sweep(self) -> None:
         uses = self.in_use()
@@ -278,4 +326,5 @@ class WriterRecords:
             "written": self.written,
             "deleted": self.deleted,
             "unrecorded": self.unrecorded,
+            "heartbeat": self.beating,
         }

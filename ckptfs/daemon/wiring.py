@@ -162,6 +162,7 @@ def build_core(
         store_call,
         health.in_trouble,
         config.record_timeout,
+        config.lost_node_after,
     )
     gate = MarkerGate(tree, store, records, health, config.no_marker)
     uploader = Uploader(

@@ -33,7 +33,7 @@ from ckptfs.cache.journal import DELETE, MOVE, PUT, Op
 from ckptfs.cluster import markers
 from ckptfs.cluster.markers import POINTER, Marker
 from ckptfs.cluster.records import DATA, MARKS, WriterRecords, dir_key
-from ckptfs.model.tree import MODE_META, Tree
+from ckptfs.model.tree import MODE_META, MTIME_META, Tree
 from ckptfs.store.base import ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer import retry
@@ -51,6 +51,7 @@ class Wait:
     here: list[str] = field(default_factory=list)  # this node's files it waits for
     nodes: dict[str, list[str]] = field(default_factory=dict)  # other node -> its directories
     missing: list[str] = field(default_factory=list)  # named files not in the store
+    lost: dict[str, list[str]] = field(default_factory=dict)  # records of nodes lost before it, ignored
     checks: int = 0
 
     def describe(self) -> str:
@@ -70,6 +71,7 @@ class Wait:
             "this_node": list(self.here),
             "other_nodes": {n: list(d) for n, d in self.nodes.items()},
             "missing": list(self.missing),
+            "lost_nodes_ignored": {n: list(d) for n, d in self.lost.items()},
             "checks": self.checks,
         }
 
@@ -112,9 +114,9 @@ class MarkerGate:
             return True
         wait = self.waits.get(op.seq) or Wait(op.key)
         wait.checks += 1
-        wait.here, wait.nodes, wait.missing = [], {}, []
+        wait.here, wait.nodes, wait.missing, wait.lost = [], {}, [], {}
         try:
-            ready = await self._check(marker, earlier, wait)
+            ready = await self._check(marker, earlier, wait, self._written_at(op))
         except (OSError, TimeoutError, Exception) as exc:  # noqa: BLE001 - asked again next round
             wait.missing = [f"(the store did not answer: {exc})"]
             ready = False
@@ -223,7 +225,7 @@ class MarkerGate:
             return Marker(key, POINTER, scope, names, series=directory, number=number)
         return None  # it names no step that exists: not a checkpoint pointer as far as we can tell
 
-    async def _check(self, marker: Marker, earlier: Iterable[Op], wait: Wait) -> bool:
+    async def _check(self, marker: Marker, earlier: Iterable[Op], wait: Wait, written_at: float) -> bool:
         scope = marker.scope
         for other in earlier:
             for key in (other.key, other.src):
@@ -233,10 +235,20 @@ class MarkerGate:
             return False
         if scope:
             blocking = (DATA,) if marker.kind != POINTER else None
-            records = await self._call(self.records.others, scope)
-            for record in records:
-                if blocking is None or record.state in blocking:
-                    wait.nodes.setdefault(record.node, []).append(record.directory)
+            records = [
+                r
+                for r in await self._call(self.records.others, scope)
+                if blocking is None or r.state in blocking
+            ]
+            if records:  # a node lost before this marker was written holds nothing of its save
+                beats = await self._call(self.records.heartbeats)
+                now = time.time()
+                for record in records:
+                    heard = self.records.lost(record, beats, now)
+                    if heard is not None and written_at > heard + self.records.lost_after:
+                        wait.lost.setdefault(record.node, []).append(record.directory)
+                    else:
+                        wait.nodes.setdefault(record.node, []).append(record.directory)
             if wait.nodes:
                 return False
         unknown = sorted(n for n in marker.names if not self._durable_here(n))
@@ -254,6 +266,15 @@ class MarkerGate:
                 wait.missing = [scope]
                 return False
         return True
+
+    def _written_at(self, op: Op) -> float:
+        """When the marker was written (its mtime, journaled with it), wall-clock seconds."""
+        text = op.meta.get(MTIME_META, "") if op.meta else ""
+        try:
+            return float(text)
+        except ValueError:
+            node = self.tree.find_path(op.key)
+            return node.mtime_ns / 1e9 if node is not None else time.time()
 
     def _durable_here(self, key: str) -> bool:
         node = self.tree.find_path(key)
