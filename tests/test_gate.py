@@ -212,3 +212,19 @@ async def test_a_node_lost_before_a_save_does_not_hold_its_markers(tmp_path, loc
         files = store_files(local)
         assert files["step_100/b.bin"] == b"B" * 100
         assert files["step_100/model.index.json"] == index("a.bin", "b.bin")
+
+
+@trio_test
+async def test_a_pointer_to_a_step_only_another_node_writes_waits_for_it(tmp_path, local):
+    async with AsyncExitStack() as stack:
+        a, b = await nodes(stack, tmp_path, local)
+        mkdirs(b.ns, "step_7")
+        held = b.store.hold("put", "step_7/model.pt")
+        await write(b, "step_7/model.pt", b"m" * 100)
+        await write(a, "latest", b"step_7\n")  # A has nothing of step_7: only B's record says it exists
+        await wait_until_async(lambda: a.core.gate.waiting(), GUARD, "the pointer held")
+        assert "latest" not in store_files(local)
+        held.open()
+        with trio.fail_after(GUARD):
+            await sync(a)
+        assert store_files(local)["latest"] == b"step_7\n"

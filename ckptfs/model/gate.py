@@ -206,24 +206,35 @@ class MarkerGate:
         return bytes(content.read(0, content.size))
 
     async def _resolve_pointer(self, key: str, data: bytes) -> Marker | None:
+        """The step a pointer names: a directory or file this node's tree, the store's listing of
+        the pointer's directory, or another node's writer records (a step still being written
+        elsewhere) knows. None when it names nothing anyone has: no checkpoint pointer as far as
+        we can tell (published as it is)."""
         candidates = markers.pointer_candidates(key, data)
         if not candidates:
             return None
         directory = posixpath.dirname(key)
-        listing = None
+        prefix = directory + "/" if directory else ""
+        listing: tuple[set[str], set[str]] | None = None
+        elsewhere: set[str] | None = None
         for path, number in candidates:
             node = self.tree.find_path(path)
             found_dir = node.is_dir if node is not None else None
-            if node is None:
+            if found_dir is None:
                 if listing is None:
-                    listing = await self._list_dir(directory + "/" if directory else "")
+                    listing = await self._list_dir(prefix)
                 name = posixpath.basename(path)
                 found_dir = True if name in listing[1] else False if name in listing[0] else None
+            if found_dir is None:
+                if elsewhere is None:
+                    elsewhere = {r.directory for r in await self._call(self.records.others, prefix)}
+                if any(d.startswith(path + "/") for d in elsewhere):
+                    found_dir = True
             if found_dir is None:
                 continue
             scope, names = (path + "/", frozenset()) if found_dir else ("", frozenset({path}))
             return Marker(key, POINTER, scope, names, series=directory, number=number)
-        return None  # it names no step that exists: not a checkpoint pointer as far as we can tell
+        return None
 
     async def _check(self, marker: Marker, earlier: Iterable[Op], wait: Wait, written_at: float) -> bool:
         scope = marker.scope
