@@ -80,6 +80,14 @@ async def test_an_index_waits_for_the_shard_another_node_still_uploads(tmp_path,
         (wait,) = a.core.gate.waiting()
         assert wait.key == "step_100/model.index.json" and b.core.records.node in wait.nodes
         assert a.ns.state(ino(a.ns, "step_100/model.index.json")) == "pending"
+        # a sync of other paths does not wait for it; one of the whole mount does
+        with trio.fail_after(GUARD):
+            await a.uploader.wait_durable(
+                a.ns.sync_target(["unrelated.txt"]), a.ns.sync_scope(["unrelated.txt"])
+            )
+        with trio.move_on_after(0.5) as whole:
+            await a.uploader.wait_durable(a.ns.sync_target([]), a.ns.sync_scope([]))
+        assert whole.cancelled_caught
 
         held.open()
         with trio.fail_after(GUARD):

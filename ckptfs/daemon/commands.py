@@ -141,8 +141,9 @@ class Commands:
         timeout = request.get("timeout")
         started = time.monotonic()
         files, size = self.uploader.pending_files_and_size(target)  # what this sync makes durable
+        held_counts = self.namespace.sync_scope(request.get("paths") or [])
         with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
-            await self._drain(target, progress)
+            await self._drain(target, progress, held_counts)
         if scope.cancelled_caught:
             up = self.uploader
             markers = self._markers_waiting(target)
@@ -292,7 +293,7 @@ class Commands:
             if seq <= target
         )
 
-    async def _drain(self, target: int, progress) -> None:
+    async def _drain(self, target: int, progress, held_counts=None) -> None:
         """Wait until every op up to ``target`` is in the store, reporting progress."""
         up = self.uploader
         total = up.pending_bytes(target)
@@ -312,6 +313,6 @@ class Commands:
                     await trio.sleep(PROGRESS_INTERVAL_S)
 
             nursery.start_soon(report)
-            await up.wait_durable(target)
+            await up.wait_durable(target, held_counts)
             nursery.cancel_scope.cancel()
         await progress({"pending_files": 0, "pending_bytes": 0, "total_bytes": total})

@@ -329,6 +329,20 @@ class Namespace:
                 target = max(target, n.last_seq, pending)
         return target
 
+    def sync_scope(self, paths: list[str]) -> Callable[[Op], bool] | None:
+        """Which held checkpoint markers a sync of ``paths`` waits for: those at or under them
+        (None: every one, a sync of the whole mount)."""
+        if not paths:
+            return None
+        prefixes = []
+        for path in paths:
+            node = self.tree.find_path(path)
+            if node is not None:
+                prefixes.append(node.key())
+        if "" in prefixes:  # the top: everything
+            return None
+        return lambda op: any(op.key == p or (p.endswith("/") and op.key.startswith(p)) for p in prefixes)
+
     def contents_under(self, paths: list[str]) -> list[tuple[Content, Callable[[], None]]]:
         """For warmup: the committed contents of the files at or under ``paths`` (all if none),
         each held and kept out of the clean-eviction list, with the call that ends that (once):

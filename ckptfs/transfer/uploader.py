@@ -303,9 +303,18 @@ class Uploader:
     def last_seq(self) -> int:
         return self.journal.next_seq - 1
 
-    async def wait_durable(self, up_to: int) -> None:
-        """Return once every op with seq <= up_to is in the store."""
-        while self.pending and next(iter(self.pending)) <= up_to:
+    async def wait_durable(self, up_to: int, held_counts: Callable[[Op], bool] | None = None) -> None:
+        """Return once every op with seq <= up_to is in the store. ``held_counts``: which held
+        markers count (a sync of some paths does not wait for an older step's marker held
+        elsewhere); None: all of them."""
+        while True:
+            for seq, task in self.pending.items():
+                if seq > up_to:
+                    return
+                if seq not in self.held or held_counts is None or held_counts(task.op):
+                    break
+            else:
+                return
             await self.progress.wait()
 
     # -- the workers --------------------------------------------------------------------
@@ -345,6 +354,7 @@ class Uploader:
                 if not cleared:  # aside: the ops after it go on
                     self.held[seq] = task
                     self.held_added.set()
+                    self._signal_progress()  # (a sync of other paths need not wait for it)
                     continue
             await self._publish_task(seq, task)
 
