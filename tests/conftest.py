@@ -5,6 +5,7 @@ Sections (add new ones below, each self-contained); one meaning per fixture name
   - object stores in process: `local` (ckptfs's LocalStore; test modules name theirs `object_store`)
   - mounts: `store` (a view of a place to mount), `proxied_store`, `mount_factory`, `client`,
     `bucket_read`, `s3_mounts`, `proxy`
+  - a cluster of nodes on one store: `cluster`
   - moto: `moto_endpoint`, `moto`, `verifying`
   - a second local user: `other_user`
   - test layers: the unit/store/e2e/slow markers
@@ -322,6 +323,31 @@ def mount_factory(store, tmp_path):
         store.fault_proxy.clear()
     for m in mounts:
         m.cleanup()
+
+
+# =============================================================================================
+# A cluster: several nodes, each with its own mount of one store
+# =============================================================================================
+#
+# cluster: a Cluster (tests/support/cluster.py) on `store` (both stores), in tmp_path/"cluster".
+#   .node(name, extra=(), netns=False, rate=None, **mount_kwargs) -> a started Node: its own
+#   mountpoint (.path), cache dir, RAM tier and link to the store (S3: a FaultProxy of its own;
+#   local: its daemon under a seccomp filter of its own, tests/support/hold_syscalls.py), so
+#   that .hold_uploads() holds that node's changes to the store while the others' flow; .lose()
+#   kills it for good. .store: the store view; .checkpoints(): `ckptfs checkpoints <store url>
+#   --json`. After the test, pass or fail, every node is stopped (or killed) and unmounted, and
+#   every proxy, hold_syscalls server, network namespace, veth and RAM tier is gone.
+
+from tests.support.cluster import Cluster  # noqa: E402 (a global: the layer markers see it reached)
+
+
+@pytest.fixture
+def cluster(store, tmp_path):
+    made = Cluster(store, tmp_path / "cluster")
+    try:
+        yield made
+    finally:
+        made.cleanup()
 
 
 # =============================================================================================

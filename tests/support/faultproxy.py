@@ -1,6 +1,6 @@
 """A fault-injecting HTTP/1.1 reverse proxy for tests, in front of a real S3 server.
 
-    with FaultProxy(s3_server.endpoint) as proxy:          # listens on 127.0.0.1, a free port
+    with FaultProxy(s3_server.endpoint) as proxy:          # listens on 127.0.0.1 (host=...), a free port
         client = boto3.client("s3", endpoint_url=proxy.url, ...)
         proxy.add_rule(Rule(kind="upload_part", action=status(503, "SlowDown"), count=3))
         ...
@@ -486,8 +486,9 @@ class _Server(socketserver.ThreadingTCPServer):
 
 
 class FaultProxy:
-    def __init__(self, upstream_url: str):
+    def __init__(self, upstream_url: str, host: str = "127.0.0.1"):
         parts = urlsplit(upstream_url)
+        self.host = host  # the address it listens on (a free port there)
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self._rules: list[Rule] = []
         self._lock = threading.Lock()
@@ -504,9 +505,9 @@ class FaultProxy:
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> Self:
-        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server = _Server((self.host, 0), _Handler)
         self._server.proxy = self
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.url = f"http://{self.host}:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, name="faultproxy", daemon=True).start()
         return self
 
