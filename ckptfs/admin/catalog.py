@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ckptfs.admin.series import Decision, Entry, Series, Step, analyse, plan_gc
 from ckptfs.admin.target import Target, resolve, sub_path
+from ckptfs.cluster import records as writer_records
 from ckptfs.config import ckptfs_mounts
 from ckptfs.control import client
 from ckptfs.errors import CkptfsError, StoreError
@@ -453,7 +454,8 @@ def _open_dir_on(mount_fd: int, device: int, path: str) -> int:
 
 def _delete_in_store(store: ObjectStore, step: Step, etags: dict[str, str]) -> list[str]:
     """Delete the step's objects, each with the checksum manifest its metadata names, then its
-    directory markers, deepest first."""
+    directory markers, deepest first, then the writer records of nodes under it
+    (cluster/records.py: a lost node's stay otherwise)."""
 
     def delete(key: str) -> None:
         # Only a multipart object has a manifest: on S3 its ETag says so ("<md5>-<parts>"), and a
@@ -481,6 +483,12 @@ def _delete_in_store(store: ObjectStore, step: Step, etags: dict[str, str]) -> l
             store.delete(marker)
         except StoreError as e:
             failures.append(f"{marker}: {e}")
+    if not step.is_file and not failures:  # the writer records a lost node left there: its step is gone
+        try:
+            for info in list(store.list(writer_records.PREFIX + step.path + "/")):
+                store.delete(info.key)
+        except StoreError as e:
+            failures.append(f"{writer_records.PREFIX}{step.path}/: {e}")
     return failures
 
 

@@ -157,7 +157,8 @@ def describe(key: str, kind: str, data: bytes) -> Marker | None:
         resolved = posixpath.normpath(posixpath.join(directory, target))
         if resolved.startswith("../") or resolved == "..":
             return None
-        return Marker(key, LISTS, "", frozenset({resolved}), series=directory)
+        target_dir = posixpath.dirname(resolved)
+        return Marker(key, LISTS, _dir_key(target_dir), frozenset({resolved}), series=directory)
     try:
         if name == DCP_METADATA:
             listed = dcpmeta.referenced_files(data)
