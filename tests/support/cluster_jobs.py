@@ -14,9 +14,9 @@ again, anything else ends it. Jobs:
   a barrier, then rank 0 writes ROOT/latest_checkpointed_iteration.txt;
 - ``latest``: rank 1 writes the step's files (ROOT/step_STEP/model.pt, optim.pt), a barrier,
   then rank 0, on another node, writes ROOT/latest naming it;
-- ``pretrained``: rank 1 saves a tiny GPT-2 with ``save_pretrained`` (sharded) and puts its
-  shards and config into ROOT/step_STEP; a barrier; rank 0 puts the index there (a node other
-  than the shards' writes the file that names them);
+- ``pretrained``: rank 0 saves a tiny GPT-2 with ``save_pretrained`` (sharded) to a staging
+  directory; rank 1 puts its shards and config into ROOT/step_STEP; a barrier; rank 0 puts the
+  index there (a node other than the shards' writes the file that names them);
 - ``trainer``: HF ``Trainer`` in DDP over gloo, ``save_steps=2``, output ROOT/run on each rank's
   node (rank 0 writes the model, optimizer and ``trainer_state.json``; rank 1 its
   ``rng_state_1.pth``); STEP is ignored, "next" trains two more steps.
@@ -80,16 +80,18 @@ def pretrained_save(root: str, step: int) -> None:
 
     target = os.path.join(root, f"step_{step}")
     staging = os.path.join(tempfile.gettempdir(), f"ckptfs-pretrained-{os.environ['MASTER_PORT']}-{step}")
-    if dist.get_rank() == 1:
+    if dist.get_rank() == 0:  # (save_pretrained writes on rank 0 only)
         torch.manual_seed(step)
         config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
         GPT2LMHeadModel(config).save_pretrained(staging, max_shard_size="10KB")
+    dist.barrier()
+    if dist.get_rank() == 1:  # the shards and config go in through node B's mount ...
         os.makedirs(target, exist_ok=True)
         for name in sorted(os.listdir(staging)):
             if not name.endswith(".index.json"):
                 shutil.copyfile(os.path.join(staging, name), os.path.join(target, name))
     dist.barrier()
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # ... and the index that names them through node A's
         os.makedirs(target, exist_ok=True)
         index = "model.safetensors.index.json"
         shutil.copyfile(os.path.join(staging, index), os.path.join(target, index))
