@@ -129,7 +129,7 @@ class Commands:
             # checkpoint markers held until what they stand for is in the store (model/gate.py)
             "markers_waiting": [{**w.to_json(), "waits_for": w.describe()} for w in self.gate.waiting()],
             "markers_dropped": list(up.dropped),
-            "writer_records": self.records.status(),
+            "writer_records": {**self.records.status(), "marker_listings": self.gate.listings},
             **self.namespace.status(),
         }
 
