@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,27 @@ def test_format_status_tolerates_anything():
         assert needle in text, text
     assert cli_control.format_status({}) == ""
     cli_control.format_status({"ram": None, "errors": ["x"], "pending": {}, "uptime_s": "?"})
+    cli_control.format_status({"markers_waiting": [None, {"since": "?"}], "markers_dropped": ["x", {}]})
+
+
+def test_format_status_says_which_markers_wait_and_which_were_dropped():
+    text = cli_control.format_status(
+        {
+            "markers_waiting": [
+                {
+                    "marker": "step_2/.metadata",
+                    "since": time.time() - 90,
+                    "waits_for": "files under step_2/ on node 0123456789abcdef",
+                }
+            ],
+            "markers_dropped": [
+                {"marker": "step_1/.metadata", "reason": "step 2 of its series is in the store"}
+            ],
+        }
+    )
+    assert "markers waiting: 1" in text
+    assert "step_2/.metadata: waits for files under step_2/ on node 0123456789abcdef; since 1 minute" in text
+    assert "markers dropped: 1" in text and "step_1/.metadata: step 2 of its series is in the store" in text
 
 
 # --- the detached-daemon handshake, with a stand-in for ckptfs.daemon.run ----------------------
