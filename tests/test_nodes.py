@@ -142,7 +142,7 @@ def lose_b_in_a_save(cluster, kind: str, marker: str, step: int, tmp_path: Path)
     b_id = b.status()["writer_records"]["node"]
     b.hold_uploads(except_prefixes=PASS)
     save(kind, [a, b], step, tmp_path / "logs")
-    assert b.held_count() > 0  # B's files of the step never reached the store
+    wait_for(lambda: b.held_count() > 0, 60, "B's upload held")  # B's files never reach the store
     held = wait_for(lambda: waiting_markers(a), 60, f"A holds {marker} back")
     assert [w["marker"] for w in held] == [marker], held
     assert b_id in held[0]["other_nodes"], held
