@@ -290,6 +290,7 @@ def _torn(store, expected: dict[int, set[str]]) -> list[str]:
 
 
 @pytest.mark.skipif(not os.environ.get("CKPTFS_LONG"), reason="long mode (scripts/test --long)")
+@pytest.mark.timeout(5400)
 def test_lost_node_torture(cluster, tmp_path):
     """Three nodes save steps (each node a few shards, one of them over a part; a random node
     writes the index and, after a barrier, rank 0's node `latest`); at a random moment of a random save a
