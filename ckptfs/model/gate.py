@@ -113,12 +113,15 @@ class MarkerGate:
         marker = await self._describe(task)
         if marker is None:
             return True
-        wait = self.waits.get(op.seq) or Wait(op.key)
+        # (a fresh answer, filled while the store is asked: status shows the last whole one meanwhile)
+        last = self.waits.get(op.seq)
+        wait = Wait(op.key)
+        if last is not None:
+            wait.since, wait.checks, wait.absent_since = last.since, last.checks, last.absent_since
         wait.checks += 1
-        wait.here, wait.nodes, wait.missing, wait.lost = [], {}, [], {}
         try:
             ready = await self._check(marker, earlier, wait, self._written_at(op))
-        except (OSError, TimeoutError, Exception) as exc:  # noqa: BLE001 - asked again next round
+        except Exception as exc:  # noqa: BLE001 - asked again next round
             wait.missing = [f"(the store did not answer: {exc})"]
             ready = False
         if ready:
