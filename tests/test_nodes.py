@@ -193,6 +193,9 @@ def test_tracker_and_latest_from_another_node(cluster, tmp_path):
 
     # Megatron: every rank's iteration directory, then rank 0's tracker
     save("megatron", [a, c], 3, tmp_path / "logs")
+    a.sync(timeout=120)  # (the tracker naming 3 lands once C's shard has: before step 4 replaces it)
+    c.sync(timeout=120)
+    assert store.read("latest_checkpointed_iteration.txt") == b"3"
     c.hold_uploads(except_prefixes=PASS)
     save("megatron", [a, c], 4, tmp_path / "logs")
     held = wait_for(lambda: waiting_markers(a), 60, "A holds the tracker back")
