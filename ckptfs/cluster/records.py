@@ -155,7 +155,7 @@ class WriterRecords:
         return False
 
     def unsettled(self) -> list[str]:
-        return [d for d, state in self.target.items() if not self.present.get(d)]
+        return [d for d in self.target if not self.present.get(d)]
 
     async def settled(self) -> None:
         """Return once every directory this node writes has its record in the store; at most

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import DELETE, MOVE, PUT, Op
 from ckptfs.cluster import markers
 from ckptfs.cluster.markers import POINTER, Marker
@@ -37,7 +38,7 @@ from ckptfs.model.tree import MODE_META, MTIME_META, Tree
 from ckptfs.store.base import ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer import retry
-from ckptfs.transfer.upload_tasks import Task
+from ckptfs.transfer.upload_tasks import Task, in_thread_if_large
 
 log = logging.getLogger(__name__)
 
@@ -186,27 +187,34 @@ class MarkerGate:
         kind = markers.kind_of(op.key, _mode(op), self.plain)
         marker = None
         if kind is not None:
-            data = self._content(task, markers.read_limit(kind, op.key))
-            if data is None:  # its bytes are not all in the cache: what its directory holds
+            content = self._content(task, markers.read_limit(kind, op.key))
+            if content is None:  # its bytes are not all in the cache: what its directory holds
                 directory = posixpath.dirname(op.key)
                 marker = Marker(op.key, markers.STEP, directory + "/") if directory else None
-            elif kind == POINTER:
-                marker = await self._resolve_pointer(op.key, data)
             else:
-                marker = markers.describe(op.key, kind, data)
+                try:  # (a DCP .metadata may be tens of MB: read and unpickled off the FUSE loop)
+                    data = await in_thread_if_large(self.limiter, content.size, _bytes_of, content)
+                    if kind == POINTER:
+                        marker = await self._resolve_pointer(op.key, data)
+                    else:
+                        marker = await in_thread_if_large(
+                            self.limiter, len(data), markers.describe, op.key, kind, data
+                        )
+                finally:
+                    content.release()
         self.described[op.seq] = marker
         return marker
 
-    def _content(self, task: Task, limit: int) -> bytes | None:
-        """The marker's bytes, if all cached (a rename onto a marker's name moves the version the
-        tree holds there)."""
+    def _content(self, task: Task, limit: int) -> Content | None:
+        """The marker's content, held, if all cached (a rename onto a marker's name moves the
+        version the tree holds there)."""
         content = task.content
         if task.op.kind == MOVE:
             node = self.tree.find_path(task.op.key)
             content = node.version.content if node is not None and node.version is not None else None
         if content is None or content.size > limit or content.missing(0, content.size):
             return None
-        return bytes(content.read(0, content.size))
+        return content.hold()
 
     async def _resolve_pointer(self, key: str, data: bytes) -> Marker | None:
         """The step a pointer names: a directory or file this node's tree, the store's listing of
@@ -325,6 +333,10 @@ class MarkerGate:
     async def _call(self, fn, *args):
         self.listings += 1
         return await retry.ANSWER.call(fn, *args, failing=self.health.in_trouble(), limiter=self.limiter)
+
+
+def _bytes_of(content: Content) -> bytes:
+    return bytes(content.read(0, content.size))
 
 
 def _mode(op: Op) -> int:

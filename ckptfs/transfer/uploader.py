@@ -225,7 +225,8 @@ class Uploader:
         if task is None or task.publishing:
             return False
         del self.pending[seq]
-        if self.held.pop(seq, None) is not None and self.gate is not None:
+        self.held.pop(seq, None)
+        if self.gate is not None:  # (a marker described, held or not)
             self.gate.forget(seq)
         task.cancelled = True
         task.scope.cancel()
