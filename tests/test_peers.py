@@ -191,7 +191,7 @@ class RoguePeer:
         part = bytearray(self.data[begin : begin + span])
         part[span // 2] ^= 0x01
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result(Served([(lambda: bytes(part), span)], lambda: None))
+        future.set_result(Served([(lambda sock: sock.sendall(part), span)], lambda: None))
         return future
 
     def _publish(self) -> None:

@@ -51,7 +51,7 @@ class Served:
     """What the server's trio side gathered for a request: block slices to send, pinned until
     ``release`` (or why not)."""
 
-    slices: list[tuple[Callable[[], bytes | memoryview], int]]  # (read the slice: a buffer, its length)
+    slices: list[tuple[Callable[[ssl.SSLSocket], None], int]]  # (send the slice to a socket, its length)
     release: Callable[[], None]
     refused: str = ""
 
@@ -187,8 +187,8 @@ class PeerServer:
         try:
             total = sum(length for _, length in served.slices)
             tls.sendall(b"D" + struct.pack(">Q", total))
-            for read, length in served.slices:
-                tls.sendall(read())  # (a view of the RAM arena: encrypted straight from it)
+            for send, length in served.slices:
+                send(tls)
                 self.served_bytes += length
         finally:
             self.released(served.release)

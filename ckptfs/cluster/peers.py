@@ -26,6 +26,7 @@ import concurrent.futures
 import errno
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -45,6 +46,8 @@ from ckptfs.objects.integrity import Checksums
 from ckptfs.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
+
+PEER_BUFFER = 1 << 20  # a disk block is sent through a buffer this large (daemon/limits.py counts it)
 
 # The content a key names on this node, held, with the call that lets it go (None: not here).
 Lookup = Callable[[str], Awaitable["tuple[Content, Callable[[], None]] | None"]]
@@ -289,7 +292,7 @@ class PeerCache:
             for index, ref in zip(indexes, refs):
                 assert ref is not None
                 self.cache.incref(ref)
-                slices.append((self._reader(ref, content.block_length(index)), content.block_length(index)))
+                slices.append((self._sender(ref, content.block_length(index)), content.block_length(index)))
         finally:
             done()
 
@@ -300,10 +303,22 @@ class PeerCache:
 
         return Served(slices, release)
 
-    def _reader(self, ref, length: int) -> Callable[[], bytes | memoryview]:
+    def _sender(self, ref, length: int) -> Callable[[ssl.SSLSocket], None]:
+        """Send block ``ref``'s first ``length`` bytes: a RAM block straight from the arena's
+        mapping (TLS encrypts from it), a disk block through one small buffer."""
         if ref[0] == RAM:
-            return lambda: self.cache.view_range(ref, 0, length)
-        return lambda: self.cache.read(ref, 0, length)
+            return lambda sock: sock.sendall(self.cache.view_range(ref, 0, length))
+
+        def send(sock: ssl.SSLSocket) -> None:
+            buffer = memoryview(bytearray(min(length, PEER_BUFFER)))
+            done = 0
+            while done < length:
+                chunk = buffer[: min(len(buffer), length - done)]
+                self.cache.read_into(ref, done, chunk)
+                sock.sendall(chunk)
+                done += len(chunk)
+
+        return send
 
     def status(self) -> dict:
         return {
