@@ -101,6 +101,7 @@ class PeerCache:
         self.nursery: trio.Nursery | None = None
         self._server_context = self.identity.context(True, [self.identity.cert_pem])
         self._client_contexts: dict[str, object] = {}
+        self._trusted: frozenset[str] = frozenset()  # the members' certificate fingerprints
         self.server = PeerServer(
             lambda: self._server_context,
             self._admitted,
@@ -211,10 +212,11 @@ class PeerCache:
 
     # -- the server's side ------------------------------------------------------------------
     def _admitted(self, fingerprint: str) -> bool:
-        return any(m.fingerprint == fingerprint for m in self.members.trusted())
+        return fingerprint in self._trusted  # (from a server thread: one read of a frozenset)
 
     def _members_changed(self) -> None:
         trusted = self.members.trusted()
+        self._trusted = frozenset(m.fingerprint for m in trusted)
         self._server_context = self.identity.context(
             True, [m.cert for m in trusted] or [self.identity.cert_pem]
         )
