@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 READ_ATTEMPTS = retry.READ_ATTEMPTS  # a reader waits through short glitches, not through an outage
 MOVE_WAIT = 30.0  # how long a reader that got NotFound waits for content.key to follow a move
 VERIFY_ATTEMPTS = 3  # fetches of a range whose bytes do not match their checksum, before EIO
+# Files smaller than this are read from the store even in a cluster: a peer would save few bytes
+# for the HEAD (the checksums to check its bytes against) and the round trip it costs.
+PEER_MIN_SIZE = 1 << 20
 
 
 class _ShortRead(Exception):
@@ -267,7 +270,9 @@ class Fetcher:
         return self._part_of(content, index)[1]
 
     async def _fetch_block(self, content: Content, index: int, from_peers: bool = True) -> None:
-        ask_peers = from_peers and self.peers is not None and content.in_store
+        ask_peers = (
+            from_peers and self.peers is not None and content.in_store and content.size >= PEER_MIN_SIZE
+        )
         while content.blocks[index] is None:
             slot = self._slot(content, index)
             event = self.inflight.get(slot)
