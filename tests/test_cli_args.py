@@ -54,7 +54,10 @@ def empty_dir(tmp_path: Path) -> Path:
         (["mount", "{empty}", "--cluster", "--peer-addr", "h:99999"], "--peer-addr: bad port in 'h:99999'"),
         (["mount", "{empty}", "--cluster", "--peer-addr", "[::1]:x"], "--peer-addr: bad port"),
         (["mount", "{empty}", "--cluster", "--peer-connections", "0"], "not a positive integer"),
-        (["mount", "{empty}", "--cluster", "--peer-connections", "1000"], "--peer-connections 1000 is too many"),
+        (
+            ["mount", "{empty}", "--cluster", "--peer-connections", "1000"],
+            "--peer-connections 1000 is too many",
+        ),
         (["sync", "{empty}", "/etc/passwd"], "is not inside the ckptfs mount"),
         (["sync", "{empty}", "--timeout", "soon"], "not a number of seconds"),
     ],
