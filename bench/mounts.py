@@ -127,7 +127,8 @@ class ForegroundMount:
 
 
 class CkptfsMount:
-    """`ckptfs mount STORE MNT` with its own cache dir; `stop` drains and unmounts it."""
+    """`ckptfs mount STORE MNT` with its own cache dir; `stop` drains and unmounts it. `extra`: more
+    mount arguments; `prefix`: what `ckptfs mount` (and so its daemon) runs under, e.g. nsenter."""
 
     def __init__(
         self,
@@ -137,14 +138,17 @@ class CkptfsMount:
         ram_cache: int,
         cache_size: int,
         endpoint: str | None = None,
+        extra: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
     ):
         self.store_url, self.mountpoint, self.cache_dir = store_url, mountpoint, cache_dir
         self.ram_cache, self.cache_size, self.endpoint = ram_cache, cache_size, endpoint
+        self.extra, self.prefix = tuple(extra), tuple(prefix)
         self.pid: int | None = None
 
-    def _ckptfs(self, *args: str, timeout: float = 120) -> str:
+    def _ckptfs(self, *args: str, timeout: float = 120, prefix: tuple[str, ...] = ()) -> str:
         r = subprocess.run(
-            [sys.executable, "-m", "ckptfs", *args],
+            [*prefix, sys.executable, "-m", "ckptfs", *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -169,7 +173,7 @@ class CkptfsMount:
         if self.endpoint:
             args += ["--endpoint-url", self.endpoint]
         try:
-            self._ckptfs("mount", *args)
+            self._ckptfs("mount", *args, *self.extra, prefix=self.prefix)
         except RuntimeError as e:
             raise RuntimeError(f"{e}\n{_tail(self.cache_dir / 'ckptfs.log')}") from None
         self.pid = self.status()["pid"]
