@@ -500,13 +500,13 @@ def markdown(
     matrix = tabulate(
         rows, ["nodes", "restore", *(LABELS[t] for t in targets)], tablefmt="github", disable_numparse=True
     )
-    o = scenario.opts
+    o, runs = scenario.opts, scenario.bench.runs("cluster", "")
     lines = [
         BEGIN,
         *report.header(meta),
         f"Checkpoint: {scenario.size / MiB:.0f} MiB (`--cluster-size {o.cluster_size}`); each node's link to the "
-        f"store capped at {o.cluster_rate} (`--cluster-rate`), peer links not; {scenario.bench.runs('cluster', '')} "
-        "run(s) of each; cold caches every run.",
+        f"store capped at {o.cluster_rate} (`--cluster-rate`), peer links not; {runs} run{'s' * (runs > 1)} "
+        "of each, on cold caches.",
         "",
         "Medians (min–max) of the restore time; store: the bytes the store sent to all the nodes, over the "
         "checkpoint's size.",

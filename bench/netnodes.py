@@ -43,13 +43,28 @@ def _exists(name: str) -> bool:
     return Path(f"/run/netns/{name}").exists() or _ip("ip", "link", "show", name, check=False).returncode == 0
 
 
+def _owner(name: str) -> int | None:
+    """The PID recorded for ``name`` if that process still runs (None: no record, or it is dead)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        pid = int((RECORDS / name).read_text().split()[0])
+        if Path(f"/proc/{pid}").exists():
+            return pid
+    return None
+
+
+def _sweep() -> None:
+    """Remove every namespace and bridge whose bench is dead (killed before its cleanup)."""
+    for record in RECORDS.glob("ckb*") if RECORDS.is_dir() else ():
+        if _owner(record.name) is None:
+            _remove(record.name)
+
+
 def _claim(name: str) -> None:
     """Record ``name`` as ours; remove what a dead bench left under that name first."""
     record = RECORDS / name
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        pid = int(record.read_text().split()[0])
-        if pid != os.getpid() and Path(f"/proc/{pid}").exists():
-            raise RuntimeError(f"{name} belongs to a running bench (pid {pid}); try again after it")
+    pid = _owner(name)
+    if pid is not None and pid != os.getpid():
+        raise RuntimeError(f"{name} belongs to a running bench (pid {pid}); try again after it")
     if _exists(name) and not record.exists():
         raise RuntimeError(f"{name} exists and is not the bench's: remove it or let its owner do so")
     _remove(name)
@@ -167,6 +182,7 @@ class Nodes:
 
     def start(self) -> Nodes:
         try:
+            _sweep()
             _claim(BRIDGE)
             self._made.append(BRIDGE)
             _ip("ip", "link", "add", BRIDGE, "type", "bridge")
