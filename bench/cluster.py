@@ -59,9 +59,10 @@ LOAD_PREFAULT = 1.5  # bench/workloads.py's, per reader
 
 
 def cluster_flag() -> bool:
-    """Whether this ckptfs has ``mount --cluster`` (and ``--peer-addr``)."""
+    """Whether this ckptfs (the one the mounts run: from the working directory) has ``mount
+    --cluster`` and ``--peer-addr``."""
     out = subprocess.run(
-        [sys.executable, "-m", "ckptfs", "mount", "--help"], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "ckptfs", "mount", "--help"], capture_output=True, text=True
     ).stdout
     return "--cluster" in out and "--peer-addr" in out
 
