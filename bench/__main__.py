@@ -19,7 +19,6 @@ import contextlib
 import datetime
 import io
 import os
-import re
 import shutil
 import signal
 import sys
@@ -33,6 +32,7 @@ from bench.durable import POLL_INTERVAL
 from bench.figures import CLUSTER_NODES, Results
 from bench.goals import check, check_cluster
 from bench.mounts import fuse_mounts_under, unmount
+from bench.netnodes import rate_bytes
 from bench.targets import TARGETS, Context
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,8 +61,10 @@ def _names(allowed, what: str):
 
 
 def _rate(text: str) -> str:
-    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?([kmgt]?bit|[kmgt]?bps)", text.strip().lower()):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rate in tc's units (e.g. 400mbit, 50mbps)")
+    try:
+        rate_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text.strip().lower()
 
 

@@ -45,7 +45,7 @@ from bench import sysinfo
 from bench.figures import FIGURES, Results
 from bench.goals import Goal
 from bench.mounts import CkptfsMount
-from bench.netnodes import Nodes
+from bench.netnodes import Nodes, rate_bytes
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ TARGETS = ("ckptfs-cluster", "ckptfs-s3", "boto3")
 LABELS = {"ckptfs-cluster": "ckptfs --cluster", "ckptfs-s3": "ckptfs, N mounts", "boto3": "boto3"}
 BUCKET, PREFIX, KEY = "ckptfs-cluster", "restore", "model.pt"
 PEER_WAIT_S = 60  # for the nodes of a --cluster run to see each other
-READ_TIMEOUT_S = 900  # one reader's restore, at most
+READ_WAIT_S = 120  # how long a reader may take beyond 4 times the checkpoint over its link
 PART, IN_FLIGHT = 8 * MiB, 8  # boto3's transfer, as bench/targets.py's
 LOAD_PREFAULT = 1.5  # bench/workloads.py's, per reader
 
@@ -73,8 +73,8 @@ def cluster_flag() -> bool:
 class Reader:
     """A reader process: ``ready`` once imported, then on ``go`` it restores and reports."""
 
-    def __init__(self, argv: list[str], what: str):
-        self.what = what
+    def __init__(self, argv: list[str], what: str, timeout: float):
+        self.what, self.timeout = what, timeout
         self.proc = subprocess.Popen(
             [*argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
         )
@@ -99,7 +99,7 @@ class Reader:
         self._say("go")
 
     def times(self) -> tuple[float, float]:
-        out = json.loads(self._line(READ_TIMEOUT_S))
+        out = json.loads(self._line(self.timeout))
         return out["start"], out["end"]
 
     def digest(self) -> str:
@@ -107,13 +107,20 @@ class Reader:
         return self._line(300)
 
     def stop(self) -> None:
+        """Its stdin closed, then SIGKILL (ours: Popen's PID) if it has not exited in 10 s. Not
+        waited for: one stuck in a hung mount exits only once that mount's daemon is gone."""
         with contextlib.suppress(OSError):
             self.proc.stdin.close()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()  # (ours: Popen's PID)
-            self.proc.wait()
+            self.proc.kill()
+
+    def reap(self) -> None:
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            print(f"  ({self.what}: pid {self.proc.pid} does not exit)", file=sys.stderr, flush=True)
 
 
 def _read_main(argv: list[str]) -> int:
@@ -246,6 +253,7 @@ class Scenario:
         """N nodes restore the checkpoint with `target`, all at once or one after another."""
         nodes = self.nodes.nodes[:n]
         served0 = self.nodes.served()
+        timeout = READ_WAIT_S + 4 * self.size / rate_bytes(self.opts.cluster_rate)
         mounts: list[CkptfsMount] = []
         readers: list[Reader] = []
         try:
@@ -253,7 +261,11 @@ class Scenario:
                 for node in nodes:
                     argv = [*node.prefix, sys.executable, "-m", "bench.cluster", "read", "s3"]
                     readers.append(
-                        Reader([*argv, node.endpoint, BUCKET, f"{PREFIX}/{KEY}"], f"boto3 on {node.name}")
+                        Reader(
+                            [*argv, node.endpoint, BUCKET, f"{PREFIX}/{KEY}"],
+                            f"boto3 on {node.name}",
+                            timeout,
+                        )
                     )
             else:
                 cluster = target == "ckptfs-cluster"
@@ -275,7 +287,7 @@ class Scenario:
                         "torch",
                         str(mount.mountpoint / KEY),
                     ]
-                    readers.append(Reader(argv, f"torch.load on {node.name}"))
+                    readers.append(Reader(argv, f"torch.load on {node.name}", timeout))
             for reader in readers:
                 reader.ready()
             sysinfo.drop_page_cache()
@@ -297,6 +309,8 @@ class Scenario:
                 reader.stop()
             with ThreadPoolExecutor(max(1, len(mounts))) as pool:
                 list(pool.map(lambda m: m.stop(), mounts))
+            for reader in readers:
+                reader.reap()
         node_s = [end - start for start, end in times]
         wall = max(end for _, end in times) - min(start for start, _ in times)
         return {
@@ -329,7 +343,7 @@ class Scenario:
             self.progress("cluster   this ckptfs has no `mount --cluster`: ckptfs-cluster skipped")
         self.nodes.start()
         self.progress(
-            f"cluster   {len(self.nodes.nodes)} nodes: namespaces ckbn0.., store links capped at "
+            f"cluster   {len(self.nodes.nodes)} node(s): namespaces ckbn0.., store links capped at "
             f"{self.opts.cluster_rate} each (tc tbf), peer links on the bridge ckbbr0 uncapped"
         )
         self.write_checkpoint()

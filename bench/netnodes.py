@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -30,6 +31,15 @@ from pathlib import Path
 RECORDS = Path("/run/ckptfs-bench-netns")
 BRIDGE = "ckbbr0"
 BRIDGE_IP = "10.233.0.1"
+
+
+def rate_bytes(rate: str) -> float:
+    """tc's rate ("400mbit", "50mbps", ...) in bytes per second."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([kmgt]?)(bit|bps)", rate.strip().lower())
+    if not m:
+        raise ValueError(f"not a rate in tc's units: {rate!r} (e.g. 400mbit, 50mbps)")
+    scale = 1000 ** " kmgt".index(m.group(2) or " ")
+    return float(m.group(1)) * scale / (8 if m.group(3) == "bit" else 1)
 
 
 def _ip(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -176,6 +186,7 @@ class Nodes:
                 raise RuntimeError(f"the cluster scenario needs `{tool}` (iproute2, util-linux)")
         if os.geteuid() != 0:
             raise RuntimeError("the cluster scenario needs root (network namespaces, tc)")
+        rate_bytes(rate)  # (a clear error for a bad rate)
         self.rate, self.upstream = rate, upstream
         self.nodes = [Node(i, f"ckbn{i}", f"10.232.{i}.1", f"10.233.0.{10 + i}") for i in range(count)]
         self._made: list[str] = []
