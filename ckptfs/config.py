@@ -70,6 +70,11 @@ class MountConfig:
     lost_node_after: float = 300.0
     # Globs of files that are never held as checkpoint markers (model/gate.py): "*" turns it off.
     no_marker: list[str] = field(default_factory=list)
+    # --cluster: mounts of one store URL that pass it read each part from the store once and
+    # from each other after that (cluster/peers.py), over mutual TLS at ``peer_addr``.
+    cluster: bool = False
+    peer_addr: str | None = None  # HOST[:PORT] this node serves peers on; None: see peers.default_host
+    peer_connections: int = 16  # peers' connections served at once (a thread each)
     shm_dir: str = "/dev/shm"  # the tmpfs that holds the RAM tier (a container's may be small)
     allow_other: bool = False  # let other users in (the kernel still checks each file's mode)
     # Modes of what the store does not record (objects loaded from it): 0666/0777 less this.
@@ -88,6 +93,19 @@ class MountConfig:
     @classmethod
     def from_json(cls, text: str) -> MountConfig:
         return cls(**json.loads(text))
+
+
+def parse_peer_addr(text: str) -> tuple[str | None, int]:
+    """HOST[:PORT], [V6]:PORT, or :PORT (ValueError when malformed)."""
+    host, port = text, "0"
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":") or "0"
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"bad port in {text!r}")
+    return host or None, int(port)
 
 
 def mount_table() -> list[tuple[str, str, str]]:

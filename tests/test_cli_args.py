@@ -13,7 +13,7 @@ from ckptfs.cli import common as cli_common
 from ckptfs.cli import control as cli_control
 from ckptfs.cli import main as cli_main
 from ckptfs.cli import mount as cli_mount
-from ckptfs.config import MiB, MountConfig, default_cache_dir, default_store_dir
+from ckptfs.config import MiB, MountConfig, default_cache_dir, default_store_dir, parse_peer_addr
 from ckptfs.errors import UsageError
 from tests.support.harness import assert_one_line_error, run_cli
 
@@ -47,6 +47,17 @@ def empty_dir(tmp_path: Path) -> Path:
         (["mount", "{empty}", "--umask", "0999"], "not an octal umask"),
         (["mount", "{file}"], "is not a directory"),
         (["mount", "{full}"], "is not empty"),
+        (
+            ["mount", "{empty}", "--peer-addr", "10.0.0.1"],
+            "--peer-addr and --peer-connections need --cluster",
+        ),
+        (["mount", "{empty}", "--cluster", "--peer-addr", "h:99999"], "--peer-addr: bad port in 'h:99999'"),
+        (["mount", "{empty}", "--cluster", "--peer-addr", "[::1]:x"], "--peer-addr: bad port"),
+        (["mount", "{empty}", "--cluster", "--peer-connections", "0"], "not a positive integer"),
+        (
+            ["mount", "{empty}", "--cluster", "--peer-connections", "1000"],
+            "--peer-connections 1000 is too many",
+        ),
         (["sync", "{empty}", "/etc/passwd"], "is not inside the ckptfs mount"),
         (["sync", "{empty}", "--timeout", "soon"], "not a number of seconds"),
     ],
@@ -148,6 +159,46 @@ def test_mount_config_defaults_and_round_trip(empty_dir):
         cli_main.build_parser().parse_args(cli_mount.daemon_argv(config) + ["--ready-fd", "9"])
     )
     assert rebuilt == config
+
+
+def test_cluster_options_round_trip(empty_dir):
+    parse = cli_main.build_parser().parse_args
+    config = cli_mount.mount_config(
+        parse(
+            ["mount", str(empty_dir), "--cluster", "--peer-addr", "10.1.2.3:7000", "--peer-connections", "5"]
+        )
+    )
+    assert (config.cluster, config.peer_addr, config.peer_connections) == (True, "10.1.2.3:7000", 5)
+    rebuilt = cli_mount.mount_config(parse(cli_mount.daemon_argv(config) + ["--ready-fd", "9"]))
+    assert rebuilt == config
+    plain = cli_mount.mount_config(parse(["mount", str(empty_dir)]))
+    assert not plain.cluster and "--cluster" not in cli_mount.daemon_argv(plain)
+
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [("h", ("h", 0)), ("h:80", ("h", 80)), (":80", (None, 80)), ("[::1]:9", ("::1", 9)), ("", (None, 0))],
+)
+def test_peer_addr(text, parsed):
+    assert parse_peer_addr(text) == parsed
+
+
+def test_format_status_lists_the_cluster():
+    text = cli_control.format_status(
+        {
+            "peers": {
+                "node": "aaaa",
+                "addr": "10.0.0.1:7000",
+                "live": [{"node": "bbbb", "addr": "10.0.0.2:7000"}],
+                "taken_bytes": 3 << 20,
+                "served_bytes": 1 << 20,
+                "store_bytes": 2 << 20,
+                "mismatches": 2,
+            }
+        }
+    )
+    assert "cluster: node aaaa on 10.0.0.1:7000, 1 live peers; taken from peers 3 MiB" in text
+    assert "peer bbbb at 10.0.0.2:7000" in text and "did not match (read from the store): 2" in text
 
 
 def test_sync_paths_are_relative(empty_dir):

@@ -147,9 +147,9 @@ def test_everything_the_daemon_creates_is_private(store, mount_factory, tmp_path
     """Cache dir tree (while mounted, and after a clean umount: the clean index), RAM tier tree,
     control socket and its directory: owned by the mounting user (root), directories 0700, files
     0600; the RAM tier's name is not derived from anything
-    another user knows."""
+    another user knows. With --cluster: the peer key and certificate too."""
     shm = shm_dir(tmp_path)
-    m = mount_factory(extra=("--shm-dir", str(shm))).start()
+    m = mount_factory(extra=("--shm-dir", str(shm), "--cluster")).start()
     (m.path / "f.bin").write_bytes(os.urandom(9 * MiB))
     m.sync()
     ram = m.ram_dir()
@@ -162,7 +162,7 @@ def test_everything_the_daemon_creates_is_private(store, mount_factory, tmp_path
 
     for tree in ("cache", "after umount"):
         found[tree].pop("ckptfs.log")  # the CLI's log file: covered with the logging work
-    assert {"journal", "disk.arena", "lock", "ram.dir"} <= set(found["cache"])
+    assert {"journal", "disk.arena", "lock", "ram.dir", "peer.key", "peer.crt"} <= set(found["cache"])
     assert "clean.index" in found["after umount"]
     assert {"owner", "ram.arena", "ram.arena.id"} <= set(found["ram"])
     for tree in found.values():

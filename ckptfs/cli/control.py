@@ -414,6 +414,24 @@ def format_status(s: dict) -> str:
         for d in dropped[-5:]:
             if isinstance(d, dict):
                 lines.append(f"  {d.get('marker', '')}: {d.get('reason', '')}")
+    peers = s.get("peers")
+    if isinstance(peers, dict):  # --cluster
+        live = [p for p in peers.get("live", []) if isinstance(p, dict)]
+        lines.append(
+            f"cluster: node {peers.get('node', '?')} on {peers.get('addr', '?')}, {len(live)} live peers; "
+            f"taken from peers {format_bytes(peers.get('taken_bytes', 0))}, served to peers "
+            f"{format_bytes(peers.get('served_bytes', 0))}, read from the store "
+            f"{format_bytes(peers.get('store_bytes', 0))}"
+        )
+        for p in live[:20]:
+            lines.append(f"  peer {p.get('node', '')} at {p.get('addr', '')}")
+        for label, key in (
+            ("asks failed (read from the store)", "asks_failed"),
+            ("parts that did not match (read from the store)", "mismatches"),
+            ("connections refused (no member's certificate)", "refused_clients"),
+        ):
+            if peers.get(key):
+                lines.append(f"  {label}: {peers[key]}")
     integrity = s.get("integrity_errors")
     if (
         isinstance(integrity, list) and integrity

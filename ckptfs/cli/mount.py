@@ -16,7 +16,7 @@ from pathlib import Path
 import humanfriendly
 
 from ckptfs.cli.common import parse_positive_int, parse_seconds_arg, parse_size_arg
-from ckptfs.config import MountConfig, default_cache_dir, default_store_dir
+from ckptfs.config import MountConfig, default_cache_dir, default_store_dir, parse_peer_addr
 from ckptfs.daemon import limits, logs
 from ckptfs.daemon.mount_paths import check_mount_paths, check_mountpoint
 from ckptfs.errors import CkptfsError, MountError, StoreError, UsageError, one_line
@@ -146,6 +146,26 @@ def add_parser(sub) -> None:
         f"saved after that (default {MountConfig.lost_node_after:g})",
     )
     p.add_argument(
+        "--cluster",
+        action="store_true",
+        default=None,
+        help="join the other mounts of this store URL that pass --cluster: each part of a "
+        "checkpoint is read from the store by one node and taken from it by the others, over "
+        "mutual TLS with certificates the nodes publish in the store (default: off)",
+    )
+    p.add_argument(
+        "--peer-addr",
+        metavar="HOST[:PORT]",
+        help="with --cluster: where this node serves its peers (default: the address of the "
+        "interface that routes to the store, any free port)",
+    )
+    p.add_argument(
+        "--peer-connections",
+        type=parse_positive_int,
+        metavar="N",
+        help=f"with --cluster: peers' connections served at once (default {MountConfig.peer_connections})",
+    )
+    p.add_argument(
         "--no-marker",
         action="append",
         metavar="GLOB",
@@ -221,6 +241,13 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
             raise UsageError(f"{name} is empty")
     if args.metrics_addr is not None and args.metrics_port is None:
         raise UsageError("--metrics-addr needs --metrics-port")
+    if (args.peer_addr is not None or args.peer_connections is not None) and not args.cluster:
+        raise UsageError("--peer-addr and --peer-connections need --cluster")
+    if args.peer_addr is not None:
+        try:
+            parse_peer_addr(args.peer_addr)
+        except ValueError as exc:
+            raise UsageError(f"--peer-addr: {exc} (give HOST, HOST:PORT or [IPv6]:PORT)") from None
     mountpoint = os.path.realpath(args.mountpoint)
     options = {
         "ram_cache": args.ram_cache,
@@ -234,6 +261,9 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "record_timeout": args.record_timeout,
         "lost_node_after": args.lost_node_after,
         "no_marker": args.no_marker,
+        "cluster": args.cluster,
+        "peer_addr": args.peer_addr,
+        "peer_connections": args.peer_connections,
         "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
         "umask": args.umask,
         "log_level": args.log_level,
@@ -338,6 +368,9 @@ def daemon_argv(config: MountConfig) -> list[str]:
     argv += ["--umask", f"{config.umask:04o}"]
     for glob in config.no_marker:
         argv += [f"--no-marker={glob}"]
+    if config.cluster:
+        argv += ["--cluster", "--peer-connections", str(config.peer_connections)]
+        argv += [f"--peer-addr={config.peer_addr}"] * bool(config.peer_addr)
     argv += ["--compress", f"zstd:{config.compress}"] * bool(config.compress)
     argv += ["--allow-other"] * config.allow_other + ["--keep-ram-cache"] * config.keep_ram_cache
     if config.endpoint_url:

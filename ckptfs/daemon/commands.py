@@ -37,7 +37,7 @@ class Commands:
         self.config, self.mountpoint, self.cache_dir, self.started = config, mountpoint, cache_dir, started
         self.store, self.health, self.cache = core.store, core.health, core.cache
         self.uploader, self.fetcher, self.namespace = core.uploader, core.fetcher, core.namespace
-        self.gate, self.records = core.gate, core.records
+        self.gate, self.records, self.peers = core.gate, core.records, core.peers
         self.ops = ops  # fuse_ops.Operations: bytes written, save stalls
         self.metrics = metrics  # metrics.MetricsServer with --metrics-port, else None
         self.stop_requested = stop_requested  # set by umount: the daemon unmounts
@@ -85,6 +85,13 @@ class Commands:
             "markers_waiting": len(up.held),
             "markers_dropped": up.dropped_count,
             "unrecorded_closes": self.records.unrecorded,
+            "store_read_bytes": self.fetcher.store_bytes,
+            "peer_read_bytes": self.fetcher.peer_bytes,
+            "peers_live": len(self.peers.members.live()) if self.peers is not None else 0,
+            "peer_served_bytes": self.peers.server.served_bytes if self.peers is not None else 0,
+            "peer_asks_failed": self.peers.failures if self.peers is not None else 0,
+            "peer_mismatches": self.peers.mismatches if self.peers is not None else 0,
+            "peer_refused_clients": self.peers.server.refused_clients if self.peers is not None else 0,
         }
 
     # -- control commands -------------------------------------------------------------------------
@@ -109,6 +116,10 @@ class Commands:
             "stored_bytes": up.stored_bytes,  # (compressed size where compressed)
             "durable_files": up.durable_files,
             "fetched_bytes": self.fetcher.fetched_bytes,
+            "store_read_bytes": self.fetcher.store_bytes,  # (of those, what the store sent ...)
+            "peer_read_bytes": self.fetcher.peer_bytes,  # (... and what peers did, checked)
+            # --cluster: the live peers, bytes served to and taken from them
+            **({"peers": self._peers_status()} if self.peers is not None else {}),
             "page_cache_pushed_bytes": self.namespace.prefill.pushed_bytes,
             "page_cache_queued_files": self.namespace.prefill.queued_files,
             "errors": self.health.errors(),
@@ -131,6 +142,14 @@ class Commands:
             "markers_dropped": list(up.dropped),
             "writer_records": {**self.records.status(), "marker_listings": self.gate.listings},
             **self.namespace.status(),
+        }
+
+    def _peers_status(self) -> dict:
+        assert self.peers is not None
+        return {
+            **self.peers.status(),
+            "store_bytes": self.fetcher.store_bytes,
+            "saved_bytes": self.fetcher.peer_bytes,
         }
 
     async def sync(self, request: dict, progress) -> dict:

@@ -43,9 +43,18 @@ def fmt(n: int) -> str:
     return humanfriendly.format_size(n, binary=True)
 
 
+MAX_PEER_CONNECTIONS = 256  # --peer-connections: a thread each, and a 1 MiB buffer when sending from disk
+PEER_BUFFER = 1 * MiB
+
+
 def memory_bound(config: MountConfig) -> int:
-    """The most the daemon's RSS may reach with these flags (see the module doc)."""
-    return config.ram_cache + (2 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
+    """The most the daemon's RSS may reach with these flags (see the module doc). With
+    --cluster, the parts asked of peers take as much again as the fetches (concurrency x part
+    size), and each peer connection a buffer."""
+    bound = config.ram_cache + (2 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
+    if config.cluster:
+        bound += config.upload_concurrency * config.part_size + config.peer_connections * PEER_BUFFER
+    return bound
 
 
 def machine_memory() -> int:
@@ -122,6 +131,11 @@ def check(config: MountConfig) -> list[str]:
         raise UsageError(
             f"--upload-concurrency {threads} is too many: at most {MAX_CONCURRENCY} "
             "(each part in flight is a thread, a connection and a part-sized buffer)"
+        )
+    if config.peer_connections > MAX_PEER_CONNECTIONS:
+        raise UsageError(
+            f"--peer-connections {config.peer_connections} is too many: at most {MAX_PEER_CONNECTIONS} "
+            "(each is a thread)"
         )
     memory = machine_memory()
     bodies = threads * part

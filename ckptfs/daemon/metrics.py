@@ -72,7 +72,36 @@ class FiguresCollector:
             "Bytes the store received for file data (compressed size where --compress compressed them).",
             f["stored_bytes"],
         )
-        yield counter("ckptfs_fetched_bytes", "Bytes read from the store into the cache.", f["fetched_bytes"])
+        yield counter(
+            "ckptfs_fetched_bytes",
+            "Bytes read into the cache (from the store or from peers).",
+            f["fetched_bytes"],
+        )
+        yield counter("ckptfs_store_read_bytes", "Bytes the store sent for reads.", f["store_read_bytes"])
+        yield counter(
+            "ckptfs_peer_read_bytes",
+            "Bytes of parts taken from peers (--cluster) that matched their checksums: not read from the store.",
+            f["peer_read_bytes"],
+        )
+        yield counter(
+            "ckptfs_peer_served_bytes", "Bytes this node sent to its peers.", f["peer_served_bytes"]
+        )
+        yield gauge("ckptfs_peers_live", "Other live members of this node's cluster.", f["peers_live"])
+        yield counter(
+            "ckptfs_peer_asks_failed",
+            "Asks of a peer that failed (unreachable, silent, broke off): the store served them.",
+            f["peer_asks_failed"],
+        )
+        yield counter(
+            "ckptfs_peer_mismatches",
+            "Parts a peer sent that did not match their checksums.",
+            f["peer_mismatches"],
+        )
+        yield counter(
+            "ckptfs_peer_refused_clients",
+            "Connections to the peer port refused: no member's certificate.",
+            f["peer_refused_clients"],
+        )
         yield counter("ckptfs_durable_files", "Files that became durable in the store.", f["durable_files"])
         yield gauge(
             "ckptfs_pending_files", "Files committed and not yet durable in the store.", f["pending_files"]

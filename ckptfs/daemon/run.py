@@ -363,6 +363,8 @@ class Daemon:
         # end first: once the FUSE loop stops they would wait forever for the daemon's answer.
         await self.serving.wait()
         await self.namespace.prefill.stop()
+        if self.core.peers is not None:
+            await self.core.peers.leave()  # (the other nodes stop asking this one at once)
         await trio.sleep(0.05)  # let the umount reply reach the client
         pyfuse3.terminate()
 

@@ -28,6 +28,10 @@ The build order, and the two cycles in it (docs/architecture.md, "Wiring"):
   calls, while the uploader asks the marker gate, which reads other nodes' records. So the
   records are given two functions (``writing_in``, ``store_call``) that read the uploader built
   a few lines later; they run only once the workers start.
+- peers -> namespace, fetcher -> peers (``--cluster``): the peer cache serves other nodes from
+  this node's files (the namespace) and fetches them from the store (the fetcher), and the
+  fetcher asks it which peer owns a part. So it is given two functions (``lookup``, ``fill``)
+  that read the namespace and fetcher built a few lines later; they run only once a peer asks.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ from ckptfs.cache.cache import Cache
 from ckptfs.cache.clean_index import CleanEntry
 from ckptfs.cache.journal import Journal, Op
 from ckptfs.cluster import records as writer_records
+from ckptfs.cluster.peers import PeerCache, default_host
 from ckptfs.cluster.records import WriterRecords
-from ckptfs.config import MountConfig
+from ckptfs.config import MountConfig, parse_peer_addr
 from ckptfs.daemon import limits
 from ckptfs.model.commits import Commits, Shadows
 from ckptfs.model.gate import MarkerGate
@@ -80,18 +85,23 @@ class Core:
     pending: list[Op]  # the journal's ops the last run left unfinished
     open_uploads: list  # multipart uploads the journal recorded as open
     clean: dict[str, CleanEntry]  # blocks the last mount left cached, by key
+    peers: PeerCache | None = None  # --cluster
 
     async def start(self, nursery: trio.Nursery) -> None:
         """The uploader (resuming the open uploads) and the fetcher, in ``nursery``."""
         await nursery.start(self.uploader.run, self.open_uploads)
         await nursery.start(self.fetcher.run)
         await nursery.start(self.records.run)
+        if self.peers is not None:
+            await nursery.start(self.peers.run)
 
     def load(self, listing: Iterable[ObjectInfo]) -> None:
         """The tree: the store's ``listing`` with the pending ops replayed (after ``start``)."""
         self.namespace.load(listing, self.pending, self.clean)
 
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.stop()  # (its threads send from the cache's arena)
         self.uploader.close()  # store calls abandoned at shutdown may no longer read the cache
         self.journal.close()
         self.cache.close()
@@ -176,8 +186,33 @@ def build_core(
         retained_ops=shadows.retained_ops,
         gate=gate,
     )
+    peers = None
+    if config.cluster:  # (the cycle peers -> namespace, fetcher -> peers: see the module doc)
+
+        async def lookup(key: str):
+            return await namespace.content_for_peer(key)
+
+        async def fill(content, indexes: list[int]) -> None:
+            await fetcher.fill_from_store(content, indexes)
+
+        host, port = parse_peer_addr(config.peer_addr or "")
+        peers = PeerCache(
+            store,
+            cache,
+            cache_dir,
+            records.node,
+            (host or default_host(config.store_url, config.endpoint_url), port),
+            config.peer_connections,
+            lookup,
+            fill,
+        )
     fetcher = Fetcher(
-        store, cache, config.upload_concurrency, health=health, read_timeout=config.read_timeout
+        store,
+        cache,
+        config.upload_concurrency,
+        health=health,
+        read_timeout=config.read_timeout,
+        peers=peers,
     )
     retention = Retention(tree, cache, uploader, policy)
     prefill = Prefill(retention.busy, kernel)
@@ -196,6 +231,7 @@ def build_core(
         pending,
         open_uploads,
         clean,
+        peers,
     )
 
 

@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import cast
+from typing import Protocol, cast
 
 import humanfriendly
 import trio
@@ -40,6 +40,7 @@ from ckptfs.store.base import ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer import retry
 from ckptfs.util.byte_budget import ByteBudget
+from ckptfs.util.single_flight import SingleFlight
 from ckptfs.util.stats import LATENCY_BUCKETS, Histogram
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 READ_ATTEMPTS = retry.READ_ATTEMPTS  # a reader waits through short glitches, not through an outage
 MOVE_WAIT = 30.0  # how long a reader that got NotFound waits for content.key to follow a move
 VERIFY_ATTEMPTS = 3  # fetches of a range whose bytes do not match their checksum, before EIO
+# Files smaller than this are read from the store even in a cluster: a peer would save few bytes
+# for the HEAD (the checksums to check its bytes against) and the round trip it costs.
+PEER_MIN_SIZE = 1 << 20
 
 
 class _ShortRead(Exception):
@@ -55,6 +59,20 @@ class _ShortRead(Exception):
     def __init__(self, got: int):
         super().__init__(f"short read: {got} bytes")
         self.got = got
+
+
+class PeerSource(Protocol):
+    """Other nodes of a cluster that may hold a part (cluster/peers.py). Whatever they send is
+    checked here against the checksums this node read from the store, as bytes from the store
+    are; ``mismatch`` tells it a peer's bytes did not match."""
+
+    def route(self, key: str, tag: str, begin: int) -> tuple[object, bool] | None: ...
+
+    async def take(
+        self, peer, fetch: bool, key: str, size: int, tag: str, begin: int, span: int, timeout: float | None
+    ) -> bytearray | None: ...
+
+    def mismatch(self, owner, key: str, why: str) -> None: ...
 
 
 class Fetcher:
@@ -70,6 +88,7 @@ class Fetcher:
         concurrency: int,
         health: StoreHealth | None = None,
         read_timeout: float | None = None,
+        peers: PeerSource | None = None,
     ):
         self.store = store
         self.cache = cache
@@ -85,7 +104,17 @@ class Fetcher:
         )
         self.body_bytes = ByteBudget(max(concurrency * cache.block_size, schedule.largest_part))
         self.inflight: dict[tuple[int, int], trio.Event] = {}
+        # Parts asked of a peer: their own bound, so a node waiting on a peer never holds what
+        # its own fetches for that peer's requests need (two nodes asking each other would wait
+        # for each other), and their own single flight, which a fetch for a peer passes by.
+        self.peers = peers
+        self.peer_bodies = trio.Semaphore(concurrency)
+        self.peer_body_bytes = ByteBudget(self.body_bytes.limit)
+        self.asking: dict[tuple[int, int], trio.Event] = {}
+        self._learning = SingleFlight()  # HEADs for the checksums a peer's bytes are checked against
         self.fetched_bytes = 0
+        self.store_bytes = 0  # bytes the store sent (GET bodies, compressed as stored)
+        self.peer_bytes = 0  # bytes of parts peers sent that matched their checksums
         self.get_latency = Histogram(LATENCY_BUCKETS)  # each ranged GET that answered
         self.retries = 0  # GETs tried again after a transient failure
         self.read_ahead = concurrency  # blocks fetched ahead of a sequential reader
@@ -115,7 +144,8 @@ class Fetcher:
         # again, and again: the cache evicts a file's clean blocks in no particular order).
         room = sum(tier.budget for tier in self.cache.tiers) // 4
         for index in range(first, last):
-            if content.blocks[index] is None and self._slot(content, index) not in self.inflight:
+            slot = self._slot(content, index)
+            if content.blocks[index] is None and slot not in self.inflight and slot not in self.asking:
                 if self._fetch_size(content, index) > max(room, self.cache.block_size):
                     break
                 self.nursery.start_soon(self._prefetch_block, content.hold(), index)
@@ -128,16 +158,20 @@ class Fetcher:
         finally:
             content.release()
 
-    async def fill(self, content: Content, indexes: list[int]) -> None:
-        """Make sure the given blocks of ``content`` are cached."""
+    async def fill(self, content: Content, indexes: list[int], from_peers: bool = True) -> None:
+        """Make sure the given blocks of ``content`` are cached. ``from_peers=False``: from the
+        store only (what a peer asked this node for: an owner never forwards)."""
         if not indexes:
             return
         if len(indexes) == 1:
-            await self._fetch_block(content, indexes[0])
+            await self._fetch_block(content, indexes[0], from_peers)
             return
         async with trio.open_nursery() as nursery:
             for index in indexes:
-                nursery.start_soon(self._fetch_block, content, index)
+                nursery.start_soon(self._fetch_block, content, index, from_peers)
+
+    async def fill_from_store(self, content: Content, indexes: list[int]) -> None:
+        await self.fill(content, indexes, from_peers=False)
 
     async def warm(
         self, contents: list[Content], progress: Callable[[dict], Awaitable[None]], interval: float = 0.5
@@ -235,12 +269,25 @@ class Fetcher:
     def _fetch_size(self, content: Content, index: int) -> int:
         return self._part_of(content, index)[1]
 
-    async def _fetch_block(self, content: Content, index: int) -> None:
+    async def _fetch_block(self, content: Content, index: int, from_peers: bool = True) -> None:
+        ask_peers = (
+            from_peers and self.peers is not None and content.in_store and content.size >= PEER_MIN_SIZE
+        )
         while content.blocks[index] is None:
             slot = self._slot(content, index)
             event = self.inflight.get(slot)
+            if event is None and from_peers:
+                event = self.asking.get(slot)
             if event is not None:  # someone is fetching it: wait, then look again
                 await event.wait()
+                continue
+            if ask_peers:  # once; then (the block still missing) from the store
+                ask_peers = False
+                if content.checksums is None:  # (from the store: what a peer's bytes must match)
+                    await self._learning.run(id(content), lambda: self._learn_checksums(content))
+                    ask_peers = content.checksums is not None  # (and the slot is now the part's)
+                else:
+                    await self._ask_peer(content, index, slot)
                 continue
             event = self.inflight[slot] = trio.Event()
             try:
@@ -260,6 +307,47 @@ class Fetcher:
                     content.holders,
                 )
                 raise FsError(errno.EIO, f"{content.key}: this version is no longer held open")
+
+    async def _ask_peer(self, content: Content, index: int, slot: tuple[int, int]) -> bool:
+        """Take the part holding block ``index`` from the peer that owns it (or, if this node
+        does, from the peer that may hold it), checked; False when the peer did not give
+        matching bytes (then the store serves it)."""
+        peers = self.peers
+        assert peers is not None and content.key is not None
+        checks = cast("Checksums | None", content.checksums)
+        if checks is None or not checks.verified:
+            return False  # nothing to check a peer's bytes against
+        tag = checks.upload or checks.xxh3
+        begin, span = checks.span(index * self.cache.block_size, content.block_length(index))
+        route = peers.route(content.key, tag, begin)
+        if route is None:
+            return False
+        owner, fetch = route
+        event = self.asking[slot] = trio.Event()
+        try:
+            async with self.peer_bodies, self.peer_body_bytes.take(span):
+                data = await peers.take(
+                    owner, fetch, content.key, content.size, tag, begin, span, self.read_timeout
+                )
+                if data is None:
+                    return False
+                try:
+                    await trio.to_thread.run_sync(checks.check, begin, data, limiter=self.threads)
+                except IntegrityError as exc:
+                    peers.mismatch(owner, content.key, str(exc))
+                    return False
+                if content.checksums != checks:
+                    return False  # (the version changed under us: read it from the store)
+                self.peer_bytes += len(data)
+                await self._attach(content, begin, data, index)
+                return True
+        finally:
+            del self.asking[slot]
+            event.set()
+
+    async def _learn_checksums(self, content: Content) -> None:
+        with contextlib.suppress(FsError):  # (then the store serves the read, and says why it fails)
+            await self.checksums_of(content)
 
     async def _download_in_time(self, content: Content, index: int) -> None:
         """``_download``, given up with EIO once the store has been in trouble for ``read_timeout``
@@ -337,7 +425,7 @@ class Fetcher:
             self.unverified_reads += 1
         await self._attach(content, begin, data, index)
 
-    async def _attach(self, content: Content, begin: int, data: bytes, wanted: int) -> None:
+    async def _attach(self, content: Content, begin: int, data: bytes | bytearray, wanted: int) -> None:
         """Put the blocks that ``data`` (checked bytes from ``begin``) covers whole into the cache.
         Block ``wanted`` (the one asked for) and those after it, up to a quarter of the cache, are
         kept from eviction meanwhile: a part of a grown layout holds many blocks, and the
@@ -347,7 +435,7 @@ class Fetcher:
         with content.reading(wanted * bs, min(begin + len(data) - wanted * bs, room)):
             await self._attach_blocks(content, begin, data)
 
-    async def _attach_blocks(self, content: Content, begin: int, data: bytes) -> None:
+    async def _attach_blocks(self, content: Content, begin: int, data: bytes | bytearray) -> None:
         bs = self.cache.block_size
         end = begin + len(data)
         self.fetched_bytes += len(data)
@@ -386,6 +474,7 @@ class Fetcher:
             started = time.monotonic()
             data, metadata = await self._get_range(content, start, length)
             self.get_latency.observe(time.monotonic() - started)
+            self.store_bytes += len(data)
             if len(data) != length:
                 raise _ShortRead(len(data))
             return data, metadata

@@ -280,8 +280,11 @@ class _Link:
         self.proxy = proxy
         self._lock = threading.Lock()
         self._free_at = 0.0
+        self.bytes = 0  # what went through this way (bodies)
 
     def __call__(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
         rate = self.proxy.rate
         if not rate:
             return
@@ -551,6 +554,11 @@ class FaultProxy:
             rule.removed.set()
 
     # -- counters --------------------------------------------------------------------------
+    @property
+    def sent_bytes(self) -> int:
+        """Response body bytes the proxy passed to its clients (what the store sent them)."""
+        return self._down.bytes
+
     def count(self, method: str | None = None, kind: str | None = None) -> int:
         """Requests seen (whatever was done with them) of this method and/or kind."""
         with self._lock:

@@ -1,0 +1,311 @@
+"""The peer channel: mutual TLS over TCP between the members of a cluster, in threads of its
+own, so that neither encryption nor sending ever runs on the trio thread that serves FUSE.
+
+One request at a time per connection; a client keeps a few idle connections per peer.
+
+    request:  length (4 bytes, big endian) + JSON {"url", "key", "size", "tag", "begin", "span"}
+    answers:  b"W"                          still working (fetching from the store): keep waiting
+              b"N" + length (2) + reason    not served (the client reads from the store)
+              b"D" + length (8) + bytes     the bytes [begin, begin + span) of that version
+
+The server sends a ``W`` every ``KEEPALIVE_S`` while it gathers the bytes, so a client tells a
+slow peer (working) from a lost one (silent for ``IDLE_S``) without a total timeout that a
+large part on a slow link would trip. Bytes are sent straight from the cache's arena (a view
+of the RAM tier's mapping, no copy in Python); they cannot go through ``sendfile`` because TLS
+encrypts them in user space.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ckptfs.cluster import peer_tls
+from ckptfs.cluster.members import Member
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 1.0
+IDLE_S = 5.0  # a peer silent this long (no keepalive) is lost
+CONNECT_S = 2.0
+HANDSHAKE_S = 5.0
+REQUEST_MAX = 8 << 10
+IDLE_CONNECTIONS = 4  # kept open per peer by a client
+
+
+class PeerError(Exception):
+    """The peer could not be reached or broke off (the client reads from the store instead)."""
+
+
+@dataclass
+class Served:
+    """What the server's trio side gathered for a request: block slices to send, pinned until
+    ``release`` (or why not)."""
+
+    slices: list[tuple[Callable[[ssl.SSLSocket], None], int]]  # (send the slice to a socket, its length)
+    release: Callable[[], None]
+    refused: str = ""
+
+
+# -- the server -----------------------------------------------------------------------------
+class PeerServer:
+    """Accepts peers (``max_connections`` at once, each in its own thread) and answers their
+    requests with what ``gather`` (a call into the trio side, returning a Future of ``Served``)
+    finds."""
+
+    def __init__(
+        self,
+        context: Callable[[], ssl.SSLContext],
+        admitted: Callable[[str], bool],
+        gather: Callable[[dict], concurrent.futures.Future],
+        released: Callable[[Callable[[], None]], None],
+        max_connections: int,
+    ):
+        self.context = context  # the current server context (trusts the live members' certificates)
+        self.admitted = admitted  # whether a client certificate's fingerprint is a member's
+        self.gather = gather
+        self.released = released  # run a Served.release on the trio side
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.sock: socket.socket | None = None
+        self.conns: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.served_bytes = 0
+        self.requests = 0
+        self.refused_clients = 0  # connections that did not prove a member's certificate
+        self.busy_refusals = 0  # connections closed at once: all slots taken
+        self.threads: list[threading.Thread] = []
+
+    def start(self, host: str, port: int) -> int:
+        """Listen on (host, port); the port (0: any free one)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+        self.sock = sock
+        thread = threading.Thread(target=self._accept, name="ckptfs-peer-accept", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return sock.getsockname()[1]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, break every connection off, wait for their threads (they may be
+        sending from the arena, which must outlive them)."""
+        self.stopping = True
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()
+        with self.lock:
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _accept(self) -> None:
+        assert self.sock is not None
+        while not self.stopping:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self.slots.acquire(blocking=False):
+                self.busy_refusals += 1
+                conn.close()
+                continue
+            thread = threading.Thread(target=self._serve, args=(conn,), name="ckptfs-peer-serve", daemon=True)
+            with self.lock:
+                self.conns.add(conn)
+                self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(HANDSHAKE_S)
+            try:
+                tls = self.context().wrap_socket(conn, server_side=True)
+            except (OSError, ssl.SSLError) as exc:
+                self.refused_clients += 1
+                log.info("refused a peer connection: %s", exc)
+                return
+            der = tls.getpeercert(binary_form=True)
+            if der is None or not self.admitted(peer_tls.der_fingerprint(der)):
+                self.refused_clients += 1
+                log.info("refused a peer connection: not a member's certificate")
+                return
+            tls.settimeout(None)
+            with tls:
+                while not self.stopping and self._answer(tls):
+                    pass
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            log.debug("peer connection ended: %s", exc)
+        finally:
+            with self.lock:
+                self.conns.discard(conn)
+            conn.close()
+            self.slots.release()
+
+    def _answer(self, tls: ssl.SSLSocket) -> bool:
+        """Answer one request; False when the client is done (or sent nonsense)."""
+        tls.settimeout(60.0)  # an idle connection is closed after a minute
+        head = _recv_exact(tls, 4)
+        if head is None:
+            return False
+        (length,) = struct.unpack(">I", head)
+        if length > REQUEST_MAX:
+            return False
+        raw = _recv_exact(tls, length)
+        if raw is None:
+            return False
+        request = json.loads(raw)
+        if not isinstance(request, dict):
+            return False
+        self.requests += 1
+        future = self.gather(request)
+        while True:
+            try:
+                served: Served = future.result(timeout=KEEPALIVE_S)
+                break
+            except concurrent.futures.TimeoutError:
+                tls.sendall(b"W")
+        if served.refused:
+            reason = served.refused.encode()[:1000]
+            tls.sendall(b"N" + struct.pack(">H", len(reason)) + reason)
+            return True
+        try:
+            total = sum(length for _, length in served.slices)
+            tls.sendall(b"D" + struct.pack(">Q", total))
+            for send, length in served.slices:
+                send(tls)
+                self.served_bytes += length
+        finally:
+            self.released(served.release)
+        return True
+
+
+# -- the client -----------------------------------------------------------------------------
+class PeerClient:
+    """Requests to peers, from worker threads; a few idle connections kept per peer."""
+
+    def __init__(self, context: Callable[[Member], ssl.SSLContext]):
+        self.context = context  # a client context that trusts exactly that member's certificate
+        self.idle: dict[str, list[ssl.SSLSocket]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, member: Member, request: dict, span: int, deadline: float) -> bytearray | str:
+        """The bytes ``request`` asks of ``member`` (exactly ``span``), or the peer's reason for
+        not serving them. Raises PeerError when the peer cannot be reached, falls silent for
+        ``IDLE_S``, breaks off, or has not answered by ``deadline`` (time.monotonic())."""
+        body = json.dumps(request).encode()
+        tls, reused = self._connection(member)
+        try:
+            return self._exchange(member, tls, body, span, deadline)
+        except PeerError:
+            if not reused:
+                raise
+        # (an idle connection the peer had closed meanwhile: once more, on a new one)
+        tls, _ = self._connection(member, reuse=False)
+        return self._exchange(member, tls, body, span, deadline)
+
+    def _exchange(self, member: Member, tls: ssl.SSLSocket, body: bytes, span: int, deadline: float):
+        try:
+            tls.settimeout(IDLE_S)
+            tls.sendall(struct.pack(">I", len(body)) + body)
+            while True:
+                tls.settimeout(max(0.01, min(IDLE_S, deadline - time.monotonic())))
+                kind = _recv_exact(tls, 1)
+                if kind == b"W":
+                    if time.monotonic() >= deadline:
+                        raise PeerError("no answer in time")
+                    continue
+                if kind == b"N":
+                    head = _recv_exact(tls, 2)
+                    reason = _recv_exact(tls, struct.unpack(">H", head)[0]) if head else None
+                    if reason is None:
+                        raise PeerError("broke off")
+                    self._keep(member, tls)
+                    return reason.decode(errors="replace")
+                if kind != b"D":
+                    raise PeerError("broke off" if kind is None else "spoke nonsense")
+                head = _recv_exact(tls, 8)
+                if head is None or struct.unpack(">Q", head)[0] != span:
+                    raise PeerError("sent another length")
+                data = bytearray(span)
+                view = memoryview(data)
+                got = 0
+                while got < span:
+                    tls.settimeout(max(0.01, min(IDLE_S, deadline - time.monotonic())))
+                    n = tls.recv_into(view[got:], min(span - got, 1 << 20))
+                    if not n:
+                        raise PeerError("broke off mid-transfer")
+                    got += n
+                self._keep(member, tls)
+                return data
+        except (OSError, ssl.SSLError, ValueError, struct.error) as exc:
+            tls.close()
+            raise PeerError(str(exc) or type(exc).__name__) from None
+        except BaseException:
+            tls.close()
+            raise
+
+    def _connection(self, member: Member, reuse: bool = True) -> tuple[ssl.SSLSocket, bool]:
+        with self.lock:
+            pool = self.idle.get(member.fingerprint)
+            if pool and reuse:
+                return pool.pop(), True
+        try:
+            raw = socket.create_connection((member.host, member.port), timeout=CONNECT_S)
+        except OSError as exc:
+            raise PeerError(f"cannot connect: {exc.strerror or exc}") from None
+        try:
+            raw.settimeout(HANDSHAKE_S)
+            tls = self.context(member).wrap_socket(raw)
+            der = tls.getpeercert(binary_form=True)
+            if der is None or peer_tls.der_fingerprint(der) != member.fingerprint:
+                tls.close()
+                raise PeerError("showed another certificate than its record's")
+            return tls, False
+        except (OSError, ssl.SSLError) as exc:
+            raw.close()
+            raise PeerError(f"TLS handshake failed: {exc}") from None
+
+    def _keep(self, member: Member, tls: ssl.SSLSocket) -> None:
+        with self.lock:
+            pool = self.idle.setdefault(member.fingerprint, [])
+            if len(pool) < IDLE_CONNECTIONS:
+                pool.append(tls)
+                return
+        tls.close()
+
+    def forget(self, fingerprints: set[str]) -> None:
+        """Close the idle connections to peers no longer members."""
+        with self.lock:
+            for fp in [fp for fp in self.idle if fp not in fingerprints]:
+                for tls in self.idle.pop(fp):
+                    tls.close()
+
+    def close(self) -> None:
+        self.forget(set())
+
+
+def _recv_exact(sock: ssl.SSLSocket, n: int) -> bytes | None:
+    """``n`` bytes, or None if the connection ended first."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return bytes(out)

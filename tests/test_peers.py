@@ -1,0 +1,286 @@
+"""Restore once per cluster (``--cluster``, ckptfs/cluster/peers.py), with real mounts, real
+``torch.load`` and real peers over mutual TLS: each node of tests/support/cluster.py has its
+own mount, cache dir, RAM tier and link to the store. Both stores (``cluster`` fixture).
+
+- N nodes restoring one checkpoint at once, and one after another: every node reads the same
+  bytes, and the store sends about the checkpoint's size in all (the nodes' own count of what
+  the store sent, and on S3 the proxies' count of what they passed);
+- a peer lost (kill -9) mid-restore costs a retry from the store, not a failed or stalled read;
+- a peer that answers with flipped bytes (a rogue member this test runs, with a certificate
+  published in the store) is caught: the read returns the right bytes, from the store;
+- a client without a member's certificate gets nothing from the peer port.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import secrets
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptfs.cluster import peer_tls
+from ckptfs.cluster.members import BEAT_S, PREFIX
+from ckptfs.cluster.peer_channel import PeerServer, Served
+from tests.support.harness import wait_until
+from tests.support.mounting import ckptfs
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+CLUSTER = ("--cluster",)
+SLACK = 1.10  # the store may send at most this much of the checkpoint's size in all
+
+SAVE = """
+import hashlib, sys, torch
+size, seed = int(sys.argv[2]), int(sys.argv[3])
+g = torch.Generator().manual_seed(seed)
+n = size // 4 // 8
+sd = {f"layer{i}.weight": torch.randn(n, generator=g) for i in range(8)}
+torch.save(sd, sys.argv[1])
+h = hashlib.sha256()
+for k in sorted(sd):
+    h.update(k.encode()); h.update(sd[k].numpy().tobytes())
+print(h.hexdigest())
+"""
+LOAD = """
+import hashlib, sys, torch
+f = open(sys.argv[1], "rb")
+if len(sys.argv) > 2:  # read a first piece, say so, and wait for a line before the rest
+    f.read(int(sys.argv[2])); f.seek(0)
+    print("started", flush=True); sys.stdin.readline()
+sd = torch.load(f, weights_only=True)
+h = hashlib.sha256()
+for k in sorted(sd):
+    h.update(k.encode()); h.update(sd[k].numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def _python(code: str, *args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, **kwargs
+    )
+
+
+def _result(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"exited {proc.returncode}"
+    return out.strip().splitlines()[-1]
+
+
+def _checkpoint(cluster, size: int) -> tuple[str, int]:
+    """A checkpoint of about ``size`` bytes saved through a plain mount and synced: its digest
+    and its size in the store."""
+    writer = cluster.node("writer")
+    path = writer.path / "ckpt" / "model.pt"
+    path.parent.mkdir()
+    digest = _result(_python(SAVE, str(path), str(size), "7"))
+    writer.sync()
+    return digest, path.stat().st_size
+
+
+def _members(cluster, names: list[str], **kwargs) -> list:
+    nodes = [cluster.node(name, extra=CLUSTER, **kwargs) for name in names]
+    for node in nodes:  # (a node that has not seen the others yet would fetch their parts itself)
+        wait_until(
+            lambda node=node: len(node.status()["peers"]["live"]) == len(nodes) - 1,
+            30,
+            what=f"{node.name} to see its {len(nodes) - 1} peers",
+        )
+    return nodes
+
+
+def _store_sent(nodes) -> int:
+    return sum(node.status()["store_read_bytes"] for node in nodes)
+
+
+def _proxies_sent(nodes) -> int | None:
+    proxies = [node.proxy for node in nodes]
+    return None if None in proxies else sum(p.sent_bytes for p in proxies)
+
+
+def test_four_nodes_restore_at_once_read_the_store_once(cluster):
+    digest, size = _checkpoint(cluster, 256 * MiB)
+    nodes = _members(cluster, ["a", "b", "c", "d"])
+    before = _proxies_sent(nodes)
+    readers = [_python(LOAD, str(node.path / "ckpt" / "model.pt")) for node in nodes]
+    assert [_result(r) for r in readers] == [digest] * 4
+    sent = _store_sent(nodes)
+    assert sent <= SLACK * size, f"the store sent {sent / size:.2f}x the checkpoint"
+    if before is not None:  # S3: what the proxies passed (listings, records and manifests too)
+        through = _proxies_sent(nodes) - before
+        assert through <= SLACK * size, f"the proxies passed {through / size:.2f}x the checkpoint"
+    peers = [node.status()["peers"] for node in nodes]
+    assert sum(p["taken_bytes"] for p in peers) >= 2 * size  # (each node took most of it from others)
+    assert sum(p["served_bytes"] for p in peers) == sum(p["taken_bytes"] for p in peers)
+    assert not any(p["mismatches"] or p["asks_failed"] for p in peers)
+
+
+def test_staggered_restores_read_the_store_once(cluster):
+    digest, size = _checkpoint(cluster, 64 * MiB)
+    nodes = _members(cluster, ["a", "b", "c"])
+    # one after another: the parts the first readers' owners fetched stay cached; b warms up
+    # (`ckptfs warmup` takes the same path as a read) before loading
+    ckptfs("warmup", str(nodes[1].path))
+    for node in nodes:
+        assert _result(_python(LOAD, str(node.path / "ckpt" / "model.pt"))) == digest
+    sent = _store_sent(nodes)
+    assert sent <= SLACK * size, f"the store sent {sent / size:.2f}x the checkpoint"
+
+
+def test_a_peer_lost_mid_restore_costs_a_retry(cluster):
+    digest, size = _checkpoint(cluster, 96 * MiB)
+    a, b, c = _members(cluster, ["a", "b", "c"])
+    if b.proxy is not None:  # S3: b's link is slow, so b's fetches for a are on the wire when it dies
+        b.proxy.rate = 20 * MiB
+    reader = _python(LOAD, str(a.path / "ckpt" / "model.pt"), str(4 * MiB), stdin=subprocess.PIPE)
+    assert reader.stdout.readline().strip() == "started"
+    wait_until(
+        lambda: a.status()["peers"]["taken_bytes"] > 0 or b.status()["peers"]["requests_served"] > 0, 60
+    )
+    b.lose()
+    started = time.monotonic()
+    reader.stdin.write("go\n")
+    reader.stdin.flush()
+    assert _result(reader) == digest
+    took = time.monotonic() - started
+    status = a.status()
+    assert status["integrity_errors"] == [] and not status["errors"]
+    # b's parts came from the store after one failed ask each (connection refused or broken
+    # off), never after a read timeout (60 s): a bound on the stall, generous for a loaded VM
+    assert took < 45, f"the read stalled {took:.0f} s after the peer was lost"
+    wait_until(lambda: len(a.status()["peers"]["live"]) == 1, 30, what="a to drop b from its peers")
+    # c still reads, with a as its only peer
+    assert _result(_python(LOAD, str(c.path / "ckpt" / "model.pt"))) == digest
+
+
+class RoguePeer:
+    """A member of the cluster that answers every ask with the right part, one byte flipped:
+    its certificate is published in the store like any node's (a holder of the store
+    credentials gone bad, or a bit flipped in a peer's memory)."""
+
+    def __init__(self, cluster, node, data: bytes, trusted: bytes, root: Path):
+        root.mkdir(mode=0o700)
+        self.id = secrets.token_hex(8)
+        self.identity = peer_tls.Identity(root, self.id)
+        self.data, self.cluster, self.node = data, cluster, node
+        self.asked = 0
+        self.server = PeerServer(
+            lambda: self.identity.context(True, [trusted]),
+            lambda fingerprint: True,
+            self._gather,
+            lambda release: release(),
+            4,
+        )
+        self.port = self.server.start("127.0.0.1", 0)
+        self.stop = threading.Event()
+        self._publish()
+        self.beat = threading.Thread(target=self._beat, daemon=True)
+        self.beat.start()
+
+    def _gather(self, request: dict) -> concurrent.futures.Future:
+        self.asked += 1
+        begin, span = request["begin"], request["span"]
+        part = bytearray(self.data[begin : begin + span])
+        part[span // 2] ^= 0x01
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(Served([(lambda sock: sock.sendall(part), span)], lambda: None))
+        return future
+
+    def _publish(self) -> None:
+        body = json.dumps(
+            {"node": self.id, "host": "127.0.0.1", "port": self.port, "cert": self.identity.cert_pem.decode()}
+        ).encode()
+        key = f"{PREFIX}{self.id}.json"
+        if self.node.proxy is not None:
+            self.node.put_through_link(key, body)
+        else:  # (the local store keeps an object as a file under its key: its mtime is the beat)
+            path = Path(self.cluster.directory) / key
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(body)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(BEAT_S):
+            self._publish()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.beat.join()
+        self.server.stop()
+
+
+def test_a_peer_sending_flipped_bytes_is_caught(cluster, tmp_path):
+    writer = cluster.node("writer")
+    data = secrets.token_bytes(48 * MiB)
+    (writer.path / "model.bin").write_bytes(data)
+    writer.sync()
+    a = cluster.node("a", extra=CLUSTER)
+    cert = peer_tls.Identity(Path(a.mount.cache_dir), "unused").cert_pem  # (a's, kept in its cache dir)
+    rogue = RoguePeer(cluster, a, data, cert, tmp_path / "rogue")
+    try:
+        wait_until(lambda: len(a.status()["peers"]["live"]) == 1, 30, what="a to see the rogue peer")
+        assert (a.path / "model.bin").read_bytes() == data
+    finally:
+        rogue.close()
+    status = a.status()
+    assert rogue.asked >= 1 and status["peers"]["mismatches"] >= 1
+    assert status["peer_read_bytes"] == 0 and status["integrity_errors"] == []
+
+
+def test_no_member_certificate_gets_nothing(cluster, tmp_path):
+    writer = cluster.node("writer")
+    (writer.path / "secret.bin").write_bytes(secrets.token_bytes(2 * MiB))
+    writer.sync()
+    a, b = _members(cluster, ["a", "b"])
+    host, port = a.status()["peers"]["addr"].rsplit(":", 1)
+    request = json.dumps(
+        {"url": "x", "key": "secret.bin", "size": 2 * MiB, "tag": "", "begin": 0, "span": MiB}
+    )
+
+    def plain() -> bytes:  # no TLS at all: a request in the clear
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(len(request).to_bytes(4, "big") + request.encode())
+            return _read_all(s)
+
+    def tls(identity) -> bytes:  # TLS, with a certificate no member published (or none)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        if identity is not None:
+            ctx.load_cert_chain(identity.cert_path, identity.key_path)
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            try:
+                with ctx.wrap_socket(raw) as s:
+                    s.sendall(len(request).to_bytes(4, "big") + request.encode())
+                    return _read_all(s)
+            except (ssl.SSLError, OSError):
+                return b""
+
+    stranger = tmp_path / "stranger"
+    stranger.mkdir(mode=0o700)
+    # (at most a TLS alert comes back: a few bytes, never a header or a part)
+    assert len(plain()) < 64
+    assert len(tls(None)) < 64
+    assert len(tls(peer_tls.Identity(stranger, "stranger"))) < 64
+    assert a.status()["peers"]["refused_clients"] >= 3
+    assert (b.path / "secret.bin").stat().st_size == 2 * MiB  # members still talk
+
+
+def _read_all(sock) -> bytes:
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except (ssl.SSLError, OSError):
+        pass
+    return out
