@@ -197,8 +197,8 @@ class Scenario:
         stack.callback(self.nodes.stop)
 
     def _remove_shm_dirs(self) -> None:
-        for shm in self.shm_dirs:
-            shutil.rmtree(shm, ignore_errors=True)
+        while self.shm_dirs:
+            shutil.rmtree(self.shm_dirs.pop(), ignore_errors=True)
 
     # -- setup --
     def write_checkpoint(self) -> None:
@@ -211,7 +211,7 @@ class Scenario:
         data = buf.getbuffer()
         self.size, self.digest = len(data), hashlib.blake2b(data).hexdigest()
         self.ctx.client().create_bucket(Bucket=BUCKET)
-        mount = self._mount(None, "writer")
+        mount = self._mount(None, self._name("writer"))
         try:
             (mount.mountpoint / KEY).write_bytes(data)
         finally:
@@ -225,9 +225,12 @@ class Scenario:
             f"to s3://{BUCKET}/{PREFIX}/{KEY}"
         )
 
-    def _mount(self, node, tag: str, cluster: bool = False) -> CkptfsMount:
+    def _name(self, tag: str) -> str:
+        """A mount's own name (its mountpoint and cache dir under the work dir)."""
         self.mounts += 1
-        name = f"cluster-{self.mounts}-{tag}"
+        return f"cluster-{self.mounts}-{tag}"
+
+    def _mount(self, node, name: str, cluster: bool = False) -> CkptfsMount:
         extra, prefix, endpoint = [], [], self.ctx.endpoint
         if node is not None:
             shm = Path("/dev/shm") / f"ckptfs-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -270,7 +273,8 @@ class Scenario:
             else:
                 cluster = target == "ckptfs-cluster"
                 with ThreadPoolExecutor(n) as pool:
-                    futures = [pool.submit(self._mount, node, node.name, cluster) for node in nodes]
+                    names = [self._name(node.name) for node in nodes]
+                    futures = [pool.submit(self._mount, *job, cluster) for job in zip(nodes, names)]
                     for future in futures:  # (every mount made is kept, to be stopped below)
                         with contextlib.suppress(Exception):
                             mounts.append(future.result())
@@ -311,6 +315,7 @@ class Scenario:
                 list(pool.map(lambda m: m.stop(), mounts))
             for reader in readers:
                 reader.reap()
+            self._remove_shm_dirs()
         node_s = [end - start for start, end in times]
         wall = max(end for _, end in times) - min(start for start, _ in times)
         return {
