@@ -1,12 +1,15 @@
 """ckptfs side by side with what users would use instead, in one run on this machine.
 
     scripts/bench [--size MiB] [--runs N] [--targets LIST] [--scenarios LIST] ...
+    scripts/bench --scenarios cluster [--cluster-size MiB] [--cluster-rate RATE] ...
 
 Starts OpenStack Swift (s3api) on 127.0.0.1, mounts every filesystem target, runs the scenarios
 (run 1 of every target, then run 2, ...), prints a table, writes docs/benchmarks/results.json,
-one PNG per scenario and the generated part of docs/benchmarks.md. Unmounts, stops what it
-started (by PID) and removes its work directory on the way out, also after an error or Ctrl-C.
-See docs/benchmarks.md for the method.
+one PNG per scenario and the generated part of docs/benchmarks.md. The cluster scenario (issue
+30; only when named) restores one checkpoint on 1, 2 and 4 nodes in network namespaces
+(bench/cluster.py) and writes cluster.json, cluster.png and its own part of the doc. Unmounts,
+stops what it started (by PID), removes its network namespaces and its work directory on the
+way out, also after an error or Ctrl-C. See docs/benchmarks.md for the method.
 """
 
 from __future__ import annotations
@@ -24,15 +27,17 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import report, sysinfo, workloads
+from bench import cluster, report, sysinfo, workloads
 from bench.durable import POLL_INTERVAL
-from bench.figures import Results
-from bench.goals import check
+from bench.figures import CLUSTER_NODES, Results
+from bench.goals import check, check_cluster
 from bench.mounts import fuse_mounts_under, unmount
+from bench.netnodes import rate_bytes
 from bench.targets import TARGETS, Context
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("save", "cold", "write", "scale", "ram4x", "dcp", "small")
+SCENARIOS = ("save", "cold", "write", "scale", "ram4x", "dcp", "small")  # the default: all of these
+OPT_IN = ("cluster",)  # only when named (network namespaces, root, minutes of its own)
 SLOW_PEERS = ("s3fs", "rclone")  # 15-30 s per 1 GiB save here, twice the others
 MiB = 1 << 20
 
@@ -53,6 +58,18 @@ def _names(allowed, what: str):
         return names
 
     return parse
+
+
+def _rate(text: str) -> str:
+    try:
+        rate_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text.strip().lower()
+
+
+def _node_counts(text: str) -> list[int]:
+    return [int(n) for n in _names(tuple(map(str, CLUSTER_NODES)), "node count")(text)]
 
 
 def _at_least(low: int):
@@ -120,10 +137,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--scenarios",
-        type=_names(SCENARIOS, "scenario"),
+        type=_names(SCENARIOS + OPT_IN, "scenario"),
         default=list(SCENARIOS),
         metavar="LIST",
-        help=f"comma-separated (default all: {','.join(SCENARIOS)}); cold loads read what save wrote",
+        help=f"comma-separated (default all but {','.join(OPT_IN)}: {','.join(SCENARIOS)}); cold loads "
+        "read what save wrote",
+    )
+    p.add_argument(
+        "--cluster-size",
+        type=_at_least(16),
+        default=256,
+        metavar="MiB",
+        help="the checkpoint the cluster scenario restores, in MiB (default 256)",
+    )
+    p.add_argument(
+        "--cluster-rate",
+        type=_rate,
+        default="400mbit",
+        metavar="RATE",
+        help="each node's link to the store in the cluster scenario, in tc's units (default 400mbit)",
+    )
+    p.add_argument(
+        "--cluster-nodes",
+        type=_node_counts,
+        default=list(CLUSTER_NODES),
+        metavar="LIST",
+        help=f"node counts of the cluster scenario (default {','.join(map(str, CLUSTER_NODES))})",
+    )
+    p.add_argument(
+        "--cluster-targets",
+        type=_names(cluster.TARGETS, "cluster target"),
+        default=list(cluster.TARGETS),
+        metavar="LIST",
+        help=f"what restores in the cluster scenario (default all: {','.join(cluster.TARGETS)})",
     )
     p.add_argument(
         "--out",
@@ -160,6 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     opts = p.parse_args(argv)
     if not opts.work_dir.is_dir():
         p.error(f"--work-dir {opts.work_dir} is not a directory")
+    if "cluster" in opts.scenarios and os.geteuid() != 0:
+        p.error("the cluster scenario needs root (network namespaces, tc)")
     return opts
 
 
@@ -195,6 +243,8 @@ def budget(opts) -> dict[str, str]:
         out["scale"] = runs(1)
     if "ram4x" in opts.scenarios:
         out["ram4x"] = runs(1)
+    if "cluster" in opts.scenarios:
+        out["cluster"] = runs(opts.runs)
     if "small" in opts.scenarios:
         out["small"] = runs(opts.small_runs)
         slow = [t for t in workloads.SLOW_SMALL if t in opts.targets]
@@ -238,6 +288,7 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     from tests.support.checkpoints import make_checkpoint
     from tests.support.swift import SwiftServer
 
+    main_scenarios = [s for s in opts.scenarios if s not in OPT_IN]
     machine = sysinfo.describe()  # before the bench loads the machine
     server = SwiftServer(work / "swift")
     stack.callback(_safely, "stopping Swift", server.stop)
@@ -245,16 +296,18 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     os.environ.update(server.env())
     progress(f"Swift (s3api) healthy at {server.endpoint}")
 
-    state = make_checkpoint(opts.size)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    nbytes = buf.tell()
-    del buf
-    progress(f"checkpoint: {nbytes / MiB:.0f} MiB (bf16 + fp32 weights, Adam-like state, python objects)")
+    state, nbytes = None, 0
+    if main_scenarios:
+        state = make_checkpoint(opts.size)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        nbytes = buf.tell()
+        del buf
+        progress(f"checkpoint: {nbytes / MiB:.0f} MiB (bf16 + fp32 weights, Adam-like state, python objects)")
 
     ctx = Context(work, server.endpoint, server.access_key, server.secret_key, server.region, nbytes)
     targets = {}
-    for name in opts.targets:
+    for name in opts.targets if main_scenarios else ():
         target = TARGETS[name](ctx)
         stack.callback(_safely, f"stopping {name}", target.stop)
         target.start()
@@ -284,6 +337,7 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
 
     for target in reversed(list(targets.values())):  # unmount before reporting: counts in the run time
         target.stop()
+    restores = cluster.restores(bench, ctx, opts, work, stack) if "cluster" in opts.scenarios else None
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "argv": sys.argv[1:],
@@ -296,6 +350,10 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
             "slow_files": opts.slow_files,
             "targets": opts.targets,
             "scenarios": opts.scenarios,
+            "cluster_size": opts.cluster_size,
+            "cluster_rate": opts.cluster_rate,
+            "cluster_nodes": opts.cluster_nodes,
+            "cluster_targets": opts.cluster_targets,
         },
         "budget": budget(opts),
         "checkpoint_mib": nbytes / MiB,
@@ -307,9 +365,14 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
         "note": opts.note,
         "duration_s": time.monotonic() - progress.start,
     }
-    goals = check(results, ram_budget)
-    print("\n" + report.table(results, goals), flush=True)
+    goals = check(results, ram_budget) if main_scenarios else []
+    cluster_goals = check_cluster(results, restores.wrong()) if restores else []
+    print("\n" + report.table(results, goals, cluster_goals), flush=True)
     opts.out.mkdir(parents=True, exist_ok=True)
+    if restores:
+        cluster.write(restores, results, cluster_goals, meta, opts.out, opts.doc)
+    if not main_scenarios:  # (a cluster-only run leaves results.json and the bench:results block alone)
+        return 0
     report.write_json(opts.out / "results.json", report.to_json(results, goals, meta))
     limit = (ram_budget + 200e6) / MiB
     pngs = report.plots(results, opts.out, {"ram_4x_rss": (limit, f"budget + 200 MB = {limit:.0f} MiB")})

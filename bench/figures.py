@@ -6,7 +6,8 @@ import statistics
 from dataclasses import dataclass, field
 
 PEERS = ("s3fs", "rclone", "boto3", "s3torchconnector")
-CKPTFS = ("ckptfs-local", "ckptfs-s3")
+CKPTFS = ("ckptfs-local", "ckptfs-s3", "ckptfs-cluster")
+CLUSTER_NODES = (1, 2, 4)  # the node counts of the cluster scenario (bench/cluster.py)
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,36 @@ class Figure:
     unit: str
     higher_is_better: bool = False
     floor: str | None = None  # the target that ratios "to the floor" divide by
+
+
+def _cluster_figures() -> list[Figure]:
+    """Per node count: all at once, then one after another (the same thing for one node)."""
+    figures = []
+    for n in CLUSTER_NODES:
+        nodes = f"{n} node{'s' if n > 1 else ''}"
+        once = f"{n} nodes restore at once: until the last is done" if n > 1 else "1 node restores alone"
+        figures += [
+            Figure(f"cluster_once_{n}", "cluster", once, "s"),
+            Figure(
+                f"cluster_store_once_{n}",
+                "cluster",
+                f"{nodes}{' at once' * (n > 1)}: store bytes / checkpoint",
+                "x",
+            ),
+        ]
+        if n > 1:
+            figures += [
+                Figure(
+                    f"cluster_stagger_{n}", "cluster", f"{nodes} one after another: sum of their times", "s"
+                ),
+                Figure(
+                    f"cluster_store_stagger_{n}",
+                    "cluster",
+                    f"{nodes} one after another: store bytes / checkpoint",
+                    "x",
+                ),
+            ]
+    return figures
 
 
 FIGURES = [
@@ -58,6 +89,7 @@ FIGURES = [
     Figure("dcp_durable", "dcp", "4 ranks: time to durable of all shards", "s"),
     Figure("small_stall", "small", "many small files: save time", "s", floor="cache-disk"),
     Figure("small_durable", "small", "many small files: time to durable", "s"),
+    *_cluster_figures(),
 ]
 BY_ID = {f.id: f for f in FIGURES}
 

@@ -75,6 +75,8 @@ def _best_everywhere(results: Results) -> Goal:
     text = "beat the best peer on every figure"
     behind, compared = [], 0
     for figure in BY_ID.values():
+        if figure.scenario == "cluster":  # (issue 30's own targets: check_cluster)
+            continue
         ratios = results.ratios(figure.id, ME)
         if "vs_best_peer" not in ratios:
             continue
@@ -124,3 +126,42 @@ def check(results: Results, ram_budget: int) -> list[Goal]:
         ),
         _best_everywhere(results),
     ]
+
+
+CLUSTER = "ckptfs-cluster"
+
+
+def _others(results: Results, figure: str, unit: str) -> str:
+    found = [(t, results.median(figure, t)) for t in ("ckptfs-s3", "boto3")]
+    found = [f"{t} {v:.2f}{unit}" for t, v in found if v is not None]
+    return f" ({', '.join(found)})" if found else ""
+
+
+def check_cluster(results: Results, wrong: list[str]) -> list[Goal]:
+    """Issue 30's targets for ckptfs --cluster (bench/cluster.py), from the medians; `wrong`: the
+    readers that read other bytes than the checkpoint's, in any run."""
+    goals = []
+    for kind, how in (("once", "at once"), ("stagger", "one after another")):
+        figure = f"cluster_store_{kind}_4"
+        text = f"4 nodes restoring {how}: the store serves <= 1.10x the checkpoint"
+        mine = results.median(figure, CLUSTER)
+        if mine is None:
+            goals.append(Goal(text, f"not measured{_others(results, figure, 'x')}", None))
+        else:
+            goals.append(Goal(text, f"{mine:.2f}x{_others(results, figure, 'x')}", mine <= 1.10))
+    text = "4 nodes restoring at once take <= 1.5x the time of 1 node alone"
+    one, four = results.median("cluster_once_1", CLUSTER), results.median("cluster_once_4", CLUSTER)
+    if one is None or four is None:
+        goals.append(Goal(text, "not measured", None))
+    else:
+        ratio = four / one
+        goals.append(Goal(text, f"{ratio:.2f}x ({four:.2f} s vs {one:.2f} s)", ratio <= 1.5))
+    measured = any(results.targets(f.id) for f in BY_ID.values() if f.scenario == "cluster")
+    goals.append(
+        Goal(
+            "every node of every run reads the checkpoint's exact bytes",
+            ("wrong bytes on " + ", ".join(wrong)) if wrong else ("all did" if measured else "not measured"),
+            None if not measured else not wrong,
+        )
+    )
+    return goals

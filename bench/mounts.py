@@ -21,8 +21,17 @@ from pathlib import Path
 MOUNT_TIMEOUT = 60.0
 
 
+def _mount_table() -> list[tuple[Path, str]]:
+    """(mountpoint, type) of every mount, from /proc/mounts (which escapes spaces as octal)."""
+    with open("/proc/mounts") as f:
+        rows = [line.split() for line in f]
+    return [(Path(r[1].encode().decode("unicode_escape")), r[2]) for r in rows if len(r) > 2]
+
+
 def _mounted(path: Path) -> bool:
-    return os.path.ismount(path)
+    """From the mount table, not stat: a hung FUSE daemon would hang a stat, and a dead one
+    makes os.path.ismount say False while its mount is still there."""
+    return Path(path).absolute() in {mp for mp, _ in _mount_table()}
 
 
 def _fusermount(path: Path, lazy: bool = False) -> bool:
@@ -47,14 +56,7 @@ def unmount(path: Path, attempts: int = 20) -> None:
 
 def fuse_mounts_under(root: Path) -> list[Path]:
     """FUSE mountpoints below `root`, deepest first (/proc/mounts escapes spaces as octal)."""
-    found = []
-    with open("/proc/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 2 and (fields[2] == "fuse" or fields[2].startswith("fuse.")):
-                mp = Path(fields[1].encode().decode("unicode_escape"))
-                if mp.is_relative_to(root):
-                    found.append(mp)
+    found = [mp for mp, kind in _mount_table() if kind.split(".")[0] == "fuse" and mp.is_relative_to(root)]
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
@@ -127,7 +129,8 @@ class ForegroundMount:
 
 
 class CkptfsMount:
-    """`ckptfs mount STORE MNT` with its own cache dir; `stop` drains and unmounts it."""
+    """`ckptfs mount STORE MNT` with its own cache dir; `stop` drains and unmounts it. `extra`: more
+    mount arguments; `prefix`: what `ckptfs mount` (and so its daemon) runs under, e.g. nsenter."""
 
     def __init__(
         self,
@@ -137,14 +140,17 @@ class CkptfsMount:
         ram_cache: int,
         cache_size: int,
         endpoint: str | None = None,
+        extra: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
     ):
         self.store_url, self.mountpoint, self.cache_dir = store_url, mountpoint, cache_dir
         self.ram_cache, self.cache_size, self.endpoint = ram_cache, cache_size, endpoint
+        self.extra, self.prefix = tuple(extra), tuple(prefix)
         self.pid: int | None = None
 
-    def _ckptfs(self, *args: str, timeout: float = 120) -> str:
+    def _ckptfs(self, *args: str, timeout: float = 120, prefix: tuple[str, ...] = ()) -> str:
         r = subprocess.run(
-            [sys.executable, "-m", "ckptfs", *args],
+            [*prefix, sys.executable, "-m", "ckptfs", *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -169,7 +175,7 @@ class CkptfsMount:
         if self.endpoint:
             args += ["--endpoint-url", self.endpoint]
         try:
-            self._ckptfs("mount", *args)
+            self._ckptfs("mount", *args, *self.extra, prefix=self.prefix)
         except RuntimeError as e:
             raise RuntimeError(f"{e}\n{_tail(self.cache_dir / 'ckptfs.log')}") from None
         self.pid = self.status()["pid"]
@@ -186,9 +192,9 @@ class CkptfsMount:
         try:
             self._ckptfs("umount", str(self.mountpoint), timeout=300)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"  ({e}; unmounting lazily and stopping daemon {self.pid})", file=sys.stderr, flush=True)
+            print(f"  ({e}; stopping daemon {self.pid} and unmounting lazily)", file=sys.stderr, flush=True)
+            self._kill_daemon()  # (first: a hung daemon would hang the unmount)
             unmount(self.mountpoint, attempts=1)
-            self._kill_daemon()
         self.pid = None
         if (ram := recorded_ram_dir(self.cache_dir)) is not None:  # left by --no-wait or a kill
             shutil.rmtree(ram, ignore_errors=True)

@@ -5,15 +5,29 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 from tabulate import tabulate
 
-from bench.figures import CKPTFS, FIGURES, SCENARIO_TITLES, Results
+from bench.figures import CKPTFS, FIGURES, SCENARIO_TITLES, Figure, Results
 from bench.goals import Goal
 
 BEGIN, END = "<!-- bench:results -->", "<!-- /bench:results -->"
-ORDER = ("cache-disk", "nullfs", "ckptfs-local", "ckptfs-s3", "s3fs", "rclone", "boto3", "s3torchconnector")
+ORDER = (
+    "cache-disk",
+    "nullfs",
+    "ckptfs-local",
+    "ckptfs-s3",
+    "ckptfs-cluster",
+    "s3fs",
+    "rclone",
+    "boto3",
+    "s3torchconnector",
+)
+# the figures of results.json, the plots and the bench:results block; the cluster scenario's have
+# their own (bench/cluster.py)
+MAIN = [f for f in FIGURES if f.scenario != "cluster"]
 
 
 def _targets(results: Results, figure: str) -> list[str]:
@@ -51,7 +65,15 @@ def _goal_mark(goal: Goal) -> str:
 # --- stdout ----------------------------------------------------------------------------------
 
 
-def table(results: Results, goals: list[Goal]) -> str:
+def _goal_lines(title: str, goals: list[Goal]) -> str:
+    if not goals:
+        return ""
+    width = max(len(g.text) for g in goals)
+    lines = [f"  {_goal_mark(g):12} {g.text:{width}}  {g.detail}" for g in goals]
+    return f"\n\n{title}:\n" + "\n".join(lines)
+
+
+def table(results: Results, goals: list[Goal], cluster_goals: list[Goal] = ()) -> str:
     rows = []
     for fig in FIGURES:
         for target in _targets(results, fig.id):
@@ -76,18 +98,21 @@ def table(results: Results, goals: list[Goal]) -> str:
         tablefmt="simple",
         disable_numparse=True,
     )
-    width = max(len(g.text) for g in goals)
     notes = "".join(f"\n  * {line}" for line in _notes(results))
-    lines = [f"  {_goal_mark(g):12} {g.text:{width}}  {g.detail}" for g in goals]
-    return text + notes + "\n\nDesign section 5 targets (ckptfs-s3):\n" + "\n".join(lines)
+    return (
+        text
+        + notes
+        + _goal_lines("Design section 5 targets (ckptfs-s3)", goals)
+        + _goal_lines("Issue 30 targets (ckptfs-cluster)", list(cluster_goals))
+    )
 
 
 # --- JSON ------------------------------------------------------------------------------------
 
 
-def to_json(results: Results, goals: list[Goal], meta: dict) -> dict:
+def to_json(results: Results, goals: list[Goal], meta: dict, figs: list[Figure] = MAIN) -> dict:
     figures = []
-    for fig in FIGURES:
+    for fig in figs:
         values = {}
         for target in _targets(results, fig.id):
             s = results.summary(fig.id, target)
@@ -151,7 +176,7 @@ def plots(results: Results, out: Path, limits: dict[str, tuple[float, str]]) -> 
     import matplotlib.pyplot as plt
 
     written = []
-    for scenario, title in SCENARIO_TITLES.items():
+    for scenario, title in SCENARIO_TITLES.items():  # (not the cluster scenario's: bench/cluster.py)
         figs = [f for f in FIGURES if f.scenario == scenario and results.targets(f.id)]
         if not figs:
             continue
@@ -204,9 +229,9 @@ def plots(results: Results, out: Path, limits: dict[str, tuple[float, str]]) -> 
 
 
 def markdown(results: Results, goals: list[Goal], meta: dict, plot_paths: list[Path], doc: Path) -> str:
-    targets = [t for t in ORDER if any(t in results.targets(f.id) for f in FIGURES)]
+    targets = [t for t in ORDER if any(t in results.targets(f.id) for f in MAIN)]
     rows = []
-    for f in FIGURES:
+    for f in MAIN:
         if not results.targets(f.id):
             continue
         cells = []
@@ -221,54 +246,33 @@ def markdown(results: Results, goals: list[Goal], meta: dict, plot_paths: list[P
         rows.append([f"{f.title} [{f.unit}]", *cells])
     matrix = tabulate(rows, ["figure", *targets], tablefmt="github", disable_numparse=True)
 
+    ckptfs = [t for t in CKPTFS if any(results.ratios(f.id, t) for f in MAIN)]
     ratio_rows = []
-    for f in FIGURES:
-        r = {t: results.ratios(f.id, t) for t in CKPTFS}
+    for f in MAIN:
+        r = {t: results.ratios(f.id, t) for t in ckptfs}
         if any(r.values()):
             ratio_rows.append(
                 [
                     f.id,
-                    *(_ratio(r[t], "vs_floor", "floor") for t in CKPTFS),
-                    *(_ratio(r[t], "vs_best_peer", "best_peer") for t in CKPTFS),
+                    *(_ratio(r[t], "vs_floor", "floor") for t in ckptfs),
+                    *(_ratio(r[t], "vs_best_peer", "best_peer") for t in ckptfs),
                 ]
             )
     ratios = tabulate(
         ratio_rows,
-        ["figure", *(f"{t} / floor" for t in CKPTFS), *(f"{t} / best peer" for t in CKPTFS)],
+        ["figure", *(f"{t} / floor" for t in ckptfs), *(f"{t} / best peer" for t in ckptfs)],
         tablefmt="github",
         disable_numparse=True,
     )
-    m, machine = meta, meta["machine"]
-    v = machine["versions"]
+    m = meta
     runs = "; ".join(f"{k}: {n}" for k, n in m["budget"].items())
-    generated = (
-        f"_Generated by `scripts/bench {' '.join(m['argv'])}` on {m['date']} in {m['duration_s'] / 60:.1f} "
-        "min (do not edit by hand: the next run rewrites this part)._"
-    )
-    load = (
-        f"{', '.join(map(str, machine['load_average_at_start']))} at start, "
-        f"{', '.join(map(str, m['load_average_at_end']))} at the end"
-    )
-    host = (
-        f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
-        f"kernel {machine['kernel']}, {machine['os']}; load average {load}."
-        + (f" Note: {m['note']}" if m.get("note") else "")
-    )
-    versions = (
-        f"Versions: ckptfs {v['ckptfs']}, torch {v['torch']}, pyfuse3 {v['pyfuse3']}, s3fs {v['s3fs']}, "
-        f"rclone {v['rclone']}, boto3 {v['boto3']}, s3torchconnector {v['s3torchconnector']}, Swift {v['swift']}, "
-        f"libfuse {v['libfuse']}."
-    )
     ratio_text = (
         "Ratios: ckptfs's median divided by the floor's and by the best peer's (for times, below 1 is "
         "faster; for throughputs, above 1 is faster)."
     )
     lines = [
         BEGIN,
-        generated,
-        "",
-        host,
-        versions,
+        *header(meta),
         f"Checkpoint: {m['checkpoint_mib']:.0f} MiB (`--size {m['options']['size']}`); runs per target: {runs}.",
         "",
         "Medians (min–max) per target; ckptfs in bold.",
@@ -291,14 +295,40 @@ def markdown(results: Results, goals: list[Goal], meta: dict, plot_paths: list[P
     return "\n".join(lines)
 
 
-def update_doc(doc: Path, block: str) -> bool:
-    """Replace the generated block of `doc`; False if the doc or its markers are missing."""
+def header(meta: dict) -> list[str]:
+    """How the block was made, on what machine, with which versions (lines of markdown)."""
+    m, machine = meta, meta["machine"]
+    v = machine["versions"]
+    generated = (
+        f"_Generated by `scripts/bench {shlex.join(m['argv'])}` on {m['date']} in {m['duration_s'] / 60:.1f} "
+        "min (do not edit by hand: the next run rewrites this part)._"
+    )
+    load = (
+        f"{', '.join(map(str, machine['load_average_at_start']))} at start, "
+        f"{', '.join(map(str, m['load_average_at_end']))} at the end"
+    )
+    host = (
+        f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
+        f"kernel {machine['kernel']}, {machine['os']}; load average {load}."
+        + (f" Note: {m['note']}" if m.get("note") else "")
+    )
+    versions = (
+        f"Versions: ckptfs {v['ckptfs']}, torch {v['torch']}, pyfuse3 {v['pyfuse3']}, s3fs {v['s3fs']}, "
+        f"rclone {v['rclone']}, boto3 {v['boto3']}, s3torchconnector {v['s3torchconnector']}, Swift {v['swift']}, "
+        f"libfuse {v['libfuse']}."
+    )
+    return [generated, "", host, versions]
+
+
+def update_doc(doc: Path, block: str, begin: str = BEGIN, end: str = END) -> bool:
+    """Replace the generated block of `doc` (`begin` ... `end`, the markers `block` starts and
+    ends with); False if the doc or its markers are missing."""
     try:
         text = doc.read_text()
     except FileNotFoundError:
         return False
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
         return False
-    doc.write_text(text[:start] + block + text[end + len(END) :])
+    doc.write_text(text[:start] + block + text[stop + len(end) :])
     return True
