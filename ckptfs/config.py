@@ -74,7 +74,7 @@ class MountConfig:
     # from each other after that (cluster/peers.py), over mutual TLS at ``peer_addr``.
     cluster: bool = False
     peer_addr: str | None = None  # HOST[:PORT] this node serves peers on; None: see peers.default_host
-    peer_connections: int = 16  # peers' connections served at once (a thread each)
+    peer_connections: int = 64  # peers' connections served at once (a thread each)
     shm_dir: str = "/dev/shm"  # the tmpfs that holds the RAM tier (a container's may be small)
     allow_other: bool = False  # let other users in (the kernel still checks each file's mode)
     # Modes of what the store does not record (objects loaded from it): 0666/0777 less this.

@@ -65,6 +65,9 @@ class Members:
         self.seen: dict[str, float] = {}  # node -> the record's mtime in the last listing
         self.down: dict[str, float] = {}  # node -> time.monotonic() it was found unreachable
         self.listed = trio.Event()  # set once the first listing is in
+        self.left = False  # a clean umount deleted the record: no beat puts it back
+        self._writing = trio.Lock()  # (a put in flight must not land after the delete)
+        self._trusted: frozenset[str] = frozenset()  # fingerprints at the last on_change
         self.failures = 0  # listings or puts that failed (the cluster goes on with what it knew)
 
     def key(self, node: str | None = None) -> str:
@@ -121,6 +124,8 @@ class Members:
     async def leave(self) -> None:
         """Delete this node's record (a clean umount): the others stop asking it at once."""
         with trio.move_on_after(5):
+            async with self._writing:
+                self.left = True
             try:
                 await trio.to_thread.run_sync(self.store.delete, self.key(), abandon_on_cancel=True)
             except Exception as exc:  # noqa: BLE001 - it ages out in LOST_S anyway
@@ -132,11 +137,14 @@ class Members:
             await self._put()
 
     async def _put(self) -> None:
-        try:
-            await trio.to_thread.run_sync(self.store.put, self.key(), self.body(), abandon_on_cancel=True)
-        except Exception as exc:  # noqa: BLE001 - the next beat tries again
-            self.failures += 1
-            log.warning("could not refresh this node's cluster record: %s", exc)
+        async with self._writing:
+            if self.left:
+                return
+            try:
+                await trio.to_thread.run_sync(self.store.put, self.key(), self.body(), abandon_on_cancel=True)
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                self.failures += 1
+                log.warning("could not refresh this node's cluster record: %s", exc)
 
     async def _poll(self) -> None:
         try:
@@ -147,7 +155,6 @@ class Members:
             self.failures += 1
             log.info("could not list the cluster's members: %s", exc)
             return
-        changed = False
         listed = set()
         for info in infos:
             node = info.key[len(PREFIX) :].removesuffix(".json")
@@ -160,13 +167,17 @@ class Members:
                 continue
             member = await self._read(info.key)
             self.known[node] = (stamp, member)
-            changed = True
         for node in set(self.known) - listed:
             del self.known[node]
             self.seen.pop(node, None)
-            changed = True
-        if changed:
-            self.on_change()
+        # (records age in and out without changing: the trusted set is judged every time)
+        trusted = frozenset(m.fingerprint for m in self.trusted())
+        if trusted != self._trusted:
+            self._trusted = trusted
+            try:
+                self.on_change()
+            except Exception as exc:  # noqa: BLE001 - keep the last good contexts
+                log.warning("cluster members changed, but their certificates could not be loaded: %s", exc)
 
     async def _read(self, key: str) -> Member | None:
         try:

@@ -37,13 +37,20 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 1.0
 IDLE_S = 5.0  # a peer silent this long (no keepalive) is lost
 CONNECT_S = 2.0
-HANDSHAKE_S = 5.0
+HANDSHAKE_S = 3.0  # (a stranger holds a connection slot at most this long)
+SERVER_IDLE_S = 30.0  # a connection with no request for this long is closed by the server
+SLOT_WAIT_S = 2.0  # a connection arriving while every slot is taken waits this long for one
 REQUEST_MAX = 8 << 10
-IDLE_CONNECTIONS = 4  # kept open per peer by a client
+IDLE_CONNECTIONS = 2  # kept open per peer by a client (each holds one of that peer's slots)
 
 
 class PeerError(Exception):
-    """The peer could not be reached or broke off (the client reads from the store instead)."""
+    """The peer could not be reached or broke off (the client reads from the store instead).
+    ``lost``: it looks gone (refused, silent, broke off), not merely busy or refusing us."""
+
+    def __init__(self, message: str, lost: bool = True):
+        super().__init__(message)
+        self.lost = lost
 
 
 @dataclass
@@ -79,6 +86,7 @@ class PeerServer:
         self.conns: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.stopping = False
+        self.counts = threading.Lock()  # (the counters below are bumped from many threads)
         self.served_bytes = 0
         self.requests = 0
         self.refused_clients = 0  # connections that did not prove a member's certificate
@@ -121,8 +129,8 @@ class PeerServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            if not self.slots.acquire(blocking=False):
-                self.busy_refusals += 1
+            if not self.slots.acquire(timeout=SLOT_WAIT_S):
+                self._count("busy_refusals")
                 conn.close()
                 continue
             thread = threading.Thread(target=self._serve, args=(conn,), name="ckptfs-peer-serve", daemon=True)
@@ -132,34 +140,46 @@ class PeerServer:
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
+        tls: ssl.SSLSocket | None = None
         try:
             conn.settimeout(HANDSHAKE_S)
             try:
                 tls = self.context().wrap_socket(conn, server_side=True)
             except (OSError, ssl.SSLError) as exc:
-                self.refused_clients += 1
+                self._count("refused_clients")
                 log.info("refused a peer connection: %s", exc)
                 return
+            with self.lock:  # (``stop`` shuts down what is registered: now the TLS socket)
+                self.conns.discard(conn)
+                self.conns.add(tls)
+                if self.stopping:
+                    return
             der = tls.getpeercert(binary_form=True)
             if der is None or not self.admitted(peer_tls.der_fingerprint(der)):
-                self.refused_clients += 1
+                self._count("refused_clients")
                 log.info("refused a peer connection: not a member's certificate")
                 return
-            tls.settimeout(None)
-            with tls:
-                while not self.stopping and self._answer(tls):
-                    pass
+            while not self.stopping and self._answer(tls):
+                pass
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.debug("peer connection ended: %s", exc)
         finally:
             with self.lock:
                 self.conns.discard(conn)
+                if tls is not None:
+                    self.conns.discard(tls)
+            if tls is not None:
+                tls.close()
             conn.close()
             self.slots.release()
 
+    def _count(self, name: str, n: int = 1) -> None:
+        with self.counts:
+            setattr(self, name, getattr(self, name) + n)
+
     def _answer(self, tls: ssl.SSLSocket) -> bool:
         """Answer one request; False when the client is done (or sent nonsense)."""
-        tls.settimeout(60.0)  # an idle connection is closed after a minute
+        tls.settimeout(SERVER_IDLE_S)
         head = _recv_exact(tls, 4)
         if head is None:
             return False
@@ -172,14 +192,22 @@ class PeerServer:
         request = json.loads(raw)
         if not isinstance(request, dict):
             return False
-        self.requests += 1
+        self._count("requests")
         future = self.gather(request)
-        while True:
-            try:
-                served: Served = future.result(timeout=KEEPALIVE_S)
-                break
-            except concurrent.futures.TimeoutError:
-                tls.sendall(b"W")
+        try:
+            while True:
+                try:
+                    served: Served = future.result(timeout=KEEPALIVE_S)
+                    break
+                except concurrent.futures.TimeoutError:
+                    tls.sendall(b"W")
+        except BaseException:
+            # The client is gone: the trio side must not pin blocks for nobody. If it already
+            # answered (or is answering), let what it pinned go.
+            if not future.cancel():
+                with contextlib.suppress(Exception):
+                    self.released(future.result(timeout=10).release)
+            raise
         if served.refused:
             reason = served.refused.encode()[:1000]
             tls.sendall(b"N" + struct.pack(">H", len(reason)) + reason)
@@ -189,7 +217,7 @@ class PeerServer:
             tls.sendall(b"D" + struct.pack(">Q", total))
             for send, length in served.slices:
                 send(tls)
-                self.served_bytes += length
+                self._count("served_bytes", length)
         finally:
             self.released(served.release)
         return True
@@ -268,18 +296,18 @@ class PeerClient:
         try:
             raw = socket.create_connection((member.host, member.port), timeout=CONNECT_S)
         except OSError as exc:
-            raise PeerError(f"cannot connect: {exc.strerror or exc}") from None
+            raise PeerError(f"cannot connect: {exc.strerror or exc}") from None  # (refused: gone)
         try:
             raw.settimeout(HANDSHAKE_S)
             tls = self.context(member).wrap_socket(raw)
             der = tls.getpeercert(binary_form=True)
             if der is None or peer_tls.der_fingerprint(der) != member.fingerprint:
                 tls.close()
-                raise PeerError("showed another certificate than its record's")
+                raise PeerError("showed another certificate than its record's", lost=False)
             return tls, False
         except (OSError, ssl.SSLError) as exc:
-            raw.close()
-            raise PeerError(f"TLS handshake failed: {exc}") from None
+            raw.close()  # (busy, or it does not know this node yet: not gone)
+            raise PeerError(f"TLS handshake failed: {exc}", lost=False) from None
 
     def _keep(self, member: Member, tls: ssl.SSLSocket) -> None:
         with self.lock:

@@ -65,9 +65,15 @@ def der_fingerprint(der: bytes) -> str:
 
 
 def valid_cert(cert_pem: bytes) -> bool:
+    """Whether ``cert_pem`` is exactly one certificate OpenSSL takes as a trust anchor (what a
+    server context will be given: a record that is anything else must not reach it)."""
     try:
+        text = cert_pem.decode("ascii")
+        if text.count("-----BEGIN") != 1:
+            return False
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=text)
         x509.load_pem_x509_certificate(cert_pem)
-    except ValueError:
+    except (UnicodeDecodeError, ValueError, ssl.SSLError):
         return False
     return True
 

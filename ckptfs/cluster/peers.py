@@ -48,6 +48,8 @@ from ckptfs.store.base import ObjectStore
 log = logging.getLogger(__name__)
 
 PEER_BUFFER = 1 << 20  # a disk block is sent through a buffer this large (daemon/limits.py counts it)
+ASK_MAX_S = 600.0  # an ask's bound without --read-timeout
+UNSPECIFIED = ("0.0.0.0", "::", "")  # listen on every interface: publish the one that routes to the store
 
 # The content a key names on this node, held, with the call that lets it go (None: not here).
 Lookup = Callable[[str], Awaitable["tuple[Content, Callable[[], None]] | None"]]
@@ -86,6 +88,7 @@ class PeerCache:
         cache_dir: Path,
         node: str,
         addr: tuple[str, int],
+        publish_host: str,
         max_connections: int,
         lookup: Lookup,
         fill: Fill,
@@ -94,7 +97,8 @@ class PeerCache:
         self.cache = cache
         self.identity = peer_tls.Identity(cache_dir, node)
         self.members = Members(store, node, self.identity, self._members_changed)
-        self.addr = addr
+        self.addr = addr  # where to listen
+        self.publish_host = publish_host  # the address the others are told
         self.lookup = lookup
         self.fill = fill
         self.token: trio.lowlevel.TrioToken | None = None
@@ -127,8 +131,8 @@ class PeerCache:
             raise FsError(
                 errno.EADDRNOTAVAIL, f"cannot listen for peers on {host}:{port}: {exc.strerror}"
             ) from None
-        self.members.publish(host, port)
-        log.info("cluster: node %s serving peers on %s:%d", self.members.node, host, port)
+        self.members.publish(self.publish_host, port)
+        log.info("cluster: node %s serving peers on %s:%d", self.members.node, self.publish_host, port)
         try:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
@@ -180,7 +184,8 @@ class PeerCache:
         it from the store."""
         request = {"url": self.url, "key": key, "size": size, "tag": tag, "begin": begin, "span": span}
         request["fetch"] = fetch
-        deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
+        # (half the read's budget: the store still has the other half if the peer fails)
+        deadline = time.monotonic() + (timeout / 2 if timeout is not None else ASK_MAX_S)
         try:
             answer = await trio.to_thread.run_sync(
                 self.client.take, owner, request, span, deadline, limiter=self.threads, abandon_on_cancel=True
@@ -253,11 +258,16 @@ class PeerCache:
             pass
 
     async def _answer(self, request: dict, future: concurrent.futures.Future) -> None:
+        served = Served([], lambda: None, "shutting down")
         try:
             served = await self._serve(request)
         except Exception as exc:  # noqa: BLE001 - the peer reads from the store
             served = Served([], lambda: None, f"{type(exc).__name__}: {exc}")
-        future.set_result(served)
+        finally:  # (also when cancelled: the server thread waits for an answer)
+            if future.set_running_or_notify_cancel():
+                future.set_result(served)
+            else:  # the asker left meanwhile
+                served.release()
 
     async def _serve(self, request: dict) -> Served:
         try:
@@ -268,7 +278,13 @@ class PeerCache:
         if url != self.url:
             return Served([], lambda: None, "another store")
         bs = self.cache.block_size
-        if begin % bs or span <= 0 or begin + span > size or (span % bs and begin + span != size):
+        if (
+            begin < 0
+            or begin % bs
+            or span <= 0
+            or begin + span > size
+            or (span % bs and begin + span != size)
+        ):
             return Served([], lambda: None, "not whole blocks")
         found = await self.lookup(key)
         if found is None:
@@ -283,18 +299,21 @@ class PeerCache:
             indexes = list(range(begin // bs, (begin + span - 1) // bs + 1))
             if not request.get("fetch", True) and any(content.blocks[i] is None for i in indexes):
                 return Served([], lambda: None, "not cached here")
-            await self.fill(content, [i for i in indexes if content.blocks[i] is None])
-            known = content.checksums
-            if not isinstance(known, Checksums) or version_tag(known) != tag:
-                return Served([], lambda: None, "another version")
-            refs = [content.blocks[i] for i in indexes]
-            if any(ref is None for ref in refs):
-                return Served([], lambda: None, "evicted meanwhile")
-            slices = []
-            for index, ref in zip(indexes, refs):
-                assert ref is not None
-                self.cache.incref(ref)
-                slices.append((self._sender(ref, content.block_length(index)), content.block_length(index)))
+            with content.reading(begin, span):  # (eviction passes these blocks by meanwhile)
+                await self.fill(content, [i for i in indexes if content.blocks[i] is None])
+                known = content.checksums
+                if not isinstance(known, Checksums) or version_tag(known) != tag:
+                    return Served([], lambda: None, "another version")
+                refs = [content.blocks[i] for i in indexes]
+                if any(ref is None for ref in refs):
+                    return Served([], lambda: None, "evicted meanwhile")
+                slices = []
+                for index, ref in zip(indexes, refs):
+                    assert ref is not None
+                    self.cache.incref(ref)  # (pinned until sent, whatever evicts the content's)
+                    slices.append(
+                        (self._sender(ref, content.block_length(index)), content.block_length(index))
+                    )
         finally:
             done()
 

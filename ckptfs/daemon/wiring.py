@@ -41,6 +41,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -50,7 +51,6 @@ from ckptfs.cache.cache import Cache
 from ckptfs.cache.clean_index import CleanEntry
 from ckptfs.cache.journal import Journal, Op
 from ckptfs.cluster import records as writer_records
-from ckptfs.cluster.peers import PeerCache, default_host
 from ckptfs.cluster.records import WriterRecords
 from ckptfs.config import MountConfig, parse_peer_addr
 from ckptfs.daemon import limits
@@ -60,6 +60,9 @@ from ckptfs.model.namespace import Namespace
 from ckptfs.model.policy import CheckpointEvictionPolicy, Retention
 from ckptfs.model.prefill import KernelCache, Prefill
 from ckptfs.model.tree import Tree
+
+if TYPE_CHECKING:
+    from ckptfs.cluster.peers import PeerCache
 from ckptfs.store.base import ObjectInfo, ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer.fetcher import Fetcher
@@ -195,13 +198,17 @@ def build_core(
         async def fill(content, indexes: list[int]) -> None:
             await fetcher.fill_from_store(content, indexes)
 
+        from ckptfs.cluster.peers import UNSPECIFIED, PeerCache, default_host  # (TLS: only with --cluster)
+
         host, port = parse_peer_addr(config.peer_addr or "")
+        routed = default_host(config.store_url, config.endpoint_url)
         peers = PeerCache(
             store,
             cache,
             cache_dir,
             records.node,
-            (host or default_host(config.store_url, config.endpoint_url), port),
+            (host or routed, port),
+            routed if host in UNSPECIFIED or host is None else host,
             config.peer_connections,
             lookup,
             fill,

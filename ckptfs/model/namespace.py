@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections import Counter
 from collections.abc import Callable, Iterable
 
 from ckptfs.cache.clean_index import CleanEntry
@@ -80,7 +79,6 @@ class Namespace:
         forget_name = kernel.forget_name if kernel is not None else forget_nothing
         self.refresher = Refresher(tree, commits, self.cache, fetcher.store, health, list_ttl, forget_name)
         self.root, self.inodes, self.handles = tree.root, tree.inodes, tree.handles
-        self.serving: Counter[int] = Counter()  # files peers are being served from, by inode
 
     # -- settings shared with the parts ------------------------------------------------------------
     @property
@@ -372,8 +370,10 @@ class Namespace:
 
     async def content_for_peer(self, key: str) -> tuple[Content, Callable[[], None]] | None:
         """For a peer asking (cluster/peers.py): the committed content of the file at ``key``
-        (looked up in the store if this mount has not seen it yet), held and kept from eviction
-        until the call returned with it (once); None if there is no such file here."""
+        (looked up in the store if this mount has not seen it yet), held, with the call that
+        lets it go (once): the blocks fetched for the peer are then clean cached data, evicted
+        like any (the caller keeps the blocks it sends from eviction meanwhile). None if there
+        is no such file here."""
         node = self.tree.find_path(key)
         if node is None or node.is_dir:
             await self.refresher.refresh_paths([key])
@@ -381,15 +381,10 @@ class Namespace:
         if node is None or node.is_dir or node.version is None:
             return None
         content = node.version.content.hold()
-        self.retention.keep(node)
-        self.serving[node.ino] += 1
 
         def done(node: Node = node) -> None:
             content.release()
-            self.serving[node.ino] -= 1
-            if not self.serving[node.ino]:
-                del self.serving[node.ino]
-                self.retention.maybe_clean(node)  # (its cached blocks may go again, most recent last)
+            self.retention.maybe_clean(node)
 
         return content, done
 
