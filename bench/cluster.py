@@ -58,15 +58,6 @@ PART, IN_FLIGHT = 8 * MiB, 8  # boto3's transfer, as bench/targets.py's
 LOAD_PREFAULT = 1.5  # bench/workloads.py's, per reader
 
 
-def cluster_flag() -> bool:
-    """Whether this ckptfs (the one the mounts run: from the working directory) has ``mount
-    --cluster`` and ``--peer-addr``."""
-    out = subprocess.run(
-        [sys.executable, "-m", "ckptfs", "mount", "--help"], capture_output=True, text=True
-    ).stdout
-    return "--cluster" in out and "--peer-addr" in out
-
-
 # --- readers -------------------------------------------------------------------------------
 
 
@@ -343,9 +334,6 @@ class Scenario:
     # -- all of it --
     def run(self) -> None:
         targets = [t for t in TARGETS if t in self.opts.cluster_targets]
-        if "ckptfs-cluster" in targets and not cluster_flag():
-            targets.remove("ckptfs-cluster")
-            self.progress("cluster   this ckptfs has no `mount --cluster`: ckptfs-cluster skipped")
         self.nodes.start()
         self.progress(
             f"cluster   {len(self.nodes.nodes)} node(s): namespaces ckbn0.., store links capped at "

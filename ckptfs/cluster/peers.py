@@ -57,11 +57,6 @@ Lookup = Callable[[str], Awaitable["tuple[Content, Callable[[], None]] | None"]]
 Fill = Callable[[Content, list[int]], Awaitable[None]]
 
 
-def version_tag(checks: Checksums) -> str:
-    """What names one version of an object across nodes: its upload, or its whole checksum."""
-    return checks.upload or checks.xxh3
-
-
 def default_host(store_url: str, endpoint_url: str | None) -> str:
     """The address of this machine's interface that routes to the store (no packet is sent)."""
     target = urlsplit(endpoint_url).hostname if endpoint_url else None
@@ -195,7 +190,8 @@ class PeerCache:
             log.info(
                 "peer %s (%s) failed for %s: %s; reading from the store", owner.node, owner.addr, key, exc
             )
-            self.members.unreachable(owner.node)
+            if exc.lost:  # (a refused handshake is a busy peer, not a lost one)
+                self.members.unreachable(owner.node)
             return None
         if isinstance(answer, str):
             self.refusals += fetch  # (a peer asked only if it holds a part: no news if not)
@@ -294,15 +290,22 @@ class PeerCache:
             if content.size != size or content.key != key or not content.in_store:
                 return Served([], lambda: None, "another version")
             known = content.checksums
-            if isinstance(known, Checksums) and version_tag(known) != tag:
+            if isinstance(known, Checksums) and known.version != tag:
                 return Served([], lambda: None, "another version")
             indexes = list(range(begin // bs, (begin + span - 1) // bs + 1))
             if not request.get("fetch", True) and any(content.blocks[i] is None for i in indexes):
                 return Served([], lambda: None, "not cached here")
             with content.reading(begin, span):  # (eviction passes these blocks by meanwhile)
-                await self.fill(content, [i for i in indexes if content.blocks[i] is None])
+                # One part, never more (an ask is bounded like a fetch): its first block first,
+                # which teaches this node the version's checksums if it did not know them yet.
+                await self.fill(content, [i for i in indexes[:1] if content.blocks[i] is None])
                 known = content.checksums
-                if not isinstance(known, Checksums) or version_tag(known) != tag:
+                if not isinstance(known, Checksums) or known.version != tag:
+                    return Served([], lambda: None, "another version")
+                if known.span(begin, 1) != (begin, span):
+                    return Served([], lambda: None, "not one part")
+                await self.fill(content, [i for i in indexes if content.blocks[i] is None])
+                if content.checksums != known:
                     return Served([], lambda: None, "another version")
                 refs = [content.blocks[i] for i in indexes]
                 if any(ref is None for ref in refs):

@@ -112,6 +112,11 @@ class Checksums:
     def verified(self) -> bool:
         return bool(self.parts)
 
+    @property
+    def version(self) -> str:
+        """What names this version of its object across nodes: its upload, or its whole checksum."""
+        return self.upload or self.xxh3
+
     def span(self, start: int, length: int) -> tuple[int, int]:
         """The byte range of whole parts covering [start, start + length)."""
         if not self.verified:

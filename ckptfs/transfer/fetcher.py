@@ -308,20 +308,20 @@ class Fetcher:
                 )
                 raise FsError(errno.EIO, f"{content.key}: this version is no longer held open")
 
-    async def _ask_peer(self, content: Content, index: int, slot: tuple[int, int]) -> bool:
+    async def _ask_peer(self, content: Content, index: int, slot: tuple[int, int]) -> None:
         """Take the part holding block ``index`` from the peer that owns it (or, if this node
-        does, from the peer that may hold it), checked; False when the peer did not give
-        matching bytes (then the store serves it)."""
+        does, from the peer that may hold it), checked; when the peer gives no matching bytes
+        the block stays missing and the caller reads it from the store."""
         peers = self.peers
         assert peers is not None and content.key is not None
         checks = cast("Checksums | None", content.checksums)
         if checks is None or not checks.verified:
-            return False  # nothing to check a peer's bytes against
-        tag = checks.upload or checks.xxh3
+            return  # nothing to check a peer's bytes against
+        tag = checks.version
         begin, span = checks.span(index * self.cache.block_size, content.block_length(index))
         route = peers.route(content.key, tag, begin)
         if route is None:
-            return False
+            return
         owner, fetch = route
         event = self.asking[slot] = trio.Event()
         try:
@@ -330,17 +330,16 @@ class Fetcher:
                     owner, fetch, content.key, content.size, tag, begin, span, self.read_timeout
                 )
                 if data is None:
-                    return False
+                    return
                 try:
                     await trio.to_thread.run_sync(checks.check, begin, data, limiter=self.threads)
                 except IntegrityError as exc:
                     peers.mismatch(owner, content.key, str(exc))
-                    return False
+                    return
                 if content.checksums != checks:
-                    return False  # (the version changed under us: read it from the store)
+                    return  # (the version changed under us: read it from the store)
                 self.peer_bytes += len(data)
                 await self._attach(content, begin, data, index)
-                return True
         finally:
             del self.asking[slot]
             event.set()
