@@ -24,7 +24,7 @@ from ckptfs.config import ckptfs_mounts
 from ckptfs.errors import CkptfsError, TimedOut
 
 STATE_XATTR = "user.ckptfs.state"
-WRITING, PENDING, DURABLE = "writing", "pending", "durable"
+WRITING, PENDING, REPLICATED, DURABLE = "writing", "pending", "replicated", "durable"
 POLL_S = 0.2  # wait_durable: how often it looks at a file still open for writing
 CLIENT_SLACK_S = 30.0  # the daemon enforces a timeout; ours only guards against a hung daemon
 
@@ -89,8 +89,9 @@ def sync(path: str | os.PathLike, timeout: float | None = None) -> SyncResult:
 
 
 def state(path: str | os.PathLike) -> str:
-    """``"durable"`` (in the store), ``"pending"`` (committed, not yet in the store) or
-    ``"writing"`` (created, never closed yet). A directory is ``"durable"`` once every file
+    """``"durable"`` (in the store), ``"replicated"`` (committed, not yet in the store, held by
+    the ``--replicas`` peers), ``"pending"`` (committed, on this node only) or ``"writing"``
+    (created, never closed yet). A directory is ``"durable"`` once every file
     committed in it is."""
     mount_of(path)
     try:
@@ -110,7 +111,7 @@ def wait_durable(path: str | os.PathLike, timeout: float | None = None) -> None:
         now = state(path)
         if now == DURABLE:
             return
-        if now == PENDING:
+        if now in (PENDING, REPLICATED):
             sync(path, timeout=left)  # (raises TimedOut at the deadline)
             continue
         if left == 0.0:

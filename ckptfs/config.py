@@ -75,6 +75,13 @@ class MountConfig:
     cluster: bool = False
     peer_addr: str | None = None  # HOST[:PORT] this node serves peers on; None: see peers.default_host
     peer_connections: int = 64  # peers' connections served at once (a thread each)
+    # --replicas K (with --cluster): a commit returns once K other live nodes also hold its bytes
+    # and journal ops (cluster/replication.py), waiting at most ``replica_timeout`` seconds; a
+    # holder publishes a node's pending ops once it has been silent ``takeover_after`` seconds.
+    replicas: int = 0
+    failure_domain: str = ""  # a label (a rack): replicas go to nodes of other domains first
+    replica_timeout: float = 5.0
+    takeover_after: float = 30.0
     shm_dir: str = "/dev/shm"  # the tmpfs that holds the RAM tier (a container's may be small)
     allow_other: bool = False  # let other users in (the kernel still checks each file's mode)
     # Modes of what the store does not record (objects loaded from it): 0666/0777 less this.
@@ -93,6 +100,10 @@ class MountConfig:
     @classmethod
     def from_json(cls, text: str) -> MountConfig:
         return cls(**json.loads(text))
+
+
+MAX_REPLICAS = 8  # --replicas
+MIN_TAKEOVER_S = 4.0  # --takeover-after: two heartbeats (cluster/members.py BEAT_S)
 
 
 def parse_peer_addr(text: str) -> tuple[str | None, int]:

@@ -18,6 +18,7 @@ import errno
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,9 @@ class Op:
     # uniform one were evicted (ckptfs/parts.py): it keeps the grown layout. ``parts`` and
     # ``hashes`` are by part index (by block index before grown layouts: the same for uniform ones).
     grown: bool = False
+    # An op this node took over from a lost node's replica (cluster/replicas.py): that node's id.
+    # A restart finds the replica already handed to the journal by it.
+    origin: str = ""
 
     def to_record(self) -> dict:
         rec = {"t": "op", "seq": self.seq, "kind": self.kind, "key": self.key}
@@ -74,6 +78,8 @@ class Op:
             rec["meta"] = dict(self.meta)
         if self.kind == PUT and self.grown:
             rec["grown"] = True
+        if self.origin:
+            rec["origin"] = self.origin
         return rec
 
     @classmethod
@@ -95,6 +101,7 @@ class Op:
             rec.get("replaces", ""),
             dict(rec.get("meta", {})),
             bool(rec.get("grown", False)),
+            str(rec.get("origin", "")),
         )
 
 
@@ -104,8 +111,10 @@ OpenUpload = tuple[str, str, str | None]
 
 
 class Journal:
-    def __init__(self, path: Path, ram_arena_id: str):
+    def __init__(self, path: Path, ram_arena_id: str, on_amend: Callable[[dict], None] | None = None):
         self.path = path
+        # Told of every retarget, cancel and done (the replicas on peers follow them).
+        self.on_amend = on_amend
         self.ram_arena_id = ram_arena_id
         self.next_seq = 1
         self.lines = 0
@@ -170,13 +179,18 @@ class Journal:
         return op
 
     def retarget(self, seq: int, key: str) -> None:
-        self._write({"t": "retarget", "seq": seq, "key": key})
+        self._amend({"t": "retarget", "seq": seq, "key": key})
 
     def cancel(self, seq: int) -> None:
-        self._write({"t": "cancel", "seq": seq})
+        self._amend({"t": "cancel", "seq": seq})
 
     def done(self, seq: int) -> None:
-        self._write({"t": "done", "seq": seq})
+        self._amend({"t": "done", "seq": seq})
+
+    def _amend(self, rec: dict) -> None:
+        self._write(rec)
+        if self.on_amend is not None:
+            self.on_amend(rec)
 
     def multipart_started(self, upload_key: str, key: str, upload_id: str | None) -> None:
         # upload_id None: an upload still being created (replay finds it by its key)

@@ -425,7 +425,20 @@ def format_status(s: dict) -> str:
         )
         for p in live[:20]:
             lines.append(f"  peer {p.get('node', '')} at {p.get('addr', '')}")
+        if peers.get("replicas"):  # --replicas
+            holders = ", ".join(peers.get("holders") or []) or "none"
+            lines.append(
+                f"  replicas: {peers['replicas']} wanted, held by {holders}; "
+                f"replicated {format_bytes(peers.get('replicated_bytes', 0))}"
+            )
+        if peers.get("held_for") or peers.get("takeovers"):
+            lines.append(
+                f"  holding replicas of {len(peers.get('held_for') or [])} node(s): "
+                f"{format_bytes(peers.get('replica_held_bytes', 0))}"
+            )
         for label, key in (
+            ("commits that returned without their replicas", "local_commits"),
+            ("lost nodes taken over (their files published here)", "takeovers"),
             ("asks failed (read from the store)", "asks_failed"),
             ("parts that did not match (read from the store)", "mismatches"),
             ("connections refused (no member's certificate)", "refused_clients"),

@@ -7,6 +7,7 @@ import argparse
 import errno
 import logging
 import os
+import re
 import select
 import subprocess
 import sys
@@ -16,7 +17,14 @@ from pathlib import Path
 import humanfriendly
 
 from ckptfs.cli.common import parse_positive_int, parse_seconds_arg, parse_size_arg
-from ckptfs.config import MountConfig, default_cache_dir, default_store_dir, parse_peer_addr
+from ckptfs.config import (
+    MAX_REPLICAS,
+    MIN_TAKEOVER_S,
+    MountConfig,
+    default_cache_dir,
+    default_store_dir,
+    parse_peer_addr,
+)
 from ckptfs.daemon import limits, logs
 from ckptfs.daemon.mount_paths import check_mount_paths, check_mountpoint
 from ckptfs.errors import CkptfsError, MountError, StoreError, UsageError, one_line
@@ -28,6 +36,17 @@ log = logging.getLogger("ckptfs")
 
 READY_TIMEOUT_S = 60.0  # how long `mount` waits for the detached daemon to serve
 LOG_LEVELS = logs.LEVELS
+
+
+def parse_replicas(text: str) -> int:
+    """--replicas K: 0 (off) to MAX_REPLICAS."""
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= k <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"give 0 to {MAX_REPLICAS}, not {k}")
+    return k
 
 
 def _compress(text: str) -> int:
@@ -166,6 +185,35 @@ def add_parser(sub) -> None:
         help=f"with --cluster: peers' connections served at once (default {MountConfig.peer_connections})",
     )
     p.add_argument(
+        "--replicas",
+        type=parse_replicas,
+        metavar="K",
+        help="with --cluster: a close (or fsync) returns once K other live nodes also hold the "
+        "file's bytes and journal ops in their cache, so a node lost before its uploads end "
+        "loses nothing: a holder publishes them (default 0: off)",
+    )
+    p.add_argument(
+        "--failure-domain",
+        metavar="LABEL",
+        help="with --replicas: this node's failure domain (a rack, a power feed); replicas go to "
+        "nodes of other domains first",
+    )
+    p.add_argument(
+        "--replica-timeout",
+        type=parse_seconds_arg,
+        metavar="SECONDS",
+        help="with --replicas: the longest a close waits for its replicas before it returns with "
+        f"the file on this node only (a warning and a counter; default {MountConfig.replica_timeout:g})",
+    )
+    p.add_argument(
+        "--takeover-after",
+        type=parse_seconds_arg,
+        metavar="SECONDS",
+        help="with --replicas: how long a node may miss its heartbeats before a holder of its "
+        f"replicas publishes its pending files (at least {MIN_TAKEOVER_S:g}; default "
+        f"{MountConfig.takeover_after:g})",
+    )
+    p.add_argument(
         "--no-marker",
         action="append",
         metavar="GLOB",
@@ -243,6 +291,19 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         raise UsageError("--metrics-addr needs --metrics-port")
     if (args.peer_addr is not None or args.peer_connections is not None) and not args.cluster:
         raise UsageError("--peer-addr and --peer-connections need --cluster")
+    replica_flags = (args.failure_domain, args.replica_timeout, args.takeover_after)
+    if (args.replicas or any(v is not None for v in replica_flags)) and not args.cluster:
+        raise UsageError(
+            "--replicas, --failure-domain, --replica-timeout and --takeover-after need --cluster"
+        )
+    if any(v is not None for v in replica_flags) and not args.replicas:
+        raise UsageError("--failure-domain, --replica-timeout and --takeover-after need --replicas")
+    if args.failure_domain is not None and not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", args.failure_domain):
+        raise UsageError("--failure-domain: give 1-64 letters, digits or . _ : -")
+    if args.takeover_after is not None and args.takeover_after < MIN_TAKEOVER_S:
+        raise UsageError(
+            f"--takeover-after: at least {MIN_TAKEOVER_S:g} s (a node's heartbeat comes every 2 s)"
+        )
     if args.peer_addr is not None:
         try:
             parse_peer_addr(args.peer_addr)
@@ -264,6 +325,10 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "cluster": args.cluster,
         "peer_addr": args.peer_addr,
         "peer_connections": args.peer_connections,
+        "replicas": args.replicas,
+        "failure_domain": args.failure_domain,
+        "replica_timeout": args.replica_timeout,
+        "takeover_after": args.takeover_after,
         "shm_dir": args.shm_dir and os.path.abspath(args.shm_dir),
         "umask": args.umask,
         "log_level": args.log_level,
@@ -371,6 +436,10 @@ def daemon_argv(config: MountConfig) -> list[str]:
     if config.cluster:
         argv += ["--cluster", "--peer-connections", str(config.peer_connections)]
         argv += [f"--peer-addr={config.peer_addr}"] * bool(config.peer_addr)
+    if config.replicas:
+        argv += ["--replicas", str(config.replicas), "--replica-timeout", repr(config.replica_timeout)]
+        argv += ["--takeover-after", repr(config.takeover_after)]
+        argv += [f"--failure-domain={config.failure_domain}"] * bool(config.failure_domain)
     argv += ["--compress", f"zstd:{config.compress}"] * bool(config.compress)
     argv += ["--allow-other"] * config.allow_other + ["--keep-ram-cache"] * config.keep_ram_cache
     if config.endpoint_url:

@@ -30,6 +30,7 @@ from ckptfs.store.base import RESERVED_PREFIX, ObjectStore
 log = logging.getLogger(__name__)
 
 PREFIX = RESERVED_PREFIX + "cluster/"
+TAKEOVER_PREFIX = PREFIX + "takeover/"  # <node>.json: the lease on a lost node's replicas
 BEAT_S = 2.0  # the record is put again this often
 POLL_S = 1.0  # the members are listed this often
 LOST_S = 10.0  # a record not put again for this long: its node is gone
@@ -44,6 +45,7 @@ class Member:
     port: int
     cert: bytes  # PEM
     fingerprint: str
+    domain: str = ""  # --failure-domain (replicas go to other domains first)
 
     @property
     def addr(self) -> str:
@@ -54,15 +56,26 @@ class Members:
     """This node's record in the store, and the other live members it lists there."""
 
     def __init__(
-        self, store: ObjectStore, node: str, identity: peer_tls.Identity, on_change: Callable[[], None]
+        self,
+        store: ObjectStore,
+        node: str,
+        identity: peer_tls.Identity,
+        on_change: Callable[[], None],
+        domain: str = "",
     ):
         self.store = store
         self.node = node
+        self.domain = domain
         self.identity = identity
         self.on_change = on_change  # the trusted certificates changed (the server's context follows)
         self.host, self.port = "", 0  # where this node listens (set by ``publish``)
         self.known: dict[str, tuple[tuple, Member | None]] = {}  # node -> (listing stamp, record)
         self.seen: dict[str, float] = {}  # node -> the record's mtime in the last listing
+        # node -> the newest mtime its record ever had (kept after the record goes: how long a
+        # node has been silent, for the takeover of its replicas) and when this run began
+        self.last_beat: dict[str, float] = {}
+        self.started = time.time()
+        self.leases: set[str] = set()  # nodes whose replicas a holder took over (TAKEOVER_PREFIX)
         self.down: dict[str, float] = {}  # node -> time.monotonic() it was found unreachable
         self.listed = trio.Event()  # set once the first listing is in
         self.left = False  # a clean umount deleted the record: no beat puts it back
@@ -82,6 +95,7 @@ class Members:
             "host": self.host,
             "port": self.port,
             "cert": self.identity.cert_pem.decode(),
+            "domain": self.domain,
         }
         return json.dumps(record).encode()
 
@@ -104,6 +118,10 @@ class Members:
         return [
             m for n, (_, m) in self.known.items() if m is not None and now - self.seen.get(n, 0.0) <= LOST_S
         ]
+
+    def silent_for(self, node: str) -> float:
+        """Seconds since ``node`` last put its record (since this run began, if never seen)."""
+        return time.time() - self.last_beat.get(node, self.started)
 
     def unreachable(self, node: str) -> None:
         if node not in self.down or time.monotonic() - self.down[node] >= DOWN_S:
@@ -156,12 +174,18 @@ class Members:
             log.info("could not list the cluster's members: %s", exc)
             return
         listed = set()
+        self.leases = {
+            info.key[len(TAKEOVER_PREFIX) :].removesuffix(".json")
+            for info in infos
+            if info.key.startswith(TAKEOVER_PREFIX)
+        }
         for info in infos:
             node = info.key[len(PREFIX) :].removesuffix(".json")
             if not info.key.endswith(".json") or "/" in node or node == self.node:
                 continue
             listed.add(node)
             self.seen[node] = info.mtime
+            self.last_beat[node] = max(self.last_beat.get(node, 0.0), info.mtime)
             stamp = (info.size, info.etag, info.mtime if not info.etag else 0)
             if node in self.known and self.known[node][0] == stamp:
                 continue
@@ -194,6 +218,7 @@ class Members:
                 int(record["port"]),
                 cert,
                 peer_tls.fingerprint(cert),
+                str(record.get("domain", ""))[:64],
             )
         except Exception as exc:  # noqa: BLE001 - a damaged or vanished record: not a member
             log.info("ignoring the cluster record %s: %s", key, exc)

@@ -8,6 +8,9 @@ One request at a time per connection; a client keeps a few idle connections per 
               b"N" + length (2) + reason    not served (the client reads from the store)
               b"D" + length (8) + bytes     the bytes [begin, begin + span) of that version
 
+A request naming ``replica`` opens a replica stream instead (cluster/replicas.py says its
+messages): the connection is that stream's until it ends.
+
 The server sends a ``W`` every ``KEEPALIVE_S`` while it gathers the bytes, so a client tells a
 slow peer (working) from a lost one (silent for ``IDLE_S``) without a total timeout that a
 large part on a slow link would trip. Bytes are sent straight from the cache's arena (a view
@@ -76,11 +79,15 @@ class PeerServer:
         gather: Callable[[dict], concurrent.futures.Future],
         released: Callable[[Callable[[], None]], None],
         max_connections: int,
+        session: Callable[[dict, ssl.SSLSocket], None] | None = None,
     ):
         self.context = context  # the current server context (trusts the live members' certificates)
         self.admitted = admitted  # whether a client certificate's fingerprint is a member's
         self.gather = gather
         self.released = released  # run a Served.release on the trio side
+        # A request with "replica" hands the connection over to this for its life: a node's
+        # stream of replicas (cluster/replicas.py); None: refused.
+        self.session = session
         self.slots = threading.BoundedSemaphore(max_connections)
         self.sock: socket.socket | None = None
         self.conns: set[socket.socket] = set()
@@ -180,19 +187,23 @@ class PeerServer:
     def _answer(self, tls: ssl.SSLSocket) -> bool:
         """Answer one request; False when the client is done (or sent nonsense)."""
         tls.settimeout(SERVER_IDLE_S)
-        head = _recv_exact(tls, 4)
+        head = recv_exact(tls, 4)
         if head is None:
             return False
         (length,) = struct.unpack(">I", head)
         if length > REQUEST_MAX:
             return False
-        raw = _recv_exact(tls, length)
+        raw = recv_exact(tls, length)
         if raw is None:
             return False
         request = json.loads(raw)
         if not isinstance(request, dict):
             return False
         self._count("requests")
+        if "replica" in request:
+            if self.session is not None:
+                self.session(request, tls)
+            return False
         future = self.gather(request)
         try:
             while True:
@@ -253,21 +264,21 @@ class PeerClient:
             tls.sendall(struct.pack(">I", len(body)) + body)
             while True:
                 tls.settimeout(max(0.01, min(IDLE_S, deadline - time.monotonic())))
-                kind = _recv_exact(tls, 1)
+                kind = recv_exact(tls, 1)
                 if kind == b"W":
                     if time.monotonic() >= deadline:
                         raise PeerError("no answer in time")
                     continue
                 if kind == b"N":
-                    head = _recv_exact(tls, 2)
-                    reason = _recv_exact(tls, struct.unpack(">H", head)[0]) if head else None
+                    head = recv_exact(tls, 2)
+                    reason = recv_exact(tls, struct.unpack(">H", head)[0]) if head else None
                     if reason is None:
                         raise PeerError("broke off")
                     self._keep(member, tls)
                     return reason.decode(errors="replace")
                 if kind != b"D":
                     raise PeerError("broke off" if kind is None else "spoke nonsense")
-                head = _recv_exact(tls, 8)
+                head = recv_exact(tls, 8)
                 if head is None or struct.unpack(">Q", head)[0] != span:
                     raise PeerError("sent another length")
                 data = bytearray(span)
@@ -287,6 +298,10 @@ class PeerClient:
         except BaseException:
             tls.close()
             raise
+
+    def open(self, member: Member) -> ssl.SSLSocket:
+        """A new connection to ``member`` (PeerError if it cannot be made)."""
+        return self._connection(member, reuse=False)[0]
 
     def _connection(self, member: Member, reuse: bool = True) -> tuple[ssl.SSLSocket, bool]:
         with self.lock:
@@ -328,7 +343,7 @@ class PeerClient:
         self.forget(set())
 
 
-def _recv_exact(sock: ssl.SSLSocket, n: int) -> bytes | None:
+def recv_exact(sock: ssl.SSLSocket, n: int) -> bytes | None:
     """``n`` bytes, or None if the connection ended first."""
     out = bytearray()
     while len(out) < n:
@@ -337,3 +352,75 @@ def _recv_exact(sock: ssl.SSLSocket, n: int) -> bytes | None:
             return None
         out += chunk
     return bytes(out)
+
+
+# -- replica streams (cluster/replication.py sends, cluster/replicas.py holds) -----------------
+FRAME_HEADER_MAX = 4 << 20  # an op's record (its block list) fits: 12,800 blocks is 100 GiB
+
+
+def send_frame(
+    tls: ssl.SSLSocket, header: dict, slices: list[tuple[Callable[[ssl.SSLSocket], None], int]]
+) -> None:
+    """One message of a replica stream: its JSON header (with ``n``, the body's length), then
+    the body, sent slice by slice."""
+    raw = json.dumps({**header, "n": sum(length for _, length in slices)}, separators=(",", ":")).encode()
+    tls.sendall(struct.pack(">I", len(raw)) + raw)
+    for send, _ in slices:
+        send(tls)
+
+
+def read_frame_header(tls: ssl.SSLSocket) -> dict | None:
+    """The next message's header (None: the stream ended); its body (``n`` bytes) follows."""
+    head = recv_exact(tls, 4)
+    if head is None:
+        return None
+    (length,) = struct.unpack(">I", head)
+    if length > FRAME_HEADER_MAX:
+        raise ValueError("header too large")
+    raw = recv_exact(tls, length)
+    if raw is None:
+        return None
+    header = json.loads(raw)
+    if not isinstance(header, dict) or not isinstance(header.get("n"), int) or header["n"] < 0:
+        raise ValueError("not a message header")
+    return header
+
+
+def recv_into(tls: ssl.SSLSocket, out: memoryview) -> None:
+    """Fill ``out`` from the stream (ValueError if it ends first)."""
+    got = 0
+    while got < len(out):
+        n = tls.recv_into(out[got:], min(len(out) - got, 1 << 20))
+        if not n:
+            raise ValueError("the stream ended mid-message")
+        got += n
+
+
+def send_answer(tls: ssl.SSLSocket, value: int | str) -> None:
+    """A message's answer: ``A`` + a number (the op acknowledged, or 0), or ``N`` + why not."""
+    if isinstance(value, int):
+        tls.sendall(b"A" + struct.pack(">Q", value))
+    else:
+        reason = value.encode()[:1000]
+        tls.sendall(b"N" + struct.pack(">H", len(reason)) + reason)
+
+
+def read_answer(tls: ssl.SSLSocket) -> int:
+    """The number a message was answered with; PeerError if refused or the stream ended."""
+    kind = recv_exact(tls, 1)
+    if kind == b"A":
+        raw = recv_exact(tls, 8)
+        if raw is not None:
+            return struct.unpack(">Q", raw)[0]
+    elif kind == b"N":
+        head = recv_exact(tls, 2)
+        reason = recv_exact(tls, struct.unpack(">H", head)[0]) if head else None
+        if reason is not None:
+            raise PeerError(f"refused: {reason.decode(errors='replace')}", lost=False)
+    raise PeerError("broke off")
+
+
+def send_request(tls: ssl.SSLSocket, request: dict) -> None:
+    """The request that opens a stream (the server's ``_answer`` reads it)."""
+    body = json.dumps(request).encode()
+    tls.sendall(struct.pack(">I", len(body)) + body)

@@ -87,11 +87,13 @@ class PeerCache:
         max_connections: int,
         lookup: Lookup,
         fill: Fill,
+        domain: str = "",
+        session: Callable[[dict, ssl.SSLSocket], None] | None = None,
     ):
         self.url = store.url
         self.cache = cache
         self.identity = peer_tls.Identity(cache_dir, node)
-        self.members = Members(store, node, self.identity, self._members_changed)
+        self.members = Members(store, node, self.identity, self._members_changed, domain)
         self.addr = addr  # where to listen
         self.publish_host = publish_host  # the address the others are told
         self.lookup = lookup
@@ -107,8 +109,9 @@ class PeerCache:
             self._gather,
             self._release,
             max_connections,
+            session,
         )
-        self.client = PeerClient(self._client_context)
+        self.client = PeerClient(self.client_context)
         self.threads = trio.CapacityLimiter(max(4, max_connections))
         self.taken_bytes = 0  # bytes of parts taken from peers (and so not from the store)
         self.failures = 0  # asks that came back with nothing: the store served them instead
@@ -223,7 +226,7 @@ class PeerCache:
         )
         self.client.forget({m.fingerprint for m in trusted})
 
-    def _client_context(self, member: Member):
+    def client_context(self, member: Member):
         context = self._client_contexts.get(member.fingerprint)
         if context is None:
             if len(self._client_contexts) > 1000:
@@ -314,9 +317,8 @@ class PeerCache:
                 for index, ref in zip(indexes, refs):
                     assert ref is not None
                     self.cache.incref(ref)  # (pinned until sent, whatever evicts the content's)
-                    slices.append(
-                        (self._sender(ref, content.block_length(index)), content.block_length(index))
-                    )
+                    length = content.block_length(index)
+                    slices.append((block_sender(self.cache, ref, length), length))
         finally:
             done()
 
@@ -326,23 +328,6 @@ class PeerCache:
                 self.cache.decref(ref)
 
         return Served(slices, release)
-
-    def _sender(self, ref, length: int) -> Callable[[ssl.SSLSocket], None]:
-        """Send block ``ref``'s first ``length`` bytes: a RAM block straight from the arena's
-        mapping (TLS encrypts from it), a disk block through one small buffer."""
-        if ref[0] == RAM:
-            return lambda sock: sock.sendall(self.cache.view_range(ref, 0, length))
-
-        def send(sock: ssl.SSLSocket) -> None:
-            buffer = memoryview(bytearray(min(length, PEER_BUFFER)))
-            done = 0
-            while done < length:
-                chunk = buffer[: min(len(buffer), length - done)]
-                self.cache.read_into(ref, done, chunk)
-                sock.sendall(chunk)
-                done += len(chunk)
-
-        return send
 
     def status(self) -> dict:
         return {
@@ -355,3 +340,22 @@ class PeerCache:
             "mismatches": self.mismatches,
             "refused_clients": self.server.refused_clients,
         }
+
+
+def block_sender(cache: Cache, ref, length: int) -> Callable[[ssl.SSLSocket], None]:
+    """Send block ``ref``'s first ``length`` bytes (from a thread; the caller pins the block):
+    a RAM block straight from the arena's mapping (TLS encrypts from it), a disk block through
+    one small buffer."""
+    if ref[0] == RAM:
+        return lambda sock: sock.sendall(cache.view_range(ref, 0, length))
+
+    def send(sock: ssl.SSLSocket) -> None:
+        buffer = memoryview(bytearray(min(length, PEER_BUFFER)))
+        done = 0
+        while done < length:
+            chunk = buffer[: min(len(buffer), length - done)]
+            cache.read_into(ref, done, chunk)
+            sock.sendall(chunk)
+            done += len(chunk)
+
+    return send

@@ -312,6 +312,15 @@ class WriterRecords:
             if not self.present.get(directory):
                 self.present.pop(directory, None)
 
+    async def remove_node(self, node: str) -> None:
+        """Delete another node's records (its pending files are this node's now: a takeover of
+        its replica, cluster/replicas.py)."""
+        infos = await self.call(PREFIX, lambda: list(self.store.list(PREFIX)))
+        for info in infos:
+            record = Record.parse(info.key, info.mtime)
+            if record is not None and record.node == node:
+                await self.call(info.key, self.store.delete, info.key)
+
     def _signal(self) -> None:
         self.changed.set()
         self.changed = trio.Event()

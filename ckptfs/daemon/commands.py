@@ -38,6 +38,7 @@ class Commands:
         self.store, self.health, self.cache = core.store, core.health, core.cache
         self.uploader, self.fetcher, self.namespace = core.uploader, core.fetcher, core.namespace
         self.gate, self.records, self.peers = core.gate, core.records, core.peers
+        self.holder, self.replicator = core.holder, core.replicator
         self.ops = ops  # fuse_ops.Operations: bytes written, save stalls
         self.metrics = metrics  # metrics.MetricsServer with --metrics-port, else None
         self.stop_requested = stop_requested  # set by umount: the daemon unmounts
@@ -69,7 +70,8 @@ class Commands:
             "pending_bytes": up.pending_bytes(),
             "upload_rate": up.upload_rate.rate(),
             "oldest_pending_s": up.oldest_pending_age(),
-            "at_risk_s": up.at_risk_seconds(),
+            # (with --replicas only what is neither in the store nor held by K peers is at risk)
+            "at_risk_s": self.replicator.at_risk_seconds() if self.replicator else up.at_risk_seconds(),
             "cache": {"ram": usage["ram"], "disk": usage["disk"]},
             "clean_bytes": usage["clean_bytes"],
             "upload_latency": up.call_latency.snapshot(),
@@ -92,6 +94,19 @@ class Commands:
             "peer_asks_failed": self.peers.failures if self.peers is not None else 0,
             "peer_mismatches": self.peers.mismatches if self.peers is not None else 0,
             "peer_refused_clients": self.peers.server.refused_clients if self.peers is not None else 0,
+            **self._replica_figures(),
+        }
+
+    def _replica_figures(self) -> dict:
+        holder = self.holder.status() if self.holder is not None else {}
+        origin = self.replicator.status() if self.replicator is not None else {}
+        return {
+            "replica_held_bytes": holder.get("replica_held_bytes", 0),
+            "replica_received_bytes": holder.get("replica_received_bytes", 0),
+            "takeovers": holder.get("takeovers", 0),
+            "replicated_bytes": origin.get("replicated_bytes", 0),
+            "replica_local_commits": origin.get("local_commits", 0),
+            "replica_holder_losses": origin.get("holder_losses", 0),
         }
 
     # -- control commands -------------------------------------------------------------------------
@@ -150,6 +165,8 @@ class Commands:
             **self.peers.status(),
             "store_bytes": self.fetcher.store_bytes,
             "saved_bytes": self.fetcher.peer_bytes,
+            **(self.holder.status() if self.holder is not None else {}),
+            **(self.replicator.status() if self.replicator is not None else {}),
         }
 
     async def sync(self, request: dict, progress) -> dict:

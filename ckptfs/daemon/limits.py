@@ -43,6 +43,7 @@ def fmt(n: int) -> str:
     return humanfriendly.format_size(n, binary=True)
 
 
+MAX_REPLICA_STREAMS = 16  # other nodes' replica streams held at once (cluster/replicas.py), a block each
 MAX_PEER_CONNECTIONS = 256  # --peer-connections: a thread each, and a 1 MiB buffer when sending from disk
 PEER_BUFFER = 1 * MiB
 
@@ -50,10 +51,12 @@ PEER_BUFFER = 1 * MiB
 def memory_bound(config: MountConfig) -> int:
     """The most the daemon's RSS may reach with these flags (see the module doc). With
     --cluster, the parts asked of peers take as much again as the fetches (concurrency x part
-    size), and each peer connection a buffer."""
+    size), each peer connection a buffer, and each replica stream this node holds for another
+    (at most ``MAX_REPLICA_STREAMS``) a block."""
     bound = config.ram_cache + (2 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
     if config.cluster:
         bound += config.upload_concurrency * config.part_size + config.peer_connections * PEER_BUFFER
+        bound += MAX_REPLICA_STREAMS * config.part_size
     return bound
 
 

@@ -88,6 +88,36 @@ class FiguresCollector:
         )
         yield gauge("ckptfs_peers_live", "Other live members of this node's cluster.", f["peers_live"])
         yield counter(
+            "ckptfs_replicated_bytes",
+            "Bytes of this node's files that peers acknowledged holding (--replicas).",
+            f["replicated_bytes"],
+        )
+        yield counter(
+            "ckptfs_replica_local_commits",
+            "Commits that returned without their replicas (--replica-timeout, or no live peer).",
+            f["replica_local_commits"],
+        )
+        yield counter(
+            "ckptfs_replica_holder_losses",
+            "Replica streams to a holder that ended (lost, full or refusing): another was chosen.",
+            f["replica_holder_losses"],
+        )
+        yield gauge(
+            "ckptfs_replica_held_bytes",
+            "Cache bytes this node holds as other nodes' replicas (part of the cache budget).",
+            f["replica_held_bytes"],
+        )
+        yield counter(
+            "ckptfs_replica_received_bytes",
+            "Bytes of other nodes' replicas received.",
+            f["replica_received_bytes"],
+        )
+        yield counter(
+            "ckptfs_takeovers",
+            "Lost nodes whose pending files this node published from the replicas it held.",
+            f["takeovers"],
+        )
+        yield counter(
             "ckptfs_peer_asks_failed",
             "Asks of a peer that failed (unreachable, silent, broke off): the store served them.",
             f["peer_asks_failed"],

@@ -318,6 +318,7 @@ class Daemon:
             await self.core.start(nursery)
             await nursery.start(self.namespace.prefill.run)
             await nursery.start(self.cache.run_populate, BackgroundThreads(1, "ckptfs-populate"))
+            await self.core.fence()
             self.core.load(listing)
             server = ControlServer(control_socket_path(self.mountpoint), self.commands.handlers())
             await nursery.start(server.serve)

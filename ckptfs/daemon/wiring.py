@@ -63,6 +63,8 @@ from ckptfs.model.tree import Tree
 
 if TYPE_CHECKING:
     from ckptfs.cluster.peers import PeerCache
+    from ckptfs.cluster.replicas import ReplicaHolder
+    from ckptfs.cluster.replication import Replicator
 from ckptfs.store.base import ObjectInfo, ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer.fetcher import Fetcher
@@ -72,6 +74,7 @@ log = logging.getLogger(__name__)
 
 CLEAN_INDEX = "clean.index"
 JOURNAL = "journal"
+REPLICAS = "replicas"  # the replicas this node holds for others (cluster/replicas.py)
 
 
 @dataclass
@@ -89,6 +92,8 @@ class Core:
     open_uploads: list  # multipart uploads the journal recorded as open
     clean: dict[str, CleanEntry]  # blocks the last mount left cached, by key
     peers: PeerCache | None = None  # --cluster
+    holder: ReplicaHolder | None = None  # --cluster: replicas this node holds for others
+    replicator: Replicator | None = None  # --replicas: this node's replicas on others
 
     async def start(self, nursery: trio.Nursery) -> None:
         """The uploader (resuming the open uploads) and the fetcher, in ``nursery``."""
@@ -97,14 +102,50 @@ class Core:
         await nursery.start(self.records.run)
         if self.peers is not None:
             await nursery.start(self.peers.run)
+        if self.holder is not None:
+            await nursery.start(self.holder.run)
+        if self.replicator is not None:
+            await nursery.start(self.replicator.run)
+
+    async def fence(self) -> None:
+        """(--cluster, before ``load``) A holder of this node's replicas published what this node
+        left pending while it was gone: drop those ops rather than publish an older state over
+        what came after (cluster/replicas.py)."""
+        if self.peers is None:
+            return
+        from ckptfs.cluster import replication
+
+        lease = await replication.read_lease(self.store, self.records.node)
+        if lease is None:
+            return
+        through = int(lease.get("through", 0))
+        dropped = [op for op in self.pending if op.seq <= through]
+        for op in dropped:
+            self.journal.cancel(op.seq)
+            for ref in op.blocks:
+                if ref is not None:
+                    self.cache.decref(ref)
+        self.pending = [op for op in self.pending if op.seq > through]
+        log.warning(
+            "node %s published this node's operations up to %d while it was gone: %d pending "
+            "operations dropped",
+            lease.get("holder"),
+            through,
+            len(dropped),
+        )
+        await replication.drop_lease(self.store, self.records.node)
 
     def load(self, listing: Iterable[ObjectInfo]) -> None:
         """The tree: the store's ``listing`` with the pending ops replayed (after ``start``)."""
         self.namespace.load(listing, self.pending, self.clean)
 
     def close(self) -> None:
+        if self.replicator is not None:
+            self.replicator.stop()  # (its threads send from the cache's arena)
         if self.peers is not None:
-            self.peers.stop()  # (its threads send from the cache's arena)
+            self.peers.stop()  # (so do the server's)
+        if self.holder is not None:
+            self.holder.close()
         self.uploader.close()  # store calls abandoned at shutdown may no longer read the cache
         self.journal.close()
         self.cache.close()
@@ -147,16 +188,28 @@ def build_core(
         if check_ram_room:
             ram = cache.tiers[RAM]
             limits.check_ram_room(config, ram.budget, ram.fd, ram.held_bytes())
-        journal = Journal(cache_dir / JOURNAL, cache.ram_arena_id)
+
+        def journal_amended(rec: dict) -> None:
+            # (the cycle journal -> replicator: see the module doc)
+            if replicator is not None:
+                replicator.amend(rec)
+
+        journal = Journal(cache_dir / JOURNAL, cache.ram_arena_id, journal_amended)
         pending, open_uploads = journal.replay()
         pending = _adopt_blocks(cache, pending)
         journal.open(pending, open_uploads)
+        held: dict = {}
+        if config.cluster:  # the replicas this node held for others (adopted like the journal's)
+            from ckptfs.cluster import replicas  # (TLS: only with --cluster)
+
+            taken = {op.origin for op in pending if op.origin}
+            held = replicas.load(cache_dir / REPLICAS, cache, cache.ram_arena_id, taken)
     except BaseException:
         cache.close()
         raise
-    clean = clean_index.load(
-        cache_dir / CLEAN_INDEX, cache, {ref for op in pending for ref in op.blocks if ref is not None}
-    )
+    in_use = {ref for op in pending for ref in op.blocks if ref is not None}
+    in_use |= {ref for r in held.values() for op in r.ops.values() for ref in op.blocks if ref is not None}
+    clean = clean_index.load(cache_dir / CLEAN_INDEX, cache, in_use)
     if pending:
         log.info("journal: %d operations still pending from the last run; resuming", len(pending))
     shadows = Shadows()  # (the cycle uploader <-> commits: see the module doc)
@@ -189,7 +242,7 @@ def build_core(
         retained_ops=shadows.retained_ops,
         gate=gate,
     )
-    peers = None
+    peers, holder, replicator = None, None, None
     if config.cluster:  # (the cycle peers -> namespace, fetcher -> peers: see the module doc)
 
         async def lookup(key: str):
@@ -199,6 +252,11 @@ def build_core(
             await fetcher.fill_from_store(content, indexes)
 
         from ckptfs.cluster.peers import UNSPECIFIED, PeerCache, default_host  # (TLS: only with --cluster)
+
+        def session(request, tls) -> None:
+            # (a replica stream, cycle peers -> holder: built a few lines later)
+            assert holder is not None
+            holder.session(request, tls)
 
         host, port = parse_peer_addr(config.peer_addr or "")
         routed = default_host(config.store_url, config.endpoint_url)
@@ -212,7 +270,38 @@ def build_core(
             config.peer_connections,
             lookup,
             fill,
+            config.failure_domain,
+            session,
         )
+        from ckptfs.cluster.replicas import ReplicaHolder
+        from ckptfs.cluster.replication import Replicator
+
+        async def handover(origin: str) -> None:
+            await records.settled()  # (this node's records cover those files before the origin's go)
+            await records.remove_node(origin)
+
+        holder = ReplicaHolder(
+            cache,
+            store,
+            peers.members,
+            cache_dir / REPLICAS,
+            held,
+            config.takeover_after,
+            lambda origin, ops: commits.take_over(origin, ops),
+            handover,
+            limits.MAX_REPLICA_STREAMS,
+            {op.origin for op in pending if op.origin},
+        )
+        if config.replicas:
+            replicator = Replicator(
+                cache,
+                store,
+                peers.members,
+                peers.client,
+                config.replicas,
+                config.replica_timeout,
+                lambda: uploader.pending,
+            )
     fetcher = Fetcher(
         store,
         cache,
@@ -223,7 +312,7 @@ def build_core(
     )
     retention = Retention(tree, cache, uploader, policy)
     prefill = Prefill(retention.busy, kernel)
-    commits = Commits(tree, cache, journal, uploader, retention, prefill, shadows, records)
+    commits = Commits(tree, cache, journal, uploader, retention, prefill, shadows, records, replicator)
     namespace = Namespace(commits, fetcher, health, list_ttl=config.list_ttl, kernel=kernel)
     return Core(
         store,
@@ -239,6 +328,8 @@ def build_core(
         open_uploads,
         clean,
         peers,
+        holder,
+        replicator,
     )
 
 

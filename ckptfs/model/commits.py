@@ -25,6 +25,7 @@ from ckptfs.parts import PartSchedule
 from ckptfs.transfer.uploader import Uploader
 
 if TYPE_CHECKING:
+    from ckptfs.cluster.replication import Replicator  # (TLS: only with --cluster)
     from ckptfs.objects.integrity import Checksums
     from ckptfs.store.base import PartInfo
     from ckptfs.transfer.upload_tasks import Upload
@@ -56,6 +57,7 @@ class Commits:
         prefill: Prefill,
         shadows: Shadows,
         records: WriterRecords | None = None,
+        replicator: Replicator | None = None,
     ):
         self.tree = tree
         self.cache = cache
@@ -65,6 +67,7 @@ class Commits:
         self.prefill = prefill
         self.shadows = shadows
         self.records = records  # this node's writer records in the store (None: none kept)
+        self.replicator = replicator  # --replicas: every op also goes to peers (None: off)
 
     # -- writer records ------------------------------------------------------------------------------
     def writing(self, key: str) -> None:
@@ -75,9 +78,13 @@ class Commits:
 
     async def recorded(self) -> None:
         """Return once the store holds the records of every directory this node writes in
-        (bounded by --record-timeout): called before a close, rename or fsync returns."""
+        (bounded by --record-timeout) and, with --replicas, once K peers hold everything
+        journaled so far (bounded by --replica-timeout): called before a close, rename or fsync
+        returns."""
         if self.records is not None:
             await self.records.settled()
+        if self.replicator is not None:  # (and, with --replicas, once peers hold it too)
+            await self.replicator.wait(self.journal.next_seq - 1)
 
     # -- commits -----------------------------------------------------------------------------------
     def commit(self, node: Node, content: Content, writing: Writing | None = None) -> None:
@@ -87,7 +94,7 @@ class Commits:
         try:
             op = put_op(node.key(), content, attr_metadata(node), self.uploader.schedule)
             op.replaces = self._replaced_manifest(node)
-            op = self.log(op)
+            op = self.log(op, content, writing)
         except BaseException:
             content.drop_blocks()
             raise
@@ -201,13 +208,18 @@ class Commits:
         node.last_seq = op.seq
         self.uploader.submit(op, None, self.on_moved(node))
 
-    def log(self, op: Op) -> Op:
-        """Journal an op and hand it to the uploader (a put is handed over by commit)."""
+    def log(self, op: Op, content: Content | None = None, writing: Writing | None = None) -> Op:
+        """Journal an op and hand it to the uploader (a put is handed over by commit), and to
+        the peers holding replicas (a put with its content, and the working copy it came from:
+        the blocks it streamed to them already)."""
         try:
             self.journal.append(op)
         except OSError as exc:
             log.error("journal write failed: %s", exc)
             raise FsError(exc.errno or errno.EIO, "journal write failed") from exc
+        if self.replicator is not None:
+            stamps = writing.staged.stamps if writing is not None else None
+            self.replicator.op(op, content, writing.serial if writing is not None else None, stamps)
         if op.kind in (DELETE, MKDIR):
             self.uploader.submit(op)
         return op
@@ -226,6 +238,18 @@ class Commits:
             n.unlinked = True
         self.tree.take_out(node)
         self.tree.maybe_drop(node)
+
+    def take_over(self, origin: str, ops: list[Op]) -> None:
+        """A lost node's pending ops, in its journal order, from the replica this node held
+        (cluster/replicas.py): journaled here (naming their origin), then published by this
+        node's uploader like its own. A put's blocks pass from the replica to the upload."""
+        for op in ops:
+            blocks = list(op.blocks)
+            op.seq, op.origin = 0, origin
+            self.writing(op.key)
+            self.journal.append(op)
+            content = Content(self.cache, op.size, blocks) if op.kind == PUT else None
+            self.uploader.submit(op, content)
 
     # -- fsync shadows -----------------------------------------------------------------------------
     def add_shadow(self, node: Node, content: Content, writing: Writing | None, covers: int | None) -> None:

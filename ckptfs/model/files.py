@@ -262,6 +262,8 @@ class Files:
             ref = staged.blocks[index]
             assert ref is not None  # sealed blocks are cached (filtered above)
             self.uploader.stream_part(writing.stream, index, ref, staged.stamps[index])
+            if self.commits.replicator is not None:  # (--replicas: the peers' copy streams too)
+                self.commits.replicator.seal(writing.serial, index, ref, bs, staged.stamps[index])
 
     def flush(self, fh: int, commit: bool = True) -> bool:
         """A close. The file is committed when every writer's opener has closed it (a clean
@@ -330,6 +332,8 @@ class Files:
             if writing is not None and not writing.handles:
                 if writing.stream is not None:  # no commit took its parts
                     self.uploader.abandon(writing.stream)
+                if self.commits.replicator is not None:
+                    self.commits.replicator.forget(writing.serial)
                 writing.staged.discard()
                 if node.writing is writing:
                     node.writing = None

@@ -185,7 +185,8 @@ class Namespace:
         return [(name, self.tree.attr(child)) for name, child in sorted(parent.children.items())]
 
     def state(self, ino: int) -> str:
-        """user.ckptfs.state: writing, pending (committed, not yet in the store) or durable."""
+        """user.ckptfs.state: writing, pending (committed, not yet in the store), replicated
+        (pending, and held by the --replicas peers) or durable."""
         node = self.tree.node(ino)
         if node.is_dir:
             return (
@@ -195,7 +196,11 @@ class Namespace:
             )
         if node.version is None:
             return "writing"
-        return "pending" if node.version.seq is not None else "durable"
+        seq = node.version.seq
+        if seq is None:
+            return "durable"
+        replicator = self.commits.replicator
+        return "replicated" if replicator is not None and replicator.replicated(seq) else "pending"
 
     async def verification(self, ino: int) -> tuple[str, str]:
         """user.ckptfs.verified and user.ckptfs.xxh3: whether the bytes read from the store are

@@ -7,6 +7,7 @@ journal or the store.
 from __future__ import annotations
 
 import errno
+import itertools
 import stat
 import time
 from collections.abc import Callable, Iterable
@@ -120,6 +121,9 @@ class Node:
             yield from child.walk()
 
 
+_writing_serials = itertools.count(1)
+
+
 class Writing:
     """The one working copy of a file open for writing, shared by all its writers: every
     descriptor on the mount sees its bytes and size as they are written (POSIX on the node).
@@ -127,6 +131,7 @@ class Writing:
 
     def __init__(self, staged: StagedFile):
         self.staged = staged
+        self.serial = next(_writing_serials)  # names it in the replica stream (--replicas)
         self.dirty = False  # changed since the last commit
         self.error = 0  # sticky: a write that failed (ENOSPC, EIO) poisons the commit
         self.stream: Stream | None = None  # parts sent before the commit

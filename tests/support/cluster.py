@@ -146,6 +146,13 @@ class _ProxyLink:
     def held_count(self) -> int:
         return len(self.held_requests())
 
+    def discard(self) -> None:
+        """Held requests reset unforwarded; nothing is held any more (the proxy goes on)."""
+        rule, self._rule = self._rule, None
+        if rule is not None:
+            rule.release(forward=False)
+            self.proxy.remove_rule(rule)
+
     def drop(self) -> None:
         """Held requests reset unforwarded, and no request is forwarded any more."""
         rule, self._rule = self._rule, None
@@ -217,6 +224,10 @@ class _SyscallLink:
     def held(self) -> list[str]:
         """What is held now, e.g. ["renameat2 /store/.ckptfs-tmp/1f.tmp -> /store/a.bin"]."""
         return json.loads(self._command("list"))
+
+    def discard(self) -> None:
+        # (called once the caller is dead: the kernel never runs a dead caller's held call)
+        self._command("release")
 
     def drop(self) -> None:
         self._command("drop")
@@ -465,6 +476,24 @@ class Node:
         self._wipe()
         if self.netns is not None:
             self.netns.delete()
+
+    def crash(self) -> None:
+        """kill -9 and mount again with the same cache dir and RAM tier (a daemon crash, not a
+        lost node): what its link held is dropped, and nothing is held after."""
+        self._alive()
+        pid = self.mount.pid
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if pid is not None:
+            _wait_dead(pid)
+            self.mount.pid = None
+        self._link.discard()
+        self._holding = None
+        _lazy_unmount(self.path)
+        self.mount.start()
 
     def _wipe(self) -> None:
         ram = self.mount.ram_dir()

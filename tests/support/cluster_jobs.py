@@ -19,7 +19,8 @@ again, anything else ends it. Jobs:
   index there (a node other than the shards' writes the file that names them);
 - ``trainer``: HF ``Trainer`` in DDP over gloo, ``save_steps=2``, output ROOT/run on each rank's
   node (rank 0 writes the model, optimizer and ``trainer_state.json``; rank 1 its
-  ``rng_state_1.pth``); STEP is ignored, "next" trains two more steps.
+  ``rng_state_1.pth``); STEP is ignored, "next" trains two more steps;
+- ``dcp-load`` (one process, no RANK): loads ROOT/step_STEP whole and checks its bytes.
 """
 
 from __future__ import annotations
@@ -132,8 +133,23 @@ def run_trainer(root: str) -> None:
     Trainer(model=model, args=args, train_dataset=data, callbacks=[Pause]).train()
 
 
+def dcp_load(root: str, step: int) -> None:
+    """One process, no process group: the step's DCP checkpoint read whole and checked."""
+    import torch.distributed.checkpoint as dcp
+
+    expected = state(step, 0)["weight"]
+    loaded = {"model": {"weight": torch.zeros_like(expected)}, "step": 0}
+    dcp.load(loaded, checkpoint_id=os.path.join(root, f"step_{step}"), no_dist=True)
+    assert torch.equal(loaded["model"]["weight"], expected), "the loaded weights differ"
+    assert loaded["step"] == step, loaded["step"]
+    print(f"loaded {step}", flush=True)
+
+
 def main(job: str, root: str, step: int) -> int:
     warnings.filterwarnings("ignore")
+    if job == "dcp-load":
+        dcp_load(root, step)
+        return 0
     if job == "trainer":
         run_trainer(root)  # (the Trainer makes and ends the process group)
         return 0

@@ -1,0 +1,374 @@
+"""Replicas on peers, the origin's side (``--replicas K``): every op this node journals, with the
+bytes of a put, goes to K other live members, which keep it in their cache until this node says
+it is in the store (cluster/replicas.py is the holder's side). A close returns once K holders
+acknowledged everything committed so far, or after ``--replica-timeout`` (the file is then on
+this node only: a warning and a counter), so a node lost before its uploads end loses nothing
+whose close returned: a holder publishes it.
+
+The stream mirrors the journal, in its order, on one TLS connection per holder (a thread each,
+the peer channel's identities and trust): blocks a writer filled and moved past go as they are
+sealed (the close waits only for the tail), each op after the blocks it names, then the
+journal's retargets, cancels and dones. A holder answers every message once it has stored it;
+ops are acknowledged by sequence number, so one watermark per holder says what it holds.
+
+Holders are chosen by rendezvous hashing of (this node, member), nodes of another failure domain
+first (``--failure-domain``): each origin has its own holders, so the replicas of a cluster
+spread over its nodes. A holder stays chosen while it is live and its stream works; a new one
+gets every op still pending first. Blocks queued for a holder are pinned (one reference) until
+sent: the queue is bounded by the cache, whose budget the writer waits on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+import xxhash
+
+from ckptfs.cache.cache import Cache
+from ckptfs.cache.journal import PUT, Op
+from ckptfs.cluster.members import TAKEOVER_PREFIX, Member, Members
+from ckptfs.cluster.peer_channel import PeerClient, PeerError, read_answer, send_frame, send_request
+from ckptfs.cluster.peers import block_sender
+from ckptfs.store.base import ObjectStore
+
+if TYPE_CHECKING:
+    from ckptfs.cache.contents import Content
+    from ckptfs.transfer.upload_tasks import Task
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # the holders are checked (and replaced) this often
+ANSWER_S = 90.0  # a holder silent this long on a message (its cache full for good) is dropped
+WARN_EVERY_S = 60.0
+
+
+class Link:
+    """One holder: a thread sending this node's replica stream to it, message by message, each
+    answered before the next goes. The trio side queues; the thread calls back through
+    ``token`` (acknowledgements, pins to release, its end)."""
+
+    def __init__(
+        self,
+        member: Member,
+        client: PeerClient,
+        request: dict,
+        token: trio.lowlevel.TrioToken,
+        on_answer: Callable[[Link, int, int], None],
+        on_end: Callable[[Link, str, bool], None],
+        release: Callable[[list], None],
+    ):
+        self.member = member
+        self.client = client
+        self.request = request
+        self.token = token
+        self.on_answer, self.on_end, self.release = on_answer, on_end, release
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        # (trio side)
+        self.acked = 0  # the highest op this holder acknowledged
+        self.sent: dict[int, dict[int, int]] = {}  # writing -> block index -> stamp queued
+        self.dead = False
+        self.ready = False  # the holder took the stream
+        self.queued_bytes = 0
+        self.tls: ssl.SSLSocket | None = None
+        self.thread = threading.Thread(target=self._run, name="ckptfs-replica-send", daemon=True)
+        self.thread.start()
+
+    def put(self, header: dict, slices: list, pins: list) -> None:
+        if self.dead:
+            self.release(pins)
+            return
+        self.queued_bytes += sum(length for _, length in slices)
+        self.queue.put((header, slices, pins))
+
+    def close(self) -> None:
+        """(trio side) Stop: what is queued is let go, the connection broken off."""
+        self.dead = True
+        tls = self.tls
+        if tls is not None:
+            with contextlib.suppress(OSError):
+                tls.shutdown(socket.SHUT_RDWR)
+        self.drain()
+        self.queue.put(None)
+
+    def drain(self) -> None:
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self.release(item[2])
+
+    def _call(self, fn, *args) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            self.token.run_sync_soon(fn, *args)
+
+    def _run(self) -> None:
+        why, lost = "closed", False
+        try:
+            self.tls = self.client.open(self.member)
+            self.tls.settimeout(ANSWER_S)
+            send_request(self.tls, self.request)
+            read_answer(self.tls)  # (the holder took the stream)
+            self._call(self.on_answer, self, 0, 0)
+            lost = True  # (from now on a failure is the holder's, not a refused handshake)
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    return
+                header, slices, pins = item
+                try:
+                    send_frame(self.tls, header, slices)
+                    value = read_answer(self.tls)
+                finally:
+                    self._call(self.release, pins)
+                self._call(self.on_answer, self, value, sum(length for _, length in slices))
+        except PeerError as exc:
+            why, lost = str(exc), lost and exc.lost
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            why = str(exc) or type(exc).__name__
+        finally:
+            if self.tls is not None:
+                self.tls.close()
+            self._call(self.on_end, self, why, lost)
+
+
+class Replicator:
+    """This node's replicas on its peers: which holders, what each acknowledged, and the wait of
+    a commit for them."""
+
+    def __init__(
+        self,
+        cache: Cache,
+        store: ObjectStore,
+        members: Members,
+        client: PeerClient,
+        replicas: int,
+        timeout: float,
+        pending: Callable[[], dict[int, Task]],
+    ):
+        self.cache = cache
+        self.store = store
+        self.members = members
+        self.client = client
+        self.k = replicas
+        self.timeout = timeout
+        self.pending = pending  # the uploader's pending ops (what a new holder must get first)
+        self.links: dict[str, Link] = {}
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.changed = trio.Event()
+        self.replicated_bytes = 0  # bytes holders acknowledged
+        self.local_commits = 0  # commits that returned without their replicas (timeout, no peer)
+        self.holder_losses = 0  # streams that ended (a holder lost, full or refusing)
+        self._warned = -WARN_EVERY_S
+
+    # -- life -----------------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.token = trio.lowlevel.current_trio_token()
+        await self.members.listed.wait()
+        self._relink()
+        task_status.started()
+        while True:
+            await trio.sleep(POLL_S)
+            self._relink()
+
+    def stop(self) -> None:
+        """Break every stream off and wait for the threads (they read the cache's arena)."""
+        links = list(self.links.values())
+        for link in links:
+            link.close()
+        self.links.clear()
+        deadline = time.monotonic() + 5
+        for link in links:
+            link.thread.join(max(0.0, deadline - time.monotonic()))
+
+    # -- choosing holders -------------------------------------------------------------------------
+    def _ranked(self) -> list[Member]:
+        own = self.members.domain
+        return sorted(
+            self.members.live(),
+            key=lambda m: (
+                bool(own) and m.domain == own,  # another failure domain first
+                -xxhash.xxh3_64_intdigest(f"{self.members.node}\0{m.node}".encode()),
+            ),
+        )
+
+    def _relink(self) -> None:
+        """Keep K working streams: a holder stays while it is live; a dead one is replaced."""
+        live = {m.node: m for m in self.members.live()}
+        for node, link in list(self.links.items()):
+            current = live.get(node)
+            if link.dead or current is None or current.fingerprint != link.member.fingerprint:
+                link.close()
+                del self.links[node]
+                self._signal()
+        for member in self._ranked():
+            if len(self.links) >= self.k:
+                break
+            if member.node not in self.links:
+                self._open(member)
+
+    def _open(self, member: Member) -> None:
+        assert self.token is not None
+        link = Link(
+            member,
+            self.client,
+            {"replica": self.members.node, "url": self.store.url},
+            self.token,
+            self._answered,
+            self._ended,
+            self._unpin,
+        )
+        self.links[member.node] = link
+        log.info("replicas: streaming this node's pending files to %s (%s)", member.node, member.addr)
+        for _, task in sorted(self.pending().items()):  # what it missed, in journal order
+            self._send_op(link, task.op, task.content, None)
+
+    def _answered(self, link: Link, value: int, nbytes: int) -> None:
+        link.queued_bytes -= nbytes
+        link.ready = True
+        self.replicated_bytes += nbytes
+        if value > link.acked:
+            link.acked = value
+            self._signal()
+
+    def _ended(self, link: Link, why: str, lost: bool) -> None:
+        if not link.dead:
+            self.holder_losses += 1
+            log.warning(
+                "replicas: the stream to %s ended (%s); choosing another holder", link.member.node, why
+            )
+            if lost:  # (not a refused handshake: it has not seen this node's record yet, or is busy)
+                self.members.unreachable(link.member.node)
+        link.dead = True
+        link.drain()
+        self._signal()
+
+    def _unpin(self, pins: list) -> None:
+        for ref in pins:
+            self.cache.decref(ref)
+
+    def _signal(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    # -- the stream (called by the model, no awaits) ---------------------------------------------
+    def seal(self, writing: int, index: int, ref, length: int, stamp: int) -> None:
+        """A block a writer filled and moved past: to every holder now."""
+        for link in self.links.values():
+            if link.sent.get(writing, {}).get(index) != stamp:
+                self._send_block(link, writing, index, ref, length, stamp)
+
+    def op(self, op: Op, content: Content | None = None, writing: int | None = None, stamps=None) -> None:
+        """A journaled op (with its content for a put, and the working copy it came from)."""
+        for link in self.links.values():
+            self._send_op(link, op, content, writing, stamps)
+
+    def amend(self, rec: dict) -> None:
+        """A retarget, cancel or done the journal recorded."""
+        for link in self.links.values():
+            link.put({"t": "amend", "rec": rec}, [], [])
+
+    def forget(self, writing: int) -> None:
+        """A working copy ended: its streamed blocks are of no more use to the holders."""
+        for link in self.links.values():
+            if link.sent.pop(writing, None) is not None:
+                link.put({"t": "forget", "w": writing}, [], [])
+
+    def _send_block(self, link: Link, writing: int, index: int, ref, length: int, stamp: int) -> None:
+        self.cache.incref(ref)  # (pinned until sent)
+        header = {"t": "block", "w": writing, "i": index, "s": stamp}
+        link.put(header, [(block_sender(self.cache, ref, length), length)], [ref])
+        link.sent.setdefault(writing, {})[index] = stamp
+
+    def _send_op(self, link: Link, op: Op, content: Content | None, writing: int | None, stamps=None) -> None:
+        have = []
+        w = writing if writing is not None else -op.seq  # (an op's own blocks: taken by the op)
+        if op.kind == PUT and content is not None:
+            for index, ref in enumerate(content.blocks):
+                if ref is None:
+                    continue  # a hole, or a part already in the store (op.upload names it)
+                have.append(index)
+                stamp = stamps[index] if stamps is not None and index < len(stamps) else 0
+                if writing is None or link.sent.get(w, {}).get(index) != stamp:
+                    self._send_block(link, w, index, ref, content.block_length(index), stamp)
+        record = op.to_record()
+        record.pop("blocks", None)
+        link.put({"t": "op", "op": record, "w": w, "have": have}, [], [])
+        if writing is None:
+            link.sent.pop(w, None)
+
+    # -- the commit's wait ------------------------------------------------------------------------
+    def covered(self, seq: int) -> bool:
+        """Whether op ``seq`` is in the store already or held by K holders."""
+        if seq not in self.pending():
+            return True
+        return sum(1 for link in self.links.values() if not link.dead and link.acked >= seq) >= self.k
+
+    def replicated(self, seq: int) -> bool:
+        """Op ``seq`` is pending and held by K holders (``user.ckptfs.state``: replicated)."""
+        return seq in self.pending() and self.covered(seq)
+
+    async def wait(self, seq: int) -> None:
+        """Return once everything journaled up to ``seq`` is covered, or after the timeout."""
+        if self.k == 0 or seq <= 0:
+            return
+        with trio.move_on_after(self.timeout):
+            while not self.covered(seq):
+                if not self.links and not self.members.live():
+                    break  # nobody to wait for
+                await self.changed.wait()
+        if self.covered(seq):
+            return
+        self.local_commits += 1
+        now = time.monotonic()
+        if now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            log.warning(
+                "replicas: %s; this commit returns with the file on this node only until it is in "
+                "the store (counted in 'ckptfs status' as local commits)",
+                f"no reply from {len(self.links)} holder(s) in {self.timeout:g} s"
+                if self.links
+                else "no live peer to hold replicas",
+            )
+
+    def at_risk_seconds(self) -> float:
+        """Seconds since the oldest commit that is neither in the store nor replicated."""
+        now = time.monotonic()
+        ages = [now - t.submitted for s, t in self.pending().items() if not self.covered(s)]
+        return max(ages, default=0.0)
+
+    def status(self) -> dict:
+        return {
+            "replicas": self.k,
+            "holders": sorted(n for n, link in self.links.items() if link.ready and not link.dead),
+            "replicated_bytes": self.replicated_bytes,
+            "replica_queue_bytes": sum(link.queued_bytes for link in self.links.values()),
+            "local_commits": self.local_commits,
+            "holder_losses": self.holder_losses,
+        }
+
+
+async def read_lease(store: ObjectStore, node: str) -> dict | None:
+    """The lease a holder took on ``node``'s replicas (cluster/replicas.py; None: none)."""
+    try:
+        raw = await trio.to_thread.run_sync(store.get_range, f"{TAKEOVER_PREFIX}{node}.json", 0, 1 << 16)
+        lease = json.loads(raw)
+    except Exception:  # noqa: BLE001 - none (or unreadable): nothing was taken over
+        return None
+    return lease if isinstance(lease, dict) else None
+
+
+async def drop_lease(store: ObjectStore, node: str) -> None:
+    with contextlib.suppress(Exception):
+        await trio.to_thread.run_sync(store.delete, f"{TAKEOVER_PREFIX}{node}.json")

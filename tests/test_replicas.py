@@ -1,0 +1,184 @@
+"""The replicated safety level (``--cluster --replicas 1``, ckptfs/cluster/replication.py and
+replicas.py), with real mounts, real peers over mutual TLS and real losses: each node of
+tests/support/cluster.py has its own mount, cache dir, RAM tier and link to the store. Both
+stores (``cluster`` fixture).
+
+Node B's uploads are never answered (its link holds every change to the store but its records
+and heartbeats); B writes a 64 MiB file, a file written as ``x.tmp`` and renamed, and a
+``latest`` pointer; then B is lost (kill -9, cache dir and RAM tier wiped, never back). Node A,
+which holds B's replica, must publish all three, byte-identical, with no ``.tmp`` left and
+``latest`` reaching the store only after the files it names. Variants: B lost mid-write (the
+file it was writing is not published: its close never returned), right after the close, and
+A killed and restarted in the middle of the takeover. A 2-rank DCP save with one rank per node
+and B lost before its shard is uploaded: the checkpoint becomes whole in the store and loads.
+
+The long mode adds a torture: random single-node losses at random moments of a save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+TAKEOVER_AFTER = 5.0
+REPLICATED = ("--cluster", "--replicas", "1", "--takeover-after", str(TAKEOVER_AFTER))
+# What a held link still lets through: writer records, their heartbeats, the cluster's records.
+PASS = (".ckptfs-writers/", ".ckptfs-nodes/", ".ckptfs-cluster/")
+
+
+def _pair(cluster, extra=()):
+    a = cluster.node("a", extra=(*REPLICATED, *extra))
+    b = cluster.node("b", extra=(*REPLICATED, *extra))
+    for node in (a, b):
+        wait_until(
+            lambda node=node: len(node.status()["peers"]["live"]) == 1, 30, what=f"{node.name} sees its peer"
+        )
+    wait_until(lambda: b.status()["peers"].get("holders"), 30, what="b streams its replicas to a")
+    return a, b
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _state(path: Path) -> str:
+    return os.getxattr(path, "user.ckptfs.state").decode()
+
+
+class _Arrivals:
+    """When each key first showed in the store's listing (a listing every 20 ms, in a thread)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.first: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        tick = 0
+        while not self.stop.is_set():
+            for key in self.store.keys():
+                self.first.setdefault(key, tick)
+            tick += 1
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def _save_on_b(b, rng: random.Random) -> dict[str, bytes]:
+    """B's save: a 64 MiB file, ``extra.json`` written as ``extra.json.tmp`` then renamed, and
+    ``latest``; each close (and the rename) returns once A holds the replica."""
+    step = b.path / "step_1"
+    step.mkdir()
+    files = {"step_1/model.bin": rng.randbytes(64 * MiB), "step_1/extra.json": b'{"step": 1}'}
+    _write(step / "model.bin", files["step_1/model.bin"])
+    _write(step / "extra.json.tmp", files["step_1/extra.json"])
+    os.rename(step / "extra.json.tmp", step / "extra.json")
+    files["latest"] = b"step_1\n"
+    _write(b.path / "latest", files["latest"])
+    for key in files:
+        assert _state(b.path / key) == "replicated", key
+    assert b.status()["training_at_risk_s"] == 0  # (replicated: a lost node loses nothing)
+    return files
+
+
+def _published(cluster, arrivals: _Arrivals, files: dict[str, bytes], timeout: float = 120) -> None:
+    store = cluster.store
+    wait_until(lambda: set(files) <= store.keys(), timeout, what=f"{sorted(files)} in the store")
+    arrivals.close()
+    for key, data in files.items():
+        assert hashlib.sha256(store.read(key)).digest() == hashlib.sha256(data).digest(), key
+    keys = store.keys()
+    assert not [k for k in keys if k.endswith(".tmp")], keys
+    assert "step_1/partial.bin" not in keys  # (its close never returned)
+    first = arrivals.first
+    assert first["latest"] >= max(first[k] for k in files if k != "latest"), first
+
+
+@pytest.mark.parametrize("moment", ["after_close", "mid_write", "during_takeover"])
+def test_a_node_lost_before_its_uploads_loses_nothing(cluster, moment):
+    rng = random.Random(31)
+    a, b = _pair(cluster)
+    b.hold_uploads(except_prefixes=PASS)
+    if moment == "during_takeover":
+        a.hold_uploads(except_prefixes=PASS)  # (so that A is still publishing when it is killed)
+    arrivals = _Arrivals(cluster.store)
+    files = _save_on_b(b, rng)
+    wait_until(lambda: b.held_count() > 0, 60, what="B's uploads held")
+    assert a.status()["peers"]["replica_held_bytes"] >= 64 * MiB
+    writer = None
+    if moment == "mid_write":  # a file still open for writing when B goes
+        writer = open(b.path / "step_1" / "partial.bin", "wb")  # noqa: SIM115 - closed by the loss
+        writer.write(rng.randbytes(9 * MiB))
+        writer.flush()
+    b.lose()
+    if writer is not None:
+        try:
+            writer.close()
+        except OSError:
+            pass  # (its mount is gone)
+    if moment == "during_takeover":
+        wait_until(lambda: a.status()["peers"]["takeovers"] == 1, 60, what="A takes B's replica over")
+        wait_until(lambda: a.held_count() > 0, 60, what="A's publication of B's files held")
+        a.crash()  # kill -9 mid-takeover, restarted with its cache dir: its journal resumes it
+    _published(cluster, arrivals, files)
+    a.sync(timeout=120)
+    assert set(files) <= {k for k in cluster.store.keys()}
+
+
+def test_dcp_across_two_nodes_with_replicas_survives_a_lost_node(cluster, tmp_path):
+    from tests.test_nodes import save
+
+    a, b = _pair(cluster)
+    b.hold_uploads(except_prefixes=PASS)
+    save("dcp", [a, b], 1, tmp_path / "logs")  # (rank 1 on B: its shard only in B's cache, and A's)
+    wait_until(lambda: b.held_count() > 0, 60, what="B's upload held")
+    b.lose()
+    keys = {"step_1/.metadata", "step_1/__0_0.distcp", "step_1/__1_0.distcp"}
+    wait_until(lambda: keys <= cluster.store.keys(), 120, what="the checkpoint whole in the store")
+    a.sync(timeout=120)
+    a.release_uploads()
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.support.cluster_jobs", "dcp-load", str(a.path), "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_no_live_peer_commits_at_the_local_level(cluster):
+    """Alone, a replicated mount's close does not wait for a peer that is not there: it returns
+    with the file on this node only, counted once."""
+    a = cluster.node("a", extra=(*REPLICATED, "--replica-timeout", "30"))
+    a.hold_uploads(except_prefixes=PASS)
+    started = time.monotonic()
+    _write(a.path / "alone.bin", b"x" * MiB)
+    assert time.monotonic() - started < 20
+    assert _state(a.path / "alone.bin") == "pending"
+    status = a.status()
+    assert status["peers"]["local_commits"] >= 1
+    assert status["training_at_risk_s"] >= 0
+    a.release_uploads()
+    a.sync()
+    assert _state(a.path / "alone.bin") == "durable"
