@@ -12,7 +12,12 @@ file it was writing is not published: its close never returned), right after the
 A killed and restarted in the middle of the takeover. A 2-rank DCP save with one rank per node
 and B lost before its shard is uploaded: the checkpoint becomes whole in the store and loads.
 
-The long mode adds a torture: random single-node losses at random moments of a save.
+A node that comes back with its cache dir does not publish an older state over what its
+holder published meanwhile. Alone, a replicated mount's close does not wait for a peer.
+
+The long mode adds a torture: three nodes save, one of them lost at a random moment (mid-write,
+right after a close, a while after), its replacement joining once the store holds every file
+whose close returned; 100 losses by default (``CKPTFS_REPLICA_LOSSES``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+from botocore.exceptions import ClientError
 
 from tests.support.harness import wait_until
 
@@ -167,6 +173,36 @@ def test_dcp_across_two_nodes_with_replicas_survives_a_lost_node(cluster, tmp_pa
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def test_a_node_back_with_its_cache_does_not_publish_what_was_taken_over(cluster):
+    """B is killed with its cache dir kept; A takes its replica over; the file is then written
+    anew through A. B's restart finds its old version still pending in its journal: it drops it
+    (the lease says A published it) instead of putting the older bytes over the newer ones, and
+    A holds B's replicas again afterwards."""
+    a, b = _pair(cluster)
+    b.hold_uploads(except_prefixes=PASS)
+    _write(b.path / "ckpt.bin", b"old" * MiB)
+    assert _state(b.path / "ckpt.bin") == "replicated"
+    wait_until(lambda: b.held_count() > 0, 60, what="B's upload held")
+    b.crash(restart=False)
+    wait_until(lambda: cluster.store.keys() >= {"ckpt.bin"}, 120, what="A publishes B's file")
+    assert cluster.store.read("ckpt.bin") == b"old" * MiB
+    _write(a.path / "ckpt.bin", b"new" * MiB)
+    a.sync()
+    b.start()
+    wait_until(lambda: len(b.status()["peers"]["live"]) == 1, 30, what="B back in the cluster")
+    b.sync(timeout=120)
+    assert cluster.store.read("ckpt.bin") == b"new" * MiB
+    lease = f".ckptfs-cluster/takeover/{b.status()['peers']['node']}.json"
+    with pytest.raises((OSError, ClientError)):  # (B dropped the lease with what it covered)
+        cluster.store.read(lease)
+    wait_until(lambda: b.status()["peers"].get("holders"), 30, what="A holds B's replicas again")
+    b.hold_uploads(except_prefixes=PASS)
+    _write(b.path / "after.bin", b"a" * MiB)
+    assert _state(b.path / "after.bin") == "replicated"
+    b.release_uploads()
+    b.sync()
+
+
 def test_no_live_peer_commits_at_the_local_level(cluster):
     """Alone, a replicated mount's close does not wait for a peer that is not there: it returns
     with the file on this node only, counted once."""
@@ -182,3 +218,85 @@ def test_no_live_peer_commits_at_the_local_level(cluster):
     a.release_uploads()
     a.sync()
     assert _state(a.path / "alone.bin") == "durable"
+
+
+@pytest.mark.skipif(not os.environ.get("CKPTFS_LONG"), reason="long mode (scripts/test --long)")
+@pytest.mark.timeout(7200)
+def test_replica_loss_torture(cluster):
+    """Three nodes with --replicas 1 save a round each (a few files of random sizes, one written
+    as .tmp and renamed, and the node's own ``latest``), the victim's uploads usually held; the
+    victim is lost mid-write, right after its last close, or a while after. The store must
+    then hold every file whose close returned, with its last bytes, and no .tmp; then a
+    replacement joins."""
+    losses_wanted = int(os.environ.get("CKPTFS_REPLICA_LOSSES", "100"))
+    rng = random.Random(int(os.environ.get("CKPTFS_TORTURE_SEED", "31")))
+    made = 0
+
+    def join():
+        nonlocal made
+        node = cluster.node(f"n{made}", extra=REPLICATED)
+        made += 1
+        return node
+
+    nodes = [join() for _ in range(3)]
+    for node in nodes:
+        wait_until(lambda node=node: len(node.status()["peers"]["live"]) == 2, 60, what="3 live members")
+    expected: dict[str, bytes] = {}
+    losses = rounds = 0
+    while losses < losses_wanted:
+        rounds += 1
+        victim = rng.randrange(3)
+        victim_node = nodes[victim]
+        wait_until(
+            lambda v=victim_node: v.status()["peers"].get("holders"), 60, what="the victim has a holder"
+        )
+        if rng.random() < 0.7:
+            nodes[victim].hold_uploads(except_prefixes=PASS)
+        moment = rng.choice(["mid_write", "after_close", "later"])
+        for i, node in enumerate(nodes):
+            prefix = f"slot{i}/r{rounds}"
+            (node.path / prefix).mkdir(parents=True)
+            for j in range(rng.randrange(1, 4)):
+                data = rng.randbytes(rng.choice([1000, 3 * MiB, 9 * MiB + 17]))
+                _write(node.path / prefix / f"f{j}.bin.tmp", data)
+                os.rename(node.path / prefix / f"f{j}.bin.tmp", node.path / prefix / f"f{j}.bin")
+                expected[f"{prefix}/f{j}.bin"] = data
+            latest = f"{prefix}\n".encode()
+            _write(node.path / f"slot{i}" / "latest", latest)
+            expected[f"slot{i}/latest"] = latest
+        writer = None
+        if moment == "mid_write":
+            writer = open(victim_node.path / f"slot{victim}" / "partial.bin", "wb")  # noqa: SIM115
+            writer.write(rng.randbytes(5 * MiB))
+            writer.flush()
+        elif moment == "later":
+            time.sleep(rng.random() * 3)
+        victim_node.lose()
+        losses += 1
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass
+        for node in nodes:
+            if node is not victim_node:
+                node.release_uploads()
+
+        def missing() -> list[str]:
+            keys = cluster.store.keys()
+            return [k for k, v in expected.items() if k not in keys or cluster.store.read(k) != v]
+
+        deadline = time.monotonic() + 180
+        while (gone := missing()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not gone, f"loss {losses} (round {rounds}, {moment}): lost {gone[:5]}"
+        keys = cluster.store.keys()
+        assert not [k for k in keys if k.endswith(".tmp") or k.endswith("partial.bin")], keys
+        nodes[victim] = join()
+        for node in nodes:
+            wait_until(lambda node=node: len(node.status()["peers"]["live"]) == 2, 60, what="3 live members")
+    for node in nodes:
+        node.sync(timeout=300)
+    print(
+        f"replica-loss torture: {losses} losses over {rounds} rounds, no file whose close returned was lost"
+    )

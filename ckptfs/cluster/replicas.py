@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 DIRECTORY = "replicas"
 POLL_S = 1.0
 LEASE_SETTLE_S = 2.0  # between writing the lease and reading it back
+LEASE_SEEN_S = 10.0  # a lease just taken counts this long before the members' listing shows it
 SESSION_IDLE_S = 300.0  # a stream silent this long is closed (its origin reopens it)
 NODE_ID = re.compile(r"[0-9a-f]{16}")  # cluster/records.py node_id
 
@@ -189,6 +190,7 @@ class ReplicaHolder:
         # Origins taken over (their streams are refused): by this run, and by the last one,
         # whose ops its journal resumes (their hand-over may have been cut short: done again).
         self.taken: set[str] = set(resumed)
+        self.just_taken: dict[str, float] = {}
         self.takeovers = 0  # lost origins whose ops this node published
         self.received_bytes = 0
         self.streams = threading.BoundedSemaphore(max_streams)
@@ -201,6 +203,8 @@ class ReplicaHolder:
             await self._hand_over(origin)
         while True:
             await trio.sleep(POLL_S)
+            for origin in [o for o in self.just_taken if o in self.members.leases]:
+                del self.just_taken[origin]  # (the listing shows the lease now: it decides)
             for origin in list(self.replicas):
                 replica = self.replicas.get(origin)
                 if replica is not None and self.members.silent_for(origin) >= self.takeover_after:
@@ -213,7 +217,7 @@ class ReplicaHolder:
     # -- a stream, in a server thread -----------------------------------------------------------
     def session(self, request: dict, tls: ssl.SSLSocket) -> None:
         origin = str(request.get("replica", ""))
-        if not NODE_ID.fullmatch(origin) or request.get("url") != self.store.url or origin in self.taken:
+        if not NODE_ID.fullmatch(origin) or request.get("url") != self.store.url or self._fenced(origin):
             send_answer(tls, "not a replica this node takes")
             return
         if not self.streams.acquire(blocking=False):
@@ -245,11 +249,17 @@ class ReplicaHolder:
                 return
             send_answer(tls, value)
 
+    def _fenced(self, origin: str) -> bool:
+        """A holder took ``origin``'s replica over and it has not come back since (its start
+        drops what was taken over, then the lease): nothing more of it is held."""
+        recent = time.monotonic() - self.just_taken.get(origin, -LEASE_SEEN_S) < LEASE_SEEN_S
+        return origin in self.members.leases or recent
+
     def _on_trio(self, fn, *args):
         return trio.from_thread.run(fn, *args, trio_token=self.token)
 
     async def _receive(self, origin: str, header: dict, body: memoryview) -> int:
-        if origin in self.taken:
+        if self._fenced(origin):
             raise OSError(errno.ESTALE, "taken over")
         replica = self.replicas.get(origin)
         if replica is None:
@@ -380,6 +390,7 @@ class ReplicaHolder:
         self._drop(replica)
         self.adopt(origin, ops)
         self.taken.add(origin)
+        self.just_taken[origin] = time.monotonic()  # (until the members' listing shows the lease)
         self.takeovers += 1
         await self._hand_over(origin)
 

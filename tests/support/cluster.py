@@ -477,9 +477,10 @@ class Node:
         if self.netns is not None:
             self.netns.delete()
 
-    def crash(self) -> None:
+    def crash(self, restart: bool = True) -> None:
         """kill -9 and mount again with the same cache dir and RAM tier (a daemon crash, not a
-        lost node): what its link held is dropped, and nothing is held after."""
+        lost node): what its link held is dropped, and nothing is held after. ``restart=False``:
+        it stays down until ``start()``."""
         self._alive()
         pid = self.mount.pid
         if pid is not None:
@@ -493,7 +494,8 @@ class Node:
         self._link.discard()
         self._holding = None
         _lazy_unmount(self.path)
-        self.mount.start()
+        if restart:
+            self.mount.start()
 
     def _wipe(self) -> None:
         ram = self.mount.ram_dir()
