@@ -58,6 +58,15 @@ def empty_dir(tmp_path: Path) -> Path:
             ["mount", "{empty}", "--cluster", "--peer-connections", "1000"],
             "--peer-connections 1000 is too many",
         ),
+        (["mount", "{empty}", "--replicas", "1"], "--replicas, --failure-domain, --replica-timeout and"),
+        (["mount", "{empty}", "--cluster", "--replicas", "9"], "give 0 to 8, not 9"),
+        (["mount", "{empty}", "--cluster", "--replicas", "x"], "not a whole number"),
+        (["mount", "{empty}", "--cluster", "--takeover-after", "9"], "need --replicas"),
+        (["mount", "{empty}", "--cluster", "--replicas", "1", "--takeover-after", "1"], "at least 4 s"),
+        (
+            ["mount", "{empty}", "--cluster", "--replicas", "1", "--failure-domain", "a b"],
+            "--failure-domain:",
+        ),
         (["sync", "{empty}", "/etc/passwd"], "is not inside the ckptfs mount"),
         (["sync", "{empty}", "--timeout", "soon"], "not a number of seconds"),
     ],
@@ -175,6 +184,18 @@ def test_cluster_options_round_trip(empty_dir):
     assert not plain.cluster and "--cluster" not in cli_mount.daemon_argv(plain)
 
 
+def test_replica_options_round_trip(empty_dir):
+    parse = cli_main.build_parser().parse_args
+    argv = ["mount", str(empty_dir), "--cluster", "--replicas", "2", "--failure-domain", "rack-7"]
+    config = cli_mount.mount_config(parse([*argv, "--replica-timeout", "2.5", "--takeover-after", "12"]))
+    assert (config.replicas, config.failure_domain) == (2, "rack-7")
+    assert (config.replica_timeout, config.takeover_after) == (2.5, 12.0)
+    rebuilt = cli_mount.mount_config(parse(cli_mount.daemon_argv(config) + ["--ready-fd", "9"]))
+    assert rebuilt == config
+    plain = cli_mount.mount_config(parse(["mount", str(empty_dir), "--cluster"]))
+    assert plain.replicas == 0 and "--replicas" not in cli_mount.daemon_argv(plain)
+
+
 @pytest.mark.parametrize(
     "text, parsed",
     [("h", ("h", 0)), ("h:80", ("h", 80)), (":80", (None, 80)), ("[::1]:9", ("::1", 9)), ("", (None, 0))],
@@ -199,6 +220,16 @@ def test_format_status_lists_the_cluster():
     )
     assert "cluster: node aaaa on 10.0.0.1:7000, 1 live peers; taken from peers 3 MiB" in text
     assert "peer bbbb at 10.0.0.2:7000" in text and "did not match (read from the store): 2" in text
+
+
+def test_format_status_lists_the_replicas():
+    peers = {"node": "aaaa", "addr": "h:1", "live": [], "replicas": 1, "holders": ["bbbb"]}
+    peers |= {"replicated_bytes": 5 << 20, "held_for": ["cccc"], "replica_held_bytes": 8 << 20}
+    text = cli_control.format_status({"peers": {**peers, "local_commits": 3, "takeovers": 1}})
+    assert "replicas: 1 wanted, held by bbbb; replicated 5 MiB" in text
+    assert "holding replicas of 1 node(s): 8 MiB" in text
+    assert "commits that returned without their replicas: 3" in text
+    assert "lost nodes taken over (their files published here): 1" in text
 
 
 def test_sync_paths_are_relative(empty_dir):

@@ -1,7 +1,8 @@
 """Which peer a node asks for a part (cluster/peers.py), in process: every node computes the same
 owner from the same member list, the parts spread over the members, a member leaving moves
 only its own share, and a node that owns a part asks the member ranked second (only if it
-holds it). And where a node listens by default."""
+holds it). And where a node listens by default. And which members hold a node's replicas
+(cluster/replication.py): every node its own, other failure domains first."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from ckptfs.cluster.members import Member
 from ckptfs.cluster.peers import PeerCache, default_host
+from ckptfs.cluster.replication import Replicator
 
 pytestmark = pytest.mark.unit
 
@@ -69,3 +71,28 @@ def test_default_host():
     assert default_host("file:///srv/store", None) == "127.0.0.1"
     assert default_host("s3://b", "http://127.0.0.1:9000") == "127.0.0.1"
     assert default_host("s3://b", "http://localhost:9000") == "127.0.0.1"
+
+
+def holders(me: str, nodes: list[str], k: int, domains: dict[str, str] | None = None) -> list[str]:
+    domains = domains or {}
+    others = [Member(n, "127.0.0.1", 1000, b"", n, domains.get(n, "")) for n in nodes if n != me]
+    members = SimpleNamespace(node=me, domain=domains.get(me, ""), live=lambda: others)
+    ranked = Replicator._ranked(SimpleNamespace(members=members))  # type: ignore[arg-type]
+    return [m.node for m in ranked[:k]]
+
+
+def test_each_node_has_its_own_holders_spread_over_the_cluster():
+    nodes = [f"{i:016x}" for i in range(1, 17)]
+    chosen = Counter(holders(me, nodes, 1)[0] for me in nodes)
+    assert max(chosen.values()) <= 4, chosen  # (no node holds everyone's replica)
+    assert all(holders(me, nodes, 1)[0] != me for me in nodes)
+
+
+def test_holders_in_another_failure_domain_come_first():
+    nodes = [f"{i:016x}" for i in range(1, 9)]
+    domains = {n: ("rack-a" if i < 4 else "rack-b") for i, n in enumerate(nodes)}
+    for me in nodes:
+        picked = holders(me, nodes, 2, domains)
+        assert all(domains[n] != domains[me] for n in picked), (me, picked)
+    # (with one domain only, any others)
+    assert len(holders(nodes[0], nodes[:3], 2, {n: "rack-a" for n in nodes})) == 2
