@@ -133,8 +133,8 @@ class Link:
                 finally:
                     self._call(self.release, pins)
                 self._call(self.on_answer, self, value, sum(length for _, length in slices))
-        except PeerError as exc:
-            why, lost = str(exc), lost and exc.lost
+        except PeerError as exc:  # (a refused handshake, before the stream was taken: not lost)
+            why, lost = str(exc), lost or exc.lost
         except (OSError, ssl.SSLError, ValueError) as exc:
             why = str(exc) or type(exc).__name__
         finally:
@@ -309,24 +309,28 @@ class Replicator:
             link.sent.pop(w, None)
 
     # -- the commit's wait ------------------------------------------------------------------------
-    def covered(self, seq: int) -> bool:
-        """Whether op ``seq`` is in the store already or held by K holders."""
-        if seq not in self.pending():
-            return True
-        return sum(1 for link in self.links.values() if not link.dead and link.acked >= seq) >= self.k
+    def _held(self, seq: int, k: int | None = None) -> bool:
+        """Op ``seq`` is held by K (or ``k``) holders (each acknowledges ops in journal order)."""
+        held = sum(1 for link in self.links.values() if not link.dead and link.acked >= seq)
+        return held >= (self.k if k is None else k)
+
+    def covered(self, seq: int, k: int | None = None) -> bool:
+        """Whether every op journaled up to ``seq`` is in the store already or held by K (or
+        ``k``) holders (an fsync shadow is journaled but never pending: the ops before it count)."""
+        last = max((s for s in self.pending() if s <= seq), default=None)
+        return last is None or self._held(last, k)
 
     def replicated(self, seq: int) -> bool:
         """Op ``seq`` is pending and held by K holders (``user.ckptfs.state``: replicated)."""
-        return seq in self.pending() and self.covered(seq)
+        return seq in self.pending() and self._held(seq)
 
     async def wait(self, seq: int) -> None:
         """Return once everything journaled up to ``seq`` is covered, or after the timeout."""
         if self.k == 0 or seq <= 0:
             return
         with trio.move_on_after(self.timeout):
-            while not self.covered(seq):
-                if not self.links and not self.members.live():
-                    break  # nobody to wait for
+            # (fewer live members than K: what they can hold, without waiting for the others)
+            while not self.covered(seq, min(self.k, len(self.members.live()))):
                 await self.changed.wait()
         if self.covered(seq):
             return
@@ -337,15 +341,15 @@ class Replicator:
             log.warning(
                 "replicas: %s; this commit returns with the file on this node only until it is in "
                 "the store (counted in 'ckptfs status' as local commits)",
-                f"no reply from {len(self.links)} holder(s) in {self.timeout:g} s"
-                if self.links
-                else "no live peer to hold replicas",
+                f"{len(self.members.live())} live peer(s) of the {self.k} wanted"
+                if len(self.members.live()) < self.k
+                else f"no reply from the holders in {self.timeout:g} s",
             )
 
     def at_risk_seconds(self) -> float:
         """Seconds since the oldest commit that is neither in the store nor replicated."""
         now = time.monotonic()
-        ages = [now - t.submitted for s, t in self.pending().items() if not self.covered(s)]
+        ages = [now - t.submitted for s, t in self.pending().items() if not self._held(s)]
         return max(ages, default=0.0)
 
     def status(self) -> dict:

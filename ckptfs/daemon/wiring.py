@@ -204,6 +204,8 @@ def build_core(
 
             taken = {op.origin for op in pending if op.origin}
             held = replicas.load(cache_dir / REPLICAS, cache, cache.ram_arena_id, taken)
+        else:
+            _drop_replicas(cache_dir / REPLICAS)
     except BaseException:
         cache.close()
         raise
@@ -345,3 +347,11 @@ def _adopt_blocks(cache: Cache, pending: list[Op]) -> list[Op]:
         kept.append(op)
     cache.adopt((op.size, op.blocks) for op in kept)
     return kept
+
+
+def _drop_replicas(directory: Path) -> None:
+    """A mount without --cluster holds no replicas: logs a --cluster run left name blocks this
+    run may reuse, so they go (the origins they came from choose other holders)."""
+    for log_path in sorted(directory.glob("*.log")) if directory.is_dir() else []:
+        log.warning("replicas: not a --cluster mount: dropping the replica log %s", log_path.name)
+        log_path.unlink(missing_ok=True)
