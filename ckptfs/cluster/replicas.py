@@ -384,11 +384,11 @@ class ReplicaHolder:
             len(ops),
             epoch,
         )
-        # The hand-over: the journal takes the ops (and their blocks), then the log goes; no
-        # await between, and a restart finds the journal's ops naming their origin.
+        # The hand-over: the journal takes the ops (and their blocks), then the log goes (a
+        # restart that finds both drops the log: the journal's ops name their origin).
+        self.adopt(origin, ops)
         replica.ops = {}
         self._drop(replica)
-        self.adopt(origin, ops)
         self.taken.add(origin)
         self.just_taken[origin] = time.monotonic()  # (until the members' listing shows the lease)
         self.takeovers += 1
