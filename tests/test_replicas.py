@@ -79,7 +79,11 @@ class _Arrivals:
     def _run(self) -> None:
         tick = 0
         while not self.stop.is_set():
-            for key in self.store.keys():
+            try:
+                keys = self.store.keys()
+            except Exception:  # noqa: BLE001 - (the test ended and its store went)
+                return
+            for key in keys:
                 self.first.setdefault(key, tick)
             tick += 1
             time.sleep(0.02)
@@ -108,7 +112,7 @@ def _save_on_b(b, rng: random.Random) -> dict[str, bytes]:
 
 def _published(cluster, arrivals: _Arrivals, files: dict[str, bytes], timeout: float = 120) -> None:
     store = cluster.store
-    wait_until(lambda: set(files) <= store.keys(), timeout, what=f"{sorted(files)} in the store")
+    wait_until(lambda: set(files) <= set(arrivals.first), timeout, what=f"{sorted(files)} in the store")
     arrivals.close()
     for key, data in files.items():
         assert hashlib.sha256(store.read(key)).digest() == hashlib.sha256(data).digest(), key

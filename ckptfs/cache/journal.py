@@ -55,8 +55,8 @@ class Op:
     # uniform one were evicted (ckptfs/parts.py): it keeps the grown layout. ``parts`` and
     # ``hashes`` are by part index (by block index before grown layouts: the same for uniform ones).
     grown: bool = False
-    # An op this node took over from a lost node's replica (cluster/replicas.py): that node's id.
-    # A restart finds the replica already handed to the journal by it.
+    # An op this node took over from a lost node's replica (cluster/replicas.py): "NODE:SEQ",
+    # that node's id and the op's number there (a restart keeps only the rest of the replica).
     origin: str = ""
 
     def to_record(self) -> dict:

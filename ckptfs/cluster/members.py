@@ -75,6 +75,7 @@ class Members:
         # node has been silent, for the takeover of its replicas) and when this run began
         self.last_beat: dict[str, float] = {}
         self.started = time.time()
+        self.listed_at = -1e9  # time.monotonic() of the last listing that worked
         self.leases: set[str] = set()  # nodes whose replicas a holder took over (TAKEOVER_PREFIX)
         self.down: dict[str, float] = {}  # node -> time.monotonic() it was found unreachable
         self.listed = trio.Event()  # set once the first listing is in
@@ -174,6 +175,7 @@ class Members:
             log.info("could not list the cluster's members: %s", exc)
             return
         listed = set()
+        self.listed_at = time.monotonic()
         self.leases = {
             info.key[len(TAKEOVER_PREFIX) :].removesuffix(".json")
             for info in infos

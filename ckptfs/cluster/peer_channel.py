@@ -79,14 +79,14 @@ class PeerServer:
         gather: Callable[[dict], concurrent.futures.Future],
         released: Callable[[Callable[[], None]], None],
         max_connections: int,
-        session: Callable[[dict, ssl.SSLSocket], None] | None = None,
+        session: Callable[[dict, ssl.SSLSocket, str], None] | None = None,
     ):
         self.context = context  # the current server context (trusts the live members' certificates)
         self.admitted = admitted  # whether a client certificate's fingerprint is a member's
         self.gather = gather
         self.released = released  # run a Served.release on the trio side
-        # A request with "replica" hands the connection over to this for its life: a node's
-        # stream of replicas (cluster/replicas.py); None: refused.
+        # A request with "replica" hands the connection over to this for its life (with the
+        # client's certificate fingerprint): a node's stream of replicas (cluster/replicas.py).
         self.session = session
         self.slots = threading.BoundedSemaphore(max_connections)
         self.sock: socket.socket | None = None
@@ -162,11 +162,12 @@ class PeerServer:
                 if self.stopping:
                     return
             der = tls.getpeercert(binary_form=True)
-            if der is None or not self.admitted(peer_tls.der_fingerprint(der)):
+            fingerprint = peer_tls.der_fingerprint(der) if der is not None else ""
+            if not fingerprint or not self.admitted(fingerprint):
                 self._count("refused_clients")
                 log.info("refused a peer connection: not a member's certificate")
                 return
-            while not self.stopping and self._answer(tls):
+            while not self.stopping and self._answer(tls, fingerprint):
                 pass
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.debug("peer connection ended: %s", exc)
@@ -184,7 +185,7 @@ class PeerServer:
         with self.counts:
             setattr(self, name, getattr(self, name) + n)
 
-    def _answer(self, tls: ssl.SSLSocket) -> bool:
+    def _answer(self, tls: ssl.SSLSocket, fingerprint: str) -> bool:
         """Answer one request; False when the client is done (or sent nonsense)."""
         tls.settimeout(SERVER_IDLE_S)
         head = recv_exact(tls, 4)
@@ -202,7 +203,7 @@ class PeerServer:
         self._count("requests")
         if "replica" in request:
             if self.session is not None:
-                self.session(request, tls)
+                self.session(request, tls, fingerprint)
             return False
         future = self.gather(request)
         try:

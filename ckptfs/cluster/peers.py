@@ -88,7 +88,7 @@ class PeerCache:
         lookup: Lookup,
         fill: Fill,
         domain: str = "",
-        session: Callable[[dict, ssl.SSLSocket], None] | None = None,
+        session: Callable[[dict, ssl.SSLSocket, str], None] | None = None,
     ):
         self.url = store.url
         self.cache = cache

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # the holders are checked (and replaced) this often
 ANSWER_S = 90.0  # a holder silent this long on a message (its cache full for good) is dropped
 WARN_EVERY_S = 60.0
+LEASE_MAX = 8 << 20  # a lease lists the ops it took (their sequence numbers)
+REFUSED_S = 10.0  # a holder that refused our stream (busy, full) is left alone this long
 
 
 class Link:
@@ -167,6 +169,10 @@ class Replicator:
         self.links: dict[str, Link] = {}
         self.token: trio.lowlevel.TrioToken | None = None
         self.changed = trio.Event()
+        self.loaded = trio.Event()  # the journal's pending ops are the uploader's (Core.load)
+        self.refused: dict[str, float] = {}  # holder -> when it refused our stream (left alone a while)
+        # A holder's queue beyond this (blocks pinned, not yet sent): it is too slow, another is chosen.
+        self.queue_cap = max(cache.block_size, (cache.tiers[0].budget + cache.tiers[1].budget) // 4)
         self.replicated_bytes = 0  # bytes holders acknowledged
         self.local_commits = 0  # commits that returned without their replicas (timeout, no peer)
         self.holder_losses = 0  # streams that ended (a holder lost, full or refusing)
@@ -175,9 +181,10 @@ class Replicator:
     # -- life -----------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.token = trio.lowlevel.current_trio_token()
-        await self.members.listed.wait()
-        self._relink()
         task_status.started()
+        await self.members.listed.wait()
+        await self.loaded.wait()  # (a holder first gets every op still pending: the resumed ones too)
+        self._relink()
         while True:
             await trio.sleep(POLL_S)
             self._relink()
@@ -208,14 +215,19 @@ class Replicator:
         live = {m.node: m for m in self.members.live()}
         for node, link in list(self.links.items()):
             current = live.get(node)
-            if link.dead or current is None or current.fingerprint != link.member.fingerprint:
+            too_slow = link.queued_bytes > self.queue_cap
+            if too_slow and not link.dead:
+                log.warning("replicas: holder %s is too slow; choosing another", node)
+                self.refused[node] = time.monotonic()
+            if link.dead or too_slow or current is None or current.fingerprint != link.member.fingerprint:
                 link.close()
                 del self.links[node]
                 self._signal()
+        now = time.monotonic()
         for member in self._ranked():
             if len(self.links) >= self.k:
                 break
-            if member.node not in self.links:
+            if member.node not in self.links and now - self.refused.get(member.node, -REFUSED_S) >= REFUSED_S:
                 self._open(member)
 
     def _open(self, member: Member) -> None:
@@ -231,7 +243,11 @@ class Replicator:
         )
         self.links[member.node] = link
         log.info("replicas: streaming this node's pending files to %s (%s)", member.node, member.addr)
-        for _, task in sorted(self.pending().items()):  # what it missed, in journal order
+        pending = sorted(self.pending().items())
+        # The holder drops whatever else it holds of this node (a stream cut off may have lost a
+        # retarget or done), then gets what it missed, in journal order, each op as it is now.
+        link.put({"t": "reset", "pending": [seq for seq, _ in pending]}, [], [])
+        for _, task in pending:
             self._send_op(link, task.op, task.content, None)
 
     def _answered(self, link: Link, value: int, nbytes: int) -> None:
@@ -250,6 +266,8 @@ class Replicator:
             )
             if lost:  # (not a refused handshake: it has not seen this node's record yet, or is busy)
                 self.members.unreachable(link.member.node)
+            elif link.ready or "refused" in why:
+                self.refused[link.member.node] = time.monotonic()  # (busy, full: try another)
         link.dead = True
         link.drain()
         self._signal()
@@ -278,6 +296,8 @@ class Replicator:
         """A retarget, cancel or done the journal recorded."""
         for link in self.links.values():
             link.put({"t": "amend", "rec": rec}, [], [])
+        if rec["t"] in ("done", "cancel"):
+            self._signal()  # (an op in the store needs no replica: a close may wait for it)
 
     def forget(self, writing: int) -> None:
         """A working copy ended: its streamed blocks are of no more use to the holders."""
@@ -364,11 +384,18 @@ class Replicator:
 
 
 async def read_lease(store: ObjectStore, node: str) -> dict | None:
-    """The lease a holder took on ``node``'s replicas (cluster/replicas.py; None: none)."""
+    """The lease a holder took on ``node``'s replicas (cluster/replicas.py; None: none). A store
+    error is raised: "none" must mean none."""
+    key = f"{TAKEOVER_PREFIX}{node}.json"
+    if await trio.to_thread.run_sync(store.head, key, abandon_on_cancel=True) is None:
+        return None
     try:
-        raw = await trio.to_thread.run_sync(store.get_range, f"{TAKEOVER_PREFIX}{node}.json", 0, 1 << 16)
+        raw = await trio.to_thread.run_sync(store.get_range, key, 0, LEASE_MAX, abandon_on_cancel=True)
         lease = json.loads(raw)
-    except Exception:  # noqa: BLE001 - none (or unreadable): nothing was taken over
+    except FileNotFoundError:
+        return None  # (gone meanwhile)
+    except ValueError:
+        log.warning("replicas: the lease %s is not JSON: ignored", key)
         return None
     return lease if isinstance(lease, dict) else None
 

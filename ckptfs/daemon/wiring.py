@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,7 @@ log = logging.getLogger(__name__)
 CLEAN_INDEX = "clean.index"
 JOURNAL = "journal"
 REPLICAS = "replicas"  # the replicas this node holds for others (cluster/replicas.py)
+FENCE_WAIT_S = 30.0  # how long a start waits for a takeover of this node to end
 
 
 @dataclass
@@ -109,35 +111,55 @@ class Core:
 
     async def fence(self) -> None:
         """(--cluster, before ``load``) A holder of this node's replicas published what this node
-        left pending while it was gone: drop those ops rather than publish an older state over
-        what came after (cluster/replicas.py)."""
+        left pending while it was gone: drop exactly those ops rather than publish an older state
+        over what came after (cluster/replicas.py). A takeover still being claimed, or still
+        publishing, is waited for a while."""
         if self.peers is None:
             return
-        from ckptfs.cluster import replication
+        from ckptfs.cluster import replicas, replication
 
-        lease = await replication.read_lease(self.store, self.records.node)
-        if lease is None:
-            return
-        through = int(lease.get("through", 0))
-        dropped = [op for op in self.pending if op.seq <= through]
-        for op in dropped:
-            self.journal.cancel(op.seq)
-            for ref in op.blocks:
-                if ref is not None:
-                    self.cache.decref(ref)
-        self.pending = [op for op in self.pending if op.seq > through]
-        log.warning(
-            "node %s published this node's operations up to %d while it was gone: %d pending "
-            "operations dropped",
-            lease.get("holder"),
-            through,
-            len(dropped),
-        )
-        await replication.drop_lease(self.store, self.records.node)
+        node = self.records.node
+        deadline = time.monotonic() + FENCE_WAIT_S
+        while True:
+            try:
+                lease = await replication.read_lease(self.store, node)
+            except Exception as exc:  # noqa: BLE001 - a store that fails now: this mount cannot tell
+                log.error("replicas: cannot read this node's takeover lease (%s): not fenced", exc)
+                return
+            if lease is None:
+                return
+            state = lease.get("state")
+            if state == replicas.PUBLISHED or time.monotonic() > deadline:
+                break
+            log.info(
+                "replicas: node %s is taking this node's files over (%s): waiting", lease.get("holder"), state
+            )
+            await trio.sleep(1)
+        if lease.get("state") == replicas.CLAIMING:  # (its holder died claiming: nothing was taken)
+            log.warning("replicas: node %s never finished taking this node over", lease.get("holder"))
+        else:
+            taken = {seq for seq in lease.get("seqs", []) if isinstance(seq, int)}
+            dropped = [op for op in self.pending if op.seq in taken]
+            for op in dropped:
+                self.journal.cancel(op.seq)
+                for ref in op.blocks:
+                    if ref is not None:
+                        self.cache.decref(ref)
+            self.pending = [op for op in self.pending if op.seq not in taken]
+            log.warning(
+                "replicas: node %s published %d of this node's pending operations while it was gone "
+                "(%s): they are dropped here",
+                lease.get("holder"),
+                len(dropped),
+                "all in the store" if lease.get("state") == replicas.PUBLISHED else "still publishing",
+            )
+        await replication.drop_lease(self.store, node)
 
     def load(self, listing: Iterable[ObjectInfo]) -> None:
         """The tree: the store's ``listing`` with the pending ops replayed (after ``start``)."""
         self.namespace.load(listing, self.pending, self.clean)
+        if self.replicator is not None:
+            self.replicator.loaded.set()
 
     def close(self) -> None:
         if self.replicator is not None:
@@ -171,8 +193,9 @@ def build_core(
     tree = Tree(os.getuid(), os.getgid(), config.umask, root, max_key_bytes=store.key_room())
 
     def uploads_hold_cache() -> bool:
-        # (the cycle cache -> policy -> uploader -> cache: see the module doc)
-        return uploader.holds_cache()
+        # (the cycle cache -> policy -> uploader -> cache: see the module doc; replicas held for
+        # other nodes go as their uploads end, like this node's own)
+        return uploader.holds_cache() or (holder is not None and holder.holds_blocks())
 
     policy = CheckpointEvictionPolicy(tree, config.part_size, uploads_hold_cache)
     cache = Cache(
@@ -202,8 +225,7 @@ def build_core(
         if config.cluster:  # the replicas this node held for others (adopted like the journal's)
             from ckptfs.cluster import replicas  # (TLS: only with --cluster)
 
-            taken = {op.origin for op in pending if op.origin}
-            held = replicas.load(cache_dir / REPLICAS, cache, cache.ram_arena_id, taken)
+            held = replicas.load(cache_dir / REPLICAS, cache, cache.ram_arena_id, _taken(pending))
         else:
             _drop_replicas(cache_dir / REPLICAS)
     except BaseException:
@@ -255,10 +277,10 @@ def build_core(
 
         from ckptfs.cluster.peers import UNSPECIFIED, PeerCache, default_host  # (TLS: only with --cluster)
 
-        def session(request, tls) -> None:
+        def session(request, tls, fingerprint: str) -> None:
             # (a replica stream, cycle peers -> holder: built a few lines later)
             assert holder is not None
-            holder.session(request, tls)
+            holder.session(request, tls, fingerprint)
 
         host, port = parse_peer_addr(config.peer_addr or "")
         routed = default_host(config.store_url, config.endpoint_url)
@@ -278,9 +300,10 @@ def build_core(
         from ckptfs.cluster.replicas import ReplicaHolder
         from ckptfs.cluster.replication import Replicator
 
-        async def handover(origin: str) -> None:
+        async def handover(origin: str, last: int) -> None:
             await records.settled()  # (this node's records cover those files before the origin's go)
             await records.remove_node(origin)
+            await uploader.wait_durable(last)
 
         holder = ReplicaHolder(
             cache,
@@ -292,7 +315,10 @@ def build_core(
             lambda origin, ops: commits.take_over(origin, ops),
             handover,
             limits.MAX_REPLICA_STREAMS,
-            {op.origin for op in pending if op.origin},
+            {
+                origin: max(op.seq for op in pending if op.origin.startswith(origin + ":"))
+                for origin in _taken(pending)
+            },
         )
         if config.replicas:
             replicator = Replicator(
@@ -355,3 +381,13 @@ def _drop_replicas(directory: Path) -> None:
     for log_path in sorted(directory.glob("*.log")) if directory.is_dir() else []:
         log.warning("replicas: not a --cluster mount: dropping the replica log %s", log_path.name)
         log_path.unlink(missing_ok=True)
+
+
+def _taken(pending: list[Op]) -> dict[str, int]:
+    """Origin -> the last of its ops (its own number) this node's journal took over."""
+    taken: dict[str, int] = {}
+    for op in pending:
+        origin, _, seq = op.origin.partition(":")
+        if origin and seq.isdigit():
+            taken[origin] = max(taken.get(origin, 0), int(seq))
+    return taken

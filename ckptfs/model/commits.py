@@ -239,17 +239,21 @@ class Commits:
         self.tree.take_out(node)
         self.tree.maybe_drop(node)
 
-    def take_over(self, origin: str, ops: list[Op]) -> None:
+    def take_over(self, origin: str, ops: list[Op]) -> int:
         """A lost node's pending ops, in its journal order, from the replica this node held
         (cluster/replicas.py): journaled here (naming their origin), then published by this
-        node's uploader like its own. A put's blocks pass from the replica to the upload."""
+        node's uploader like its own. A put's blocks pass from the replica to the upload. The
+        last one's sequence number here."""
         for op in ops:
             blocks = list(op.blocks)
-            op.seq, op.origin = 0, origin
+            op.seq, op.origin = 0, f"{origin}:{op.seq}"
             self.writing(op.key)
             self.journal.append(op)
             content = Content(self.cache, op.size, blocks) if op.kind == PUT else None
+            if self.replicator is not None:  # (now this node's: its own holders get them too)
+                self.replicator.op(op, content)
             self.uploader.submit(op, content)
+        return self.journal.next_seq - 1
 
     # -- fsync shadows -----------------------------------------------------------------------------
     def add_shadow(self, node: Node, content: Content, writing: Writing | None, covers: int | None) -> None:
