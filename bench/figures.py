@@ -99,6 +99,7 @@ FIGURES = [
     Figure("replicas_cpu_client", "replicas", "client CPU, save start to durable", "CPU s"),
     Figure("replicas_cpu_writer", "replicas", "writer daemon CPU, save start to durable", "CPU s"),
     Figure("replicas_cpu_holder", "replicas", "holder daemon CPU, save start to durable", "CPU s"),
+    Figure("replicas_cpu_store", "replicas", "Swift server CPU, save start to durable", "CPU s"),
     Figure("replicas_busy", "replicas", "machine CPU busy during the stall", "%"),
 ]
 BY_ID = {f.id: f for f in FIGURES}

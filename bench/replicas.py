@@ -36,6 +36,7 @@ import io
 import os
 import resource
 import shutil
+import statistics
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -58,12 +59,27 @@ LABELS = {
 STATE_XATTR = "user.ckptfs.state"
 PEER_WAIT_S = 60  # for the two nodes to see each other (and A to stream to B)
 SYNC_TIMEOUT_S = 600
+CPU_OF = ("client", "writer", "holder", "store")  # the bench, A's daemon, B's daemon, Swift
 PREFAULT = 3.0  # times the checkpoint: A's RAM tier, B's, torch.save's own
 
 
 def _client_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def _store_cpu() -> float:
+    """CPU seconds so far of the Swift server's processes (the bench's children: Swift's servers
+    and their workers, memcached)."""
+    import psutil
+
+    total = 0.0
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any("swift" in part or "memcached" in part for part in proc.cmdline()):
+                times = proc.cpu_times()
+                total += times.user + times.system
+    return total
 
 
 def _machine() -> tuple[int, int, int]:
@@ -160,7 +176,7 @@ class Scenario:
                 self._wait("A streams to no holder", lambda: (a.status().get("peers") or {}).get("holders"))
             sysinfo.prefault_free_memory(int(PREFAULT * self.size))
             path = a.mountpoint / KEY
-            cpu0 = (_client_cpu(), sysinfo.cpu_seconds(a.pid), sysinfo.cpu_seconds(b.pid))
+            cpu0 = (_client_cpu(), sysinfo.cpu_seconds(a.pid), sysinfo.cpu_seconds(b.pid), _store_cpu())
             machine0 = _machine()
             start = time.monotonic()
             torch.save(self.state, path)
@@ -168,10 +184,10 @@ class Scenario:
             busy, niced = _busy(machine0, _machine())
             state = os.getxattr(path, STATE_XATTR).decode()
             saved = path.stat().st_size  # (torch.save names its archive after the file: not blob's size)
-            cpu1 = (_client_cpu(), sysinfo.cpu_seconds(a.pid), sysinfo.cpu_seconds(b.pid))
+            cpu1 = (_client_cpu(), sysinfo.cpu_seconds(a.pid), sysinfo.cpu_seconds(b.pid), _store_cpu())
             a._ckptfs("sync", str(a.mountpoint), timeout=SYNC_TIMEOUT_S)
             durable = time.monotonic() - start
-            cpu2 = (_client_cpu(), sysinfo.cpu_seconds(a.pid), sysinfo.cpu_seconds(b.pid))
+            cpu2 = (_client_cpu(), sysinfo.cpu_seconds(a.pid), sysinfo.cpu_seconds(b.pid), _store_cpu())
             stored = self.ctx.client().head_object(Bucket=BUCKET, Key=f"{prefix}/{KEY}")["ContentLength"]
             peers_a = a.status().get("peers") or {}
             peers_b = b.status().get("peers") or {}
@@ -197,8 +213,8 @@ class Scenario:
             "machine_busy_in_stall": busy,
             "machine_niced_in_stall": niced,
             "replicated": replicated,
-            "cpu_to_close": {k: cpu1[j] - cpu0[j] for j, k in enumerate(("client", "writer", "holder"))},
-            "cpu_to_durable": {k: cpu2[j] - cpu0[j] for j, k in enumerate(("client", "writer", "holder"))},
+            "cpu_to_close": {k: cpu1[j] - cpu0[j] for j, k in enumerate(CPU_OF)},
+            "cpu_to_durable": {k: cpu2[j] - cpu0[j] for j, k in enumerate(CPU_OF)},
             "peers_writer": peers_a,
             "peers_holder": peers_b,
         }
@@ -207,11 +223,12 @@ class Scenario:
         """boto3 upload_fileobj of the torch.save'd bytes already in memory: the upload alone."""
         key = f"run-{i}-boto3/{KEY}"
         self.blob.seek(0)
-        cpu0 = _client_cpu()
+        cpu0 = (_client_cpu(), _store_cpu())
         start = time.monotonic()
         self.ctx.client().upload_fileobj(self.blob, BUCKET, key, Config=transfer_config())
         seconds = time.monotonic() - start
-        return {"target": "boto3", "upload": seconds, "cpu_client": _client_cpu() - cpu0}
+        cpu = (_client_cpu() - cpu0[0], _store_cpu() - cpu0[1])
+        return {"target": "boto3", "upload": seconds, "cpu": {"client": cpu[0], "store": cpu[1]}}
 
     # -- all of it --
     def run(self) -> None:
@@ -229,7 +246,12 @@ class Scenario:
         res, t = self.bench.results, r["target"]
         if t == "boto3":
             res.add("replicas_upload", t, r["upload"])
-            self.progress(f"replicas  {t:17} run {i + 1}/{runs}: upload alone {r['upload']:6.2f} s")
+            res.add("replicas_cpu_client", t, r["cpu"]["client"])
+            res.add("replicas_cpu_store", t, r["cpu"]["store"])
+            self.progress(
+                f"replicas  {t:17} run {i + 1}/{runs}: upload alone {r['upload']:6.2f} s; CPU s: client "
+                f"{r['cpu']['client']:.1f}, Swift {r['cpu']['store']:.1f}"
+            )
             return
         res.add("replicas_stall", t, r["stall"])
         res.add("replicas_durable", t, r["durable"])
@@ -240,12 +262,15 @@ class Scenario:
         res.add("replicas_cpu_client", t, cpu["client"])
         res.add("replicas_cpu_writer", t, cpu["writer"])
         res.add("replicas_cpu_holder", t, cpu["holder"])
+        res.add("replicas_cpu_store", t, cpu["store"])
         res.add("replicas_busy", t, 100 * r["machine_busy_in_stall"])
         pa, pb = r["peers_writer"], r["peers_holder"]
+        in_stall = ", ".join(f"{r['cpu_to_close'][k]:.1f}" for k in CPU_OF)
         line = (
             f"replicas  {t:17} run {i + 1}/{runs}: stall {r['stall']:6.2f} s, durable {r['durable']:6.2f} s "
             f"(after close {r['after_close']:5.2f} s), state {r['state_after_close']}; CPU s to durable: "
-            f"client {cpu['client']:.1f}, writer {cpu['writer']:.1f}, holder {cpu['holder']:.1f}; machine "
+            f"client {cpu['client']:.1f}, writer {cpu['writer']:.1f}, holder {cpu['holder']:.1f}, Swift "
+            f"{cpu['store']:.1f} (in the stall: {in_stall}); machine "
             f"busy {r['machine_busy_in_stall']:.0%} in the stall ({r['machine_niced_in_stall']:.0%} niced)"
         )
         if t == "replicas-1":
@@ -257,6 +282,13 @@ class Scenario:
             if not r["replicated"]:
                 line += " -- NOT REPLICATED"
         self.progress(line)
+
+    def in_stall(self, target: str) -> str:
+        """The medians of the CPU seconds spent in the stall, per process ("" for boto3)."""
+        runs = [r["cpu_to_close"] for r in self.runs if r["target"] == target and "cpu_to_close" in r]
+        if not runs:
+            return ""
+        return ", ".join(f"{statistics.median(r[k] for r in runs):.2f}" for k in CPU_OF)
 
     def not_replicated(self) -> list[str]:
         return [
@@ -325,6 +357,7 @@ CPU = (
     ("replicas_cpu_client", "client"),
     ("replicas_cpu_writer", "writer daemon (A)"),
     ("replicas_cpu_holder", "holder daemon (B)"),
+    ("replicas_cpu_store", "Swift server"),
 )
 
 
@@ -357,38 +390,35 @@ def plot(results: Results, out: Path) -> Path:
     _bars(ax, results, GROUPS, ("replicas-1", "replicas-0"))
     upload = results.summary("replicas_upload", "boto3")
     if upload is not None:
-        ax.axhline(upload.median, color=COLORS["boto3"], linestyle="--", linewidth=1)
-        ax.text(
-            len(GROUPS) - 0.5,
+        ax.axhline(
             upload.median,
-            f"boto3 upload alone {upload.median:.2f} s",
-            ha="right",
-            va="bottom",
-            fontsize=8,
             color=COLORS["boto3"],
+            linestyle="--",
+            linewidth=1,
+            label=f"the upload alone (boto3): {upload.median:.2f} s",
         )
     zero = results.median("replicas_stall", "replicas-0")
     if zero is not None:
         ax.plot(
-            [-0.45, 0.45], [STALL_LIMIT * zero] * 2, color=COLORS["replicas-1"], linestyle=":", linewidth=1
-        )
-        ax.text(
-            0.45,
-            STALL_LIMIT * zero,
-            f"goal: {STALL_LIMIT}x without",
-            fontsize=7,
-            ha="right",
-            va="bottom",
+            [-0.45, 0.45],
+            [STALL_LIMIT * zero] * 2,
             color=COLORS["replicas-1"],
+            linestyle=":",
+            linewidth=1.5,
+            label=f"goal: stall <= {STALL_LIMIT}x without",
         )
     ax.set_ylabel("s from the save's start (lower is better)", fontsize=8)
     ax.set_title("one torch.save into node A; node B holds A's replica", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center")
-    _bars(cpu, results, CPU, ("replicas-1", "replicas-0"))
+    _bars(cpu, results, CPU, TARGETS, width=0.27)
     cpu.set_ylabel("CPU s, save start to durable", fontsize=8)
     cpu.set_title("CPU (2 cores, shared with Swift)", fontsize=9)
+    handles, labels = cpu.get_legend_handles_labels()
+    lines, texts = ax.get_legend_handles_labels()
+    keep = [(h, t) for h, t in zip(lines, texts) if t not in labels]
+    handles, labels = handles + [h for h, _ in keep], labels + [t for _, t in keep]
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle("--replicas 1 vs --replicas 0 (median of the runs; whiskers: min and max)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path = out / "replicas.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -420,15 +450,20 @@ def markdown(
         ("replicas_durable", "time to durable (until `ckptfs sync` returns)"),
         ("replicas_after_close", "after the close: durable - stall"),
         ("replicas_upload", "the upload alone (boto3, bytes in memory)"),
-        ("replicas_cpu_client", "CPU s, client (torch.save), to durable"),
+        ("replicas_cpu_client", "CPU s, client (torch.save; boto3: its upload), to durable"),
         ("replicas_cpu_writer", "CPU s, writer daemon (A), to durable"),
         ("replicas_cpu_holder", "CPU s, holder daemon (B), to durable"),
+        ("replicas_cpu_store", "CPU s, Swift server, to durable (boto3: its upload)"),
         ("replicas_busy", "machine CPU busy during the stall, % of all cores"),
     ):
         unit = "" if figure.startswith("replicas_cpu") else (" %" if figure == "replicas_busy" else " s")
         cells = [_cell(results, figure, t, unit) for t in TARGETS]
         if any(cells):
             rows.append([label, *cells])
+        if figure == "replicas_cpu_store":
+            rows.append(
+                ["CPU s in the stall: client, writer, holder, Swift", *map(scenario.in_stall, TARGETS)]
+            )
     matrix = tabulate(rows, ["", *(LABELS[t] for t in TARGETS)], tablefmt="github", disable_numparse=True)
     runs = scenario.bench.runs("replicas", "")
     states = ", ".join(r["state_after_close"] for r in scenario.runs if r["target"] == "replicas-1")
