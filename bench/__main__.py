@@ -2,12 +2,15 @@
 
     scripts/bench [--size MiB] [--runs N] [--targets LIST] [--scenarios LIST] ...
     scripts/bench --scenarios cluster [--cluster-size MiB] [--cluster-rate RATE] ...
+    scripts/bench --scenarios replicas [--replicas-size MiB] [--runs N]
 
 Starts OpenStack Swift (s3api) on 127.0.0.1, mounts every filesystem target, runs the scenarios
 (run 1 of every target, then run 2, ...), prints a table, writes docs/benchmarks/results.json,
 one PNG per scenario and the generated part of docs/benchmarks.md. The cluster scenario (issue
 30; only when named) restores one checkpoint on 1, 2 and 4 nodes in network namespaces
-(bench/cluster.py) and writes cluster.json, cluster.png and its own part of the doc. Unmounts,
+(bench/cluster.py) and writes cluster.json, cluster.png and its own part of the doc. The replicas
+scenario (only when named) times a save with --replicas 1 against --replicas 0 on two --cluster
+mounts (bench/replicas.py) and writes replicas.json, replicas.png and its own part. Unmounts,
 stops what it started (by PID), removes its network namespaces and its work directory on the
 way out, also after an error or Ctrl-C. See docs/benchmarks.md for the method.
 """
@@ -27,7 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import cluster, report, sysinfo, workloads
+from bench import cluster, replicas, report, sysinfo, workloads
 from bench.durable import POLL_INTERVAL
 from bench.figures import CLUSTER_NODES, Results
 from bench.goals import check, check_cluster
@@ -37,7 +40,8 @@ from bench.targets import TARGETS, Context
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = ("save", "cold", "write", "scale", "ram4x", "dcp", "small")  # the default: all of these
-OPT_IN = ("cluster",)  # only when named (network namespaces, root, minutes of its own)
+# only when named: several nodes each, minutes of their own (cluster: network namespaces, root)
+OPT_IN = ("cluster", "replicas")
 SLOW_PEERS = ("s3fs", "rclone")  # 15-30 s per 1 GiB save here, twice the others
 MiB = 1 << 20
 
@@ -172,6 +176,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"what restores in the cluster scenario (default all: {','.join(cluster.TARGETS)})",
     )
     p.add_argument(
+        "--replicas-size",
+        type=_at_least(16),
+        default=None,
+        metavar="MiB",
+        help="the checkpoint the replicas scenario saves, in MiB (default: --size)",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=REPO / "docs" / "benchmarks",
@@ -245,6 +256,8 @@ def budget(opts) -> dict[str, str]:
         out["ram4x"] = runs(1)
     if "cluster" in opts.scenarios:
         out["cluster"] = runs(opts.runs)
+    if "replicas" in opts.scenarios:
+        out["replicas"] = runs(opts.runs)
     if "small" in opts.scenarios:
         out["small"] = runs(opts.small_runs)
         slow = [t for t in workloads.SLOW_SMALL if t in opts.targets]
@@ -338,6 +351,7 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     for target in reversed(list(targets.values())):  # unmount before reporting: counts in the run time
         target.stop()
     restores = cluster.restores(bench, ctx, opts, work, stack) if "cluster" in opts.scenarios else None
+    replicated = replicas.measure(bench, ctx, opts, work, stack) if "replicas" in opts.scenarios else None
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "argv": sys.argv[1:],
@@ -354,6 +368,7 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
             "cluster_rate": opts.cluster_rate,
             "cluster_nodes": opts.cluster_nodes,
             "cluster_targets": opts.cluster_targets,
+            "replicas_size": opts.replicas_size or opts.size,
         },
         "budget": budget(opts),
         "checkpoint_mib": nbytes / MiB,
@@ -367,11 +382,16 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     }
     goals = check(results, ram_budget) if main_scenarios else []
     cluster_goals = check_cluster(results, restores.wrong()) if restores else []
-    print("\n" + report.table(results, goals, cluster_goals), flush=True)
+    replica_goals = (
+        replicas.check(results, replicated.not_replicated(), runs("replicas", "")) if replicated else []
+    )
+    print("\n" + report.table(results, goals, cluster_goals, replica_goals), flush=True)
     opts.out.mkdir(parents=True, exist_ok=True)
     if restores:
         cluster.write(restores, results, cluster_goals, meta, opts.out, opts.doc)
-    if not main_scenarios:  # (a cluster-only run leaves results.json and the bench:results block alone)
+    if replicated:
+        replicas.write(replicated, results, replica_goals, meta, opts.out, opts.doc)
+    if not main_scenarios:  # (an opt-in-only run leaves results.json and the bench:results block alone)
         return 0
     report.write_json(opts.out / "results.json", report.to_json(results, goals, meta))
     limit = (ram_budget + 200e6) / MiB

@@ -90,6 +90,17 @@ FIGURES = [
     Figure("small_stall", "small", "many small files: save time", "s", floor="cache-disk"),
     Figure("small_durable", "small", "many small files: time to durable", "s"),
     *_cluster_figures(),
+    # the replicas scenario (bench/replicas.py): --replicas 1 vs 0 on two --cluster mounts
+    Figure("replicas_stall", "replicas", "save stall: torch.save until it returns", "s"),
+    Figure("replicas_replicated", "replicas", "time to replicated: the close returned, replica held", "s"),
+    Figure("replicas_durable", "replicas", "time to durable: until ckptfs sync returns", "s"),
+    Figure("replicas_after_close", "replicas", "after the close: durable - stall", "s"),
+    Figure("replicas_upload", "replicas", "the upload alone (boto3, bytes in memory)", "s"),
+    Figure("replicas_cpu_client", "replicas", "client CPU, save start to durable", "CPU s"),
+    Figure("replicas_cpu_writer", "replicas", "writer daemon CPU, save start to durable", "CPU s"),
+    Figure("replicas_cpu_holder", "replicas", "holder daemon CPU, save start to durable", "CPU s"),
+    Figure("replicas_cpu_store", "replicas", "Swift server CPU, save start to durable", "CPU s"),
+    Figure("replicas_busy", "replicas", "machine CPU busy during the stall", "%"),
 ]
 BY_ID = {f.id: f for f in FIGURES}
 

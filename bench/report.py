@@ -25,9 +25,10 @@ ORDER = (
     "boto3",
     "s3torchconnector",
 )
-# the figures of results.json, the plots and the bench:results block; the cluster scenario's have
-# their own (bench/cluster.py)
-MAIN = [f for f in FIGURES if f.scenario != "cluster"]
+# the figures of results.json, the plots and the bench:results block; the cluster and replicas
+# scenarios' have their own (bench/cluster.py, bench/replicas.py)
+OWN_REPORT = ("cluster", "replicas")
+MAIN = [f for f in FIGURES if f.scenario not in OWN_REPORT]
 
 
 def _targets(results: Results, figure: str) -> list[str]:
@@ -73,7 +74,9 @@ def _goal_lines(title: str, goals: list[Goal]) -> str:
     return f"\n\n{title}:\n" + "\n".join(lines)
 
 
-def table(results: Results, goals: list[Goal], cluster_goals: list[Goal] = ()) -> str:
+def table(
+    results: Results, goals: list[Goal], cluster_goals: list[Goal] = (), replica_goals: list[Goal] = ()
+) -> str:
     rows = []
     for fig in FIGURES:
         for target in _targets(results, fig.id):
@@ -104,6 +107,7 @@ def table(results: Results, goals: list[Goal], cluster_goals: list[Goal] = ()) -
         + notes
         + _goal_lines("Design section 5 targets (ckptfs-s3)", goals)
         + _goal_lines("Issue 30 targets (ckptfs-cluster)", list(cluster_goals))
+        + _goal_lines("Replicated level targets (--replicas 1)", list(replica_goals))
     )
 
 
