@@ -46,6 +46,7 @@ class Member:
     cert: bytes  # PEM
     fingerprint: str
     domain: str = ""  # --failure-domain (replicas go to other domains first)
+    holders: tuple[str, ...] = ()  # the nodes it streams its replicas to (--replicas)
 
     @property
     def addr(self) -> str:
@@ -75,6 +76,7 @@ class Members:
         # node has been silent, for the takeover of its replicas) and when this run began
         self.last_beat: dict[str, float] = {}
         self.started = time.time()
+        self.holders: list[str] = []  # where this node streams its replicas (the replicator sets it)
         self.listed_at = -1e9  # time.monotonic() of the last listing that worked
         self.leases: set[str] = set()  # nodes whose replicas a holder took over (TAKEOVER_PREFIX)
         self.down: dict[str, float] = {}  # node -> time.monotonic() it was found unreachable
@@ -97,6 +99,7 @@ class Members:
             "port": self.port,
             "cert": self.identity.cert_pem.decode(),
             "domain": self.domain,
+            "holders": self.holders,
         }
         return json.dumps(record).encode()
 
@@ -221,6 +224,7 @@ class Members:
                 cert,
                 peer_tls.fingerprint(cert),
                 str(record.get("domain", ""))[:64],
+                tuple(str(n)[:64] for n in record.get("holders", [])[:16]),
             )
         except Exception as exc:  # noqa: BLE001 - a damaged or vanished record: not a member
             log.info("ignoring the cluster record %s: %s", key, exc)
@@ -230,7 +234,7 @@ class Members:
         return {
             "node": self.node,
             "addr": f"{self.host}:{self.port}",
-            "live": [{"node": m.node, "addr": m.addr} for m in self.live()],
+            "live": [{"node": m.node, "addr": m.addr, "holders": list(m.holders)} for m in self.live()],
             "unreachable": sorted(n for n, t in self.down.items() if time.monotonic() - t < DOWN_S),
             "membership_failures": self.failures,
         }

@@ -62,6 +62,7 @@ DIRECTORY = "replicas"
 POLL_S = 1.0
 LEASE_SETTLE_S = 2.0  # between writing the lease and reading it back
 LEASE_SEEN_S = 10.0  # a lease just taken counts this long before the members' listing shows it
+RECORD_LAG_S = 6.0  # an origin's record put this long after its stream began names its holders
 FRESH_LISTING_S = 3.0  # silence is judged only on a listing of the members this recent
 CLAIMING, TAKEN, PUBLISHED = "claiming", "taken", "published"  # a lease's states
 KINDS = (PUT, DELETE, MOVE, MKDIR, ATTR)
@@ -88,6 +89,7 @@ class Replica:
         self.files: dict[int, dict[int, tuple[BlockRef, int]]] = {}  # writing -> index -> (ref, stamp)
         self.fd = -1
         self.lines = 0
+        self.streamed_at = time.time()  # when its origin's last stream here began (wall clock)
 
     def block_count(self) -> int:
         return sum(1 for op in self.ops.values() for ref in op.blocks if ref is not None) + sum(
@@ -200,8 +202,7 @@ class ReplicaHolder:
         # may have been cut short: it is done again) and by this one.
         self.resumed = dict(resumed)
         self.just_taken: dict[str, float] = {}  # origin -> when (until the listing shows the lease)
-        self.sessions: dict[str, int] = {}  # origin -> its streams open now
-        self.detached = dict.fromkeys(replicas, time.monotonic())  # origin -> since when none is open
+        self.unlisted: dict[str, float] = {}  # origin -> since when its record does not name this node
         # Replicas take at most half the cache: the rest stays this node's own.
         self.cap = (cache.tiers[0].budget + cache.tiers[1].budget) // 2
         self.held_blocks = sum(r.block_count() for r in replicas.values())
@@ -233,13 +234,20 @@ class ReplicaHolder:
             replica = self.replicas.get(origin)
             if replica is None:
                 continue
-            silent = self.members.silent_for(origin)
-            if silent >= self.takeover_after:
-                await self._take_over(replica)
-            elif not self.sessions.get(origin) and now - self.detached.get(origin, now) > self.takeover_after:
-                # live, but streaming to other holders now: what is here is of no more use
-                log.info("replicas: node %s streams elsewhere now: dropping its replica here", origin)
+            # Its record says where it streams its replicas: a holder it left holds old news.
+            record = self.members.known.get(origin, (None, None))[1]
+            listed = record is None or self.members.node in record.holders
+            # (a record put before its stream here began may not name this node yet)
+            put_since = self.members.last_beat.get(origin, 0.0) > replica.streamed_at + RECORD_LAG_S
+            moved = not listed and put_since
+            if not moved:
+                self.unlisted.pop(origin, None)
+            elif now - self.unlisted.setdefault(origin, now) > self.takeover_after:
+                log.info("replicas: node %s streams to other holders now: dropping its replica here", origin)
                 self._drop(replica)
+                continue
+            if not moved and self.members.silent_for(origin) >= self.takeover_after:
+                await self._take_over(replica)
 
     def close(self) -> None:
         for replica in self.replicas.values():
@@ -266,19 +274,10 @@ class ReplicaHolder:
             send_answer(tls, "busy: too many replica streams")
             return
         try:
-            self._on_trio_sync(self._attached, origin, 1)
             send_answer(tls, 0)  # (the stream is taken)
             self._stream(origin, tls)
         finally:
             self.streams.release()
-            with contextlib.suppress(trio.RunFinishedError):
-                self._on_trio_sync(self._attached, origin, -1)
-
-    def _attached(self, origin: str, n: int) -> None:
-        self.sessions[origin] = self.sessions.get(origin, 0) + n
-        if self.sessions[origin] <= 0:
-            del self.sessions[origin]
-            self.detached[origin] = time.monotonic()
 
     def _stream(self, origin: str, tls: ssl.SSLSocket) -> None:
         buffer = memoryview(bytearray(self.cache.block_size))  # (one block per stream: daemon/limits.py)
@@ -308,9 +307,6 @@ class ReplicaHolder:
 
     def _on_trio(self, fn, *args):
         return trio.from_thread.run(fn, *args, trio_token=self.token)
-
-    def _on_trio_sync(self, fn, *args):
-        return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
 
     async def _receive(self, origin: str, header: dict, body: memoryview) -> int:
         if self._fenced(origin):
@@ -351,6 +347,7 @@ class ReplicaHolder:
             self._drop_file(replica, _int(header["w"]))
             return 0
         if kind == "reset":
+            replica.streamed_at = time.time()
             keep = {_int(seq, 1) for seq in header["pending"]}
             for seq in [s for s in replica.ops if s not in keep]:
                 self._end(replica, seq)
@@ -507,7 +504,7 @@ class ReplicaHolder:
             self._drop_file(replica, w)
         replica.remove()
         self.replicas.pop(replica.origin, None)
-        self.detached.pop(replica.origin, None)
+        self.unlisted.pop(replica.origin, None)
 
     def status(self) -> dict:
         return {

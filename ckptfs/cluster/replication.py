@@ -8,8 +8,10 @@ whose close returned: a holder publishes it.
 The stream mirrors the journal, in its order, on one TLS connection per holder (a thread each,
 the peer channel's identities and trust): blocks a writer filled and moved past go as they are
 sealed (the close waits only for the tail), each op after the blocks it names, then the
-journal's retargets, cancels and dones. A holder answers every message once it has stored it;
-ops are acknowledged by sequence number, so one watermark per holder says what it holds.
+journal's retargets, cancels and dones. A holder answers every message once it has stored it
+(up to ``WINDOW`` messages are on their way); ops are acknowledged by sequence number, so one
+watermark per holder says what it holds. While blocks wait to go, the uploads give way (one
+part at a time): a close waits for its replicas, not for the store.
 
 Holders are chosen by rendezvous hashing of (this node, member), nodes of another failure domain
 first (``--failure-domain``): each origin has its own holders, so the replicas of a cluster
@@ -20,6 +22,7 @@ sent: the queue is bounded by the cache, whose budget the writer waits on.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # the holders are checked (and replaced) this often
+WINDOW = 4  # messages sent to a holder before its answer to the first
 ANSWER_S = 90.0  # a holder silent this long on a message (its cache full for good) is dropped
 WARN_EVERY_S = 60.0
 LEASE_MAX = 8 << 20  # a lease lists the ops it took (their sequence numbers)
@@ -124,17 +128,23 @@ class Link:
             read_answer(self.tls)  # (the holder took the stream)
             self._call(self.on_answer, self, 0, 0)
             lost = True  # (from now on a failure is the holder's, not a refused handshake)
+            sent: collections.deque[int] = collections.deque()  # bytes of messages not answered yet
             while True:
+                # Up to WINDOW messages on their way: the holder stores one while the next
+                # arrives. Answers are read in one thread with the sends, never at once.
+                if sent and (len(sent) >= WINDOW or self.queue.empty()):
+                    value = read_answer(self.tls)
+                    self._call(self.on_answer, self, value, sent.popleft())
+                    continue
                 item = self.queue.get()
                 if item is None:
                     return
                 header, slices, pins = item
                 try:
                     send_frame(self.tls, header, slices)
-                    value = read_answer(self.tls)
                 finally:
-                    self._call(self.release, pins)
-                self._call(self.on_answer, self, value, sum(length for _, length in slices))
+                    self._call(self.release, pins)  # (sent: a new stream sends from the content)
+                sent.append(sum(length for _, length in slices))
         except PeerError as exc:  # (a refused handshake, before the stream was taken: not lost)
             why, lost = str(exc), lost or exc.lost
         except (OSError, ssl.SSLError, ValueError) as exc:
@@ -229,6 +239,7 @@ class Replicator:
                 break
             if member.node not in self.links and now - self.refused.get(member.node, -REFUSED_S) >= REFUSED_S:
                 self._open(member)
+        self.members.holders = sorted(self.links)  # (in this node's record: who holds what it commits)
 
     def _open(self, member: Member) -> None:
         assert self.token is not None
@@ -259,7 +270,9 @@ class Replicator:
             self._signal()
 
     def _ended(self, link: Link, why: str, lost: bool) -> None:
-        if not link.dead:
+        if not link.dead and not link.ready:  # (it has not listed this node's record yet, or is busy)
+            log.info("replicas: %s did not take the stream (%s); trying again", link.member.node, why)
+        elif not link.dead:
             self.holder_losses += 1
             log.warning(
                 "replicas: the stream to %s ended (%s); choosing another holder", link.member.node, why
@@ -365,6 +378,10 @@ class Replicator:
                 if len(self.members.live()) < self.k
                 else f"no reply from the holders in {self.timeout:g} s",
             )
+
+    def behind(self) -> bool:
+        """Blocks wait to go to a holder (the uploads give way meanwhile)."""
+        return any(link.queued_bytes > 0 for link in self.links.values() if not link.dead)
 
     def at_risk_seconds(self) -> float:
         """Seconds since the oldest commit that is neither in the store nor replicated."""

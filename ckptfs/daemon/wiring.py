@@ -255,6 +255,12 @@ def build_core(
         config.lost_node_after,
     )
     gate = MarkerGate(tree, store, records, health, config.no_marker)
+
+    def replicas_behind() -> bool:
+        # (--replicas: a close waits for its replicas, not for the store; the cycle uploader ->
+        # replicator, built a few lines later)
+        return replicator is not None and replicator.behind()
+
     uploader = Uploader(
         store,
         cache,
@@ -265,6 +271,7 @@ def build_core(
         health=health,
         retained_ops=shadows.retained_ops,
         gate=gate,
+        yield_to=replicas_behind,
     )
     peers, holder, replicator = None, None, None
     if config.cluster:  # (the cycle peers -> namespace, fetcher -> peers: see the module doc)

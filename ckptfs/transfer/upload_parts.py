@@ -12,8 +12,10 @@ manifests), both shared with the uploader. The uploader sets ``nursery`` when it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 
 import trio
@@ -33,6 +35,8 @@ from ckptfs.util.background import Gate
 from ckptfs.util.byte_budget import ByteBudget
 from ckptfs.util.stats import RateMeter
 
+YIELD_POLL_S = 0.02  # how often a part given way looks again (``yield_to``)
+
 log = logging.getLogger(__name__)
 
 
@@ -49,6 +53,7 @@ class PartSender:
         schedule: PartSchedule,
         concurrency: int,
         hash_threads: trio.CapacityLimiter,
+        yield_to: Callable[[], bool] | None = None,
     ):
         self.calls = calls
         self.store = calls.store
@@ -61,6 +66,10 @@ class PartSender:
         self.uploads: dict[str, Upload] = {}  # live multipart uploads by journal id
         self.creating: dict[str, str] = {}  # journal id -> key, while CreateMultipartUpload runs
         self.part_slots = trio.Semaphore(concurrency)
+        self.concurrency = concurrency
+        # True while another transfer must go first (--replicas: a commit waits for its replicas,
+        # not for the store): parts then go one at a time.
+        self.yield_to = yield_to
         self.part_buffers = PartBuffers(schedule.base, concurrency)  # (parts of the base size)
         # Bytes of part bodies being read, hashed and sent at once: ``concurrency`` parts of the
         # base size, or one of the grown layout's largest (up to 4 GiB: it goes alone).
@@ -196,10 +205,10 @@ class PartSender:
         async with trio.open_nursery() as parts:
             for number in range(1, last + (not task.compressed)):
                 if task.parts[number - 1] is None:
-                    await self.part_slots.acquire()
+                    await self._take_slot()
                     parts.start_soon(self._send_part, task, upload, number, gone)
         if task.compressed and not gone:
-            await self.part_slots.acquire()
+            await self._take_slot()
             await self._send_part(task, upload, last, gone)
         if gone and await self._is_complete(upload):  # completed just before a crash
             task.completed = True
@@ -209,6 +218,14 @@ class PartSender:
             self._forget(upload)
             task.upload = None
             await self._upload_parts(task)
+
+    async def _take_slot(self) -> None:
+        """A part slot; only one part at a time while ``yield_to`` says another transfer goes
+        first (on 2 cores the store's server and the replicas' TLS share the CPU with the
+        writer: the upload, which no close waits for, gives way)."""
+        while self.yield_to is not None and self.concurrency - self.part_slots.value >= 1 and self.yield_to():
+            await trio.sleep(YIELD_POLL_S)
+        await self.part_slots.acquire()
 
     async def _send_part(self, task: Task, upload: Upload, number: int, gone: list[int]) -> None:
         try:
@@ -310,7 +327,8 @@ class PartSender:
                 stream.scopes.add(scope)
                 if stream.abandoned:
                     scope.cancel()
-                async with self.part_slots:
+                await self._take_slot()
+                async with _released(self.part_slots):
                     async with stream.creating:
                         if stream.upload is None:
                             stream.upload = await self._create_upload(
@@ -514,3 +532,12 @@ class PartSender:
         self.uploads.pop(upload.journal_id, None)
         if upload.journal_id:
             self.journal.multipart_ended(upload.journal_id)
+
+
+@contextlib.asynccontextmanager
+async def _released(slots: trio.Semaphore):
+    """Release a slot taken before (``_take_slot``) when the block ends."""
+    try:
+        yield
+    finally:
+        slots.release()

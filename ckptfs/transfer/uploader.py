@@ -104,6 +104,7 @@ class Uploader:
         health: StoreHealth | None = None,
         retained_ops: Callable[[], list[Op]] = list,
         gate: PublishGate | None = None,
+        yield_to: Callable[[], bool] | None = None,
     ):
         self.store = store
         self.cache = cache
@@ -127,7 +128,7 @@ class Uploader:
             compression.Governor(behind=lambda: cache.waiters > 0),
         )
         self.sender = PartSender(
-            self.calls, self.encoder, cache, journal, self.schedule, concurrency, hash_threads
+            self.calls, self.encoder, cache, journal, self.schedule, concurrency, hash_threads, yield_to
         )
         self.pending: dict[int, Task] = {}  # by seq; insertion order is sequence order
         self.progress = trio.Event()  # set (and replaced) whenever an op is done
