@@ -461,16 +461,9 @@ class Node:
         if self.lost:
             return
         self.lost = True
-        pid = self.mount.pid
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        pid = self._sigkill()
         self._link.drop()
-        if pid is not None:
-            _wait_dead(pid)
-            self.mount.pid = None
+        self._reap(pid)
         _lazy_unmount(self.path)
         self._link.stop()
         self._wipe()
@@ -482,20 +475,26 @@ class Node:
         lost node): what its link held is dropped, and nothing is held after. ``restart=False``:
         it stays down until ``start()``."""
         self._alive()
+        self._reap(self._sigkill())
+        self._link.discard()
+        self._holding = None
+        _lazy_unmount(self.path)
+        if restart:
+            self.mount.start()
+
+    def _sigkill(self) -> int | None:
         pid = self.mount.pid
         if pid is not None:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        return pid
+
+    def _reap(self, pid: int | None) -> None:
         if pid is not None:
             _wait_dead(pid)
             self.mount.pid = None
-        self._link.discard()
-        self._holding = None
-        _lazy_unmount(self.path)
-        if restart:
-            self.mount.start()
 
     def _wipe(self) -> None:
         ram = self.mount.ram_dir()
