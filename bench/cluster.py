@@ -544,15 +544,17 @@ def write(scenario: Scenario, results: Results, goals: list[Goal], meta: dict, o
         "nodes": sorted(scenario.opts.cluster_nodes),
         "targets": {t: LABELS[t] for t in TARGETS},
     }
-    report.write_json(out / "cluster.json", data)
-    png = plot(results, out, sorted(scenario.opts.cluster_nodes))
-    scenario.progress(f"wrote {out / 'cluster.json'} and {png}")
-    if doc != "none":
-        path = Path(doc)
-        if report.update_doc(path, markdown(results, goals, meta, scenario, png, path), BEGIN, END):
-            scenario.progress(f"updated the cluster results in {path}")
-        else:
-            scenario.progress(f"{path}: missing, or without the {BEGIN} ... {END} markers: not updated")
+    report.publish_scenario(
+        "cluster",
+        data,
+        out,
+        doc,
+        lambda out: plot(results, out, sorted(scenario.opts.cluster_nodes)),
+        lambda png, path: markdown(results, goals, meta, scenario, png, path),
+        BEGIN,
+        END,
+        scenario.progress,
+    )
 
 
 if __name__ == "__main__":

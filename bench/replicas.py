@@ -525,15 +525,17 @@ def write(scenario: Scenario, results: Results, goals: list[Goal], meta: dict, o
         "durable": "from the save's start until `ckptfs sync MNT` returns",
         "upload_alone": "boto3 upload_fileobj of the torch.save'd bytes in memory, 8 MiB parts, 8 in flight",
     }
-    report.write_json(out / "replicas.json", data)
-    png = plot(results, out)
-    scenario.progress(f"wrote {out / 'replicas.json'} and {png}")
-    if doc != "none":
-        path = Path(doc)
-        if report.update_doc(path, markdown(results, goals, meta, scenario, png, path), BEGIN, END):
-            scenario.progress(f"updated the replicas results in {path}")
-        else:
-            scenario.progress(f"{path}: missing, or without the {BEGIN} ... {END} markers: not updated")
+    report.publish_scenario(
+        "replicas",
+        data,
+        out,
+        doc,
+        lambda out: plot(results, out),
+        lambda png, path: markdown(results, goals, meta, scenario, png, path),
+        BEGIN,
+        END,
+        scenario.progress,
+    )
 
 
 if __name__ == "__main__":

@@ -324,6 +324,23 @@ def header(meta: dict) -> list[str]:
     return [generated, "", host, versions]
 
 
+def publish_scenario(
+    name: str, data: dict, out: Path, doc: str, plot, block, begin: str, end: str, progress
+) -> None:
+    """A scenario's own results: ``<name>.json`` and its plot in ``out`` (``plot(out)`` returns
+    the png's path), then its block of ``doc`` (``block(png, path)``: the markdown; "none": no doc)."""
+    write_json(out / f"{name}.json", data)
+    png = plot(out)
+    progress(f"wrote {out / (name + '.json')} and {png}")
+    if doc == "none":
+        return
+    path = Path(doc)
+    if update_doc(path, block(png, path), begin, end):
+        progress(f"updated the {name} results in {path}")
+    else:
+        progress(f"{path}: missing, or without the {begin} ... {end} markers: not updated")
+
+
 def update_doc(doc: Path, block: str, begin: str = BEGIN, end: str = END) -> bool:
     """Replace the generated block of `doc` (`begin` ... `end`, the markers `block` starts and
     ends with); False if the doc or its markers are missing."""

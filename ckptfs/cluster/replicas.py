@@ -52,7 +52,7 @@ from ckptfs.cache.cache import Cache
 from ckptfs.cache.journal import ATTR, DELETE, MKDIR, MOVE, PUT, Op
 from ckptfs.cluster.members import TAKEOVER_PREFIX, Members
 from ckptfs.cluster.peer_channel import read_frame_header, recv_into, send_answer
-from ckptfs.cluster.replication import read_lease
+from ckptfs.cluster.replication import CLAIMING, PUBLISHED, TAKEN, read_lease
 from ckptfs.store.base import RESERVED_PREFIX, ObjectStore
 from ckptfs.util import private_files
 
@@ -64,7 +64,6 @@ LEASE_SETTLE_S = 2.0  # between writing the lease and reading it back
 LEASE_SEEN_S = 10.0  # a lease just taken counts this long before the members' listing shows it
 RECORD_LAG_S = 6.0  # an origin's record put this long after its stream began names its holders
 FRESH_LISTING_S = 3.0  # silence is judged only on a listing of the members this recent
-CLAIMING, TAKEN, PUBLISHED = "claiming", "taken", "published"  # a lease's states
 KINDS = (PUT, DELETE, MOVE, MKDIR, ATTR)
 MAX_OBJECT = 5 << 40  # S3's largest object
 SESSION_IDLE_S = 300.0  # a stream silent this long is closed (its origin reopens it)

@@ -54,6 +54,7 @@ POLL_S = 1.0  # the holders are checked (and replaced) this often
 WINDOW = 4  # messages sent to a holder before its answer to the first
 ANSWER_S = 90.0  # a holder silent this long on a message (its cache full for good) is dropped
 WARN_EVERY_S = 60.0
+CLAIMING, TAKEN, PUBLISHED = "claiming", "taken", "published"  # a takeover lease's states
 LEASE_MAX = 8 << 20  # a lease lists the ops it took (their sequence numbers)
 REFUSED_S = 10.0  # a holder that refused our stream (busy, full) is left alone this long
 
@@ -415,6 +416,36 @@ async def read_lease(store: ObjectStore, node: str) -> dict | None:
         log.warning("replicas: the lease %s is not JSON: ignored", key)
         return None
     return lease if isinstance(lease, dict) else None
+
+
+async def taken_over(store: ObjectStore, node: str, wait_s: float) -> set[int] | None:
+    """At ``node``'s start: the sequence numbers of its ops a holder took over while it was
+    gone (an empty set: a lease whose holder never finished claiming: nothing was taken), or
+    None (no lease, or the store cannot say). A takeover still claiming or publishing is waited
+    for up to ``wait_s`` (its older publication must not land after what this node does next)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            lease = await read_lease(store, node)
+        except Exception as exc:  # noqa: BLE001 - a store that fails now: this mount cannot tell
+            log.error("replicas: cannot read this node's takeover lease (%s): not fenced", exc)
+            return None
+        if lease is None:
+            return None
+        state, holder = lease.get("state"), lease.get("holder")
+        if state == PUBLISHED or time.monotonic() > deadline:
+            break
+        log.info("replicas: node %s is taking this node's files over (%s): waiting", holder, state)
+        await trio.sleep(1)
+    if state == CLAIMING:
+        log.warning("replicas: node %s never finished taking this node over", holder)
+        return set()
+    log.warning(
+        "replicas: node %s published this node's pending operations while it was gone (%s)",
+        holder,
+        "all in the store" if state == PUBLISHED else "still publishing",
+    )
+    return {seq for seq in lease.get("seqs", []) if isinstance(seq, int)}
 
 
 async def drop_lease(store: ObjectStore, node: str) -> None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,43 +115,21 @@ class Core:
         publishing, is waited for a while."""
         if self.peers is None:
             return
-        from ckptfs.cluster import replicas, replication
+        from ckptfs.cluster import replication
 
         node = self.records.node
-        deadline = time.monotonic() + FENCE_WAIT_S
-        while True:
-            try:
-                lease = await replication.read_lease(self.store, node)
-            except Exception as exc:  # noqa: BLE001 - a store that fails now: this mount cannot tell
-                log.error("replicas: cannot read this node's takeover lease (%s): not fenced", exc)
-                return
-            if lease is None:
-                return
-            state = lease.get("state")
-            if state == replicas.PUBLISHED or time.monotonic() > deadline:
-                break
-            log.info(
-                "replicas: node %s is taking this node's files over (%s): waiting", lease.get("holder"), state
-            )
-            await trio.sleep(1)
-        if lease.get("state") == replicas.CLAIMING:  # (its holder died claiming: nothing was taken)
-            log.warning("replicas: node %s never finished taking this node over", lease.get("holder"))
-        else:
-            taken = {seq for seq in lease.get("seqs", []) if isinstance(seq, int)}
-            dropped = [op for op in self.pending if op.seq in taken]
-            for op in dropped:
-                self.journal.cancel(op.seq)
-                for ref in op.blocks:
-                    if ref is not None:
-                        self.cache.decref(ref)
-            self.pending = [op for op in self.pending if op.seq not in taken]
-            log.warning(
-                "replicas: node %s published %d of this node's pending operations while it was gone "
-                "(%s): they are dropped here",
-                lease.get("holder"),
-                len(dropped),
-                "all in the store" if lease.get("state") == replicas.PUBLISHED else "still publishing",
-            )
+        taken = await replication.taken_over(self.store, node, FENCE_WAIT_S)
+        if taken is None:
+            return
+        dropped = [op for op in self.pending if op.seq in taken]
+        for op in dropped:
+            self.journal.cancel(op.seq)
+            for ref in op.blocks:
+                if ref is not None:
+                    self.cache.decref(ref)
+        self.pending = [op for op in self.pending if op.seq not in taken]
+        if dropped:
+            log.warning("replicas: %d pending operations dropped: a holder published them", len(dropped))
         await replication.drop_lease(self.store, node)
 
     def load(self, listing: Iterable[ObjectInfo]) -> None:
