@@ -165,14 +165,13 @@ class Tier:
     def write(self, slot: int, offset: int, data) -> None:
         pos = slot * self.block_size + offset
         if self.mm is not None:
-            if slot in self.populated:
-                self.mm[pos : pos + len(data)] = data
-            else:
-                # Pages never touched through the map: tmpfs takes a whole page written through
-                # the file without zeroing it first and without a page fault per page of the map
-                # (a fresh mount's first save: 279k faults per GiB through the map, 23k this
-                # way; docs/benchmarks.md). The GIL is released for the copy too.
-                self._pwrite_all(data, pos)
+            # Through the file, not the map, even where the map's pages exist: the GIL is
+            # released for the copy, so upload threads run beside the FUSE loop (issue 32,
+            # docs/architecture.md "What runs where"); and for pages never touched through the
+            # map, tmpfs takes a whole page without zeroing it first and without a page fault
+            # per page (a fresh mount's first save: 279k faults per GiB through the map, 23k
+            # this way; docs/benchmarks.md).
+            self._pwrite_all(data, pos)
             return
         end = offset + len(data)
         if end > self.charged.get(slot, 0):  # a fitted block written again past its end (rare)
@@ -199,11 +198,10 @@ class Tier:
         return os.pread(self.fd, length, pos)
 
     def read_into(self, slot: int, offset: int, out: memoryview) -> None:
-        """Copy into a caller's buffer: no new bytes object (fresh memory is slow here)."""
+        """Copy into a caller's buffer: no new bytes object (fresh memory is slow here), through
+        the file in both tiers, so the GIL is released for the copy (a part's body is read so)."""
         pos = slot * self.block_size + offset
-        if self.mm is not None:
-            out[:] = memoryview(self.mm)[pos : pos + len(out)]
-        elif os.preadv(self.fd, [out], pos) != len(out):
+        if os.preadv(self.fd, [out], pos) != len(out):
             raise OSError(errno.EIO, f"short read from {self.path}")
 
     def view(self, slot: int, length: int) -> memoryview | bytes:

@@ -17,6 +17,7 @@ from ckptfs.store.base import DirListing, ObjectInfo, PartInfo
 from ckptfs.store.s3_client import (
     CHECKSUM_ALGORITHM,
     body_bytes,
+    checksum_headers,
     crc32c_b64,
     etag_of,
     part_token,
@@ -34,8 +35,23 @@ class S3Store(S3Multipart):
     # -- ObjectStore -------------------------------------------------------------
 
     def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
+        crc = crc32c_b64(data) if self.server_checksums else None
+        if self._crt() is not None:
+            meta = [(f"x-amz-meta-{k}", v) for k, v in (metadata or {}).items()]
+            try:
+                self._crt_send(
+                    "put",
+                    key,
+                    "PUT",
+                    self._crt_path(key),
+                    [*meta, *checksum_headers(crc)],
+                    body=data,
+                    signed_payload=crc is None,
+                )
+            except (bex.ClientError, OSError) as e:
+                self._fail("put", key, e)
+            return
         body = body_bytes(data)
-        crc = crc32c_b64(body) if self.server_checksums else None
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
         self._call(
             "put",

@@ -17,6 +17,7 @@ import base64
 import errno
 import functools
 import logging
+import os
 import re
 import threading
 import uuid
@@ -29,6 +30,8 @@ from botocore.config import Config
 
 from ckptfs.errors import NotFound, StoreError, one_line
 from ckptfs.store.base import MAX_KEY_BYTES, ObjectStore, redact_url
+from ckptfs.store.s3_crt import Answer, CrtTransport
+from ckptfs.store.s3_crt import available as crt_available
 
 if TYPE_CHECKING:
     from ckptfs.store.health import StoreHealth
@@ -122,6 +125,13 @@ def part_token(etag: str, crc32c: str | None) -> str:
     return f"{etag} {crc32c}" if crc32c else etag
 
 
+def checksum_headers(crc32c: str | None) -> list[tuple[str, str]]:
+    """The headers of a body's CRC32C, as botocore sends ``ChecksumAlgorithm``/``ChecksumCRC32C``."""
+    if not crc32c:
+        return []
+    return [("x-amz-sdk-checksum-algorithm", CHECKSUM_ALGORITHM), ("x-amz-checksum-crc32c", crc32c)]
+
+
 def etag_of(answer: dict[str, Any]) -> str:
     return str(answer.get("ETag", "")).strip('"')
 
@@ -186,10 +196,16 @@ class S3Client(ObjectStore):
         self._zeros_made: set[int] = set()  # sizes of the zeros objects known in the bucket (s3_multipart)
         self._zeros_lock = threading.Lock()
         self._zeros_refused = False  # the server refused UploadPartCopy: holes are sent as zeros
+        self._health: StoreHealth | None = None
+        self._max_connections = max_connections
+        self._crt_wanted = crt_available() and os.environ.get("CKPTFS_S3_CLIENT", "crt") != "botocore"
+        self._crt_transport: CrtTransport | None = None
+        self._crt_lock = threading.Lock()
 
     def report_to(self, health: StoreHealth) -> None:
         """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage
         shows from the first failed attempt, not once the last retry gave up."""
+        self._health = health  # (the CRT's requests report to it in _crt_send)
         for client in (self._client, self._client_once, self._client_unsigned):
             client.meta.events.register("before-send.s3", functools.partial(self._attempt_starts, health))
             client.meta.events.register("needs-retry.s3", functools.partial(self._attempt_ends, health))
@@ -206,21 +222,75 @@ class S3Client(ObjectStore):
         token, op, key = getattr(self._attempt, "current", (None, "", ""))
         self._attempt.current = (None, "", "")
         health.attempt_ended(token)
-        if caught_exception is not None:
-            if isinstance(caught_exception, (bex.BotoCoreError, OSError)):
+        status = response[0].status_code if response else 0
+        code = str((((response or (None, None))[1] or {}).get("Error") or {}).get("Code") or "")
+        self._judge_attempt(health, op, key, status, code, caught_exception)
+
+    def _judge_attempt(
+        self, health: StoreHealth, op: str, key: str, status: int, code: str, caught: BaseException | None
+    ) -> None:
+        """Tell ``health`` what one HTTP attempt (botocore's or the CRT's) says about the store."""
+        if caught is not None and not isinstance(caught, bex.ClientError):
+            if isinstance(caught, (bex.BotoCoreError, OSError)):
                 health.failed(
-                    op,
-                    key,
-                    f"cannot reach {self.endpoint}: {connection_reason(caught_exception)}",
-                    reachable=False,
+                    op, key, f"cannot reach {self.endpoint}: {connection_reason(caught)}", reachable=False
                 )
             return
-        status = response[0].status_code if response else 0
         if status >= 500 or status == 429:
-            code = str(((response[1] or {}).get("Error") or {}).get("Code") or "")
             health.failed(op, key, f"HTTP {status} {code}".rstrip(), reachable=True)
         elif status < 400 or status in (404, 416):  # (404: a HEAD that misses; 416: a read past the end)
             health.answered()
+
+    # -- the byte path through the CRT (s3_crt.py) ---------------------------------------------
+
+    def _crt(self) -> CrtTransport | None:
+        """The CRT transport for part uploads, puts and ranged GETs; None where botocore sends
+        them (awscrt missing, or CKPTFS_S3_CLIENT=botocore: the bench's comparison)."""
+        if self._crt_transport is None and self._crt_wanted:
+            with self._crt_lock:
+                if self._crt_transport is None:
+                    self._crt_transport = CrtTransport(
+                        self.bucket,
+                        self._endpoint_url,
+                        self._config.region_name or "us-east-1",
+                        self._frozen_credentials,
+                        self._max_connections,
+                        connect_timeout_s=10,
+                    )
+        return self._crt_transport
+
+    def _frozen_credentials(self) -> tuple[str, str, str | None] | None:
+        found = self._session.get_credentials()  # (botocore refreshes expiring ones)
+        if found is None:
+            return None
+        frozen = found.get_frozen_credentials()
+        return frozen.access_key, frozen.secret_key, frozen.token
+
+    def _crt_path(self, key: str, query: str = "") -> str:
+        crt = self._crt()
+        assert crt is not None
+        return crt.path(self._key(key), query)
+
+    def _crt_send(self, op: str, key: str, method: str, path: str, headers, **kwargs: Any) -> Answer:
+        """One request through the CRT, reported to the store's health as one attempt, its
+        errors mapped as botocore's are (``_fail``)."""
+        crt = self._crt()
+        assert crt is not None
+        token = self._health.attempt_started(op, key) if self._health else None
+        try:
+            answer = crt.send(method, op, path, headers, **kwargs)
+        except (bex.ClientError, OSError) as e:
+            if self._health:
+                self._health.attempt_ended(token)
+                answered = e.response if isinstance(e, bex.ClientError) else {}
+                status = answered.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                code = str(answered.get("Error", {}).get("Code", ""))
+                self._judge_attempt(self._health, op, key, status, code, e)
+            raise
+        if self._health:
+            self._health.attempt_ended(token)
+            self._judge_attempt(self._health, op, key, answer.status, "", None)
+        return answer
 
     # -- helpers ---------------------------------------------------------------
 
@@ -406,6 +476,9 @@ class S3Client(ObjectStore):
         return verifies
 
     def close(self) -> None:
+        if self._crt_transport is not None:
+            self._crt_transport.close()
+            self._crt_transport = None
         self._client.close()
         self._client_once.close()
         self._client_unsigned.close()

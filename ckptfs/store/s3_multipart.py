@@ -7,12 +7,21 @@ from __future__ import annotations
 import functools
 import hashlib
 from typing import Any
+from urllib.parse import quote
 
 import botocore.exceptions as bex
 
 from ckptfs.errors import NotFound, StoreError
 from ckptfs.store.base import RESERVED_PREFIX, PartInfo
-from ckptfs.store.s3_client import CHECKSUM_ALGORITHM, S3Client, body_bytes, crc32c_b64, log, part_token
+from ckptfs.store.s3_client import (
+    CHECKSUM_ALGORITHM,
+    S3Client,
+    body_bytes,
+    checksum_headers,
+    crc32c_b64,
+    log,
+    part_token,
+)
 
 ZEROS_PREFIX = RESERVED_PREFIX + "zeros/"  # objects of zeros that hole parts are copied from
 ZEROS_MIN = 8 << 20  # the smallest such object (sizes are powers of two from here)
@@ -91,8 +100,23 @@ class S3Multipart(S3Client):
         return known
 
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
+        crc = crc32c_b64(data) if self._uses_checksums(key, upload_id) else None
+        if self._crt() is not None:
+            query = f"partNumber={number}&uploadId={quote(upload_id, safe='')}"
+            try:
+                answer = self._crt_send(
+                    "upload_part",
+                    key,
+                    "PUT",
+                    self._crt_path(key, query),
+                    checksum_headers(crc),
+                    body=data,
+                    signed_payload=crc is None,
+                )
+            except (bex.ClientError, OSError) as e:
+                self._fail("upload_part", key, e)
+            return PartInfo(number, part_token(answer.headers.get("etag", ""), crc))
         body = body_bytes(data)
-        crc = crc32c_b64(body) if self._uses_checksums(key, upload_id) else None
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
         r = self._call(
             "upload_part",
