@@ -23,7 +23,8 @@ def _ratio_goal(
     """mine / other <= limit, or with `faster`, other / mine >= limit (how many times faster)."""
     mine, theirs = results.median(figure, ME), results.median(figure, other)
     if mine is None or theirs is None:
-        return Goal(text, f"not measured ({ME if mine is None else other} not in this run)", None)
+        missing = " and ".join(t for t, value in ((ME, mine), (other, theirs)) if value is None)
+        return Goal(text, f"not measured ({missing} not in this run)", None)
     unit = BY_ID[figure].unit
     if faster:
         ratio = theirs / mine
