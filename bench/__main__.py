@@ -33,7 +33,7 @@ from pathlib import Path
 from bench import cluster, replicas, report, sysinfo, workloads
 from bench.durable import POLL_INTERVAL
 from bench.figures import CLUSTER_NODES, Results
-from bench.goals import check, check_cluster
+from bench.goals import check, check_cluster, check_issue32
 from bench.mounts import fuse_mounts_under, unmount
 from bench.netnodes import rate_bytes
 from bench.targets import TARGETS, Context
@@ -334,6 +334,7 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     ram_budget = max(4 * 8 * MiB, (nbytes // 4) // MiB * MiB)
     if "save" in opts.scenarios:
         workloads.one_checkpoint(bench, state, nbytes)
+        workloads.gil_held(bench, state, nbytes)
     if "cold" in opts.scenarios:
         workloads.cold_loads(bench, nbytes)
     if "write" in opts.scenarios:
@@ -379,13 +380,15 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "note": opts.note,
         "duration_s": time.monotonic() - progress.start,
+        **bench.meta,
     }
     goals = check(results, ram_budget) if main_scenarios else []
+    issue32_goals = check_issue32(results) if main_scenarios else []
     cluster_goals = check_cluster(results, restores.wrong()) if restores else []
     replica_goals = (
         replicas.check(results, replicated.not_replicated(), runs("replicas", "")) if replicated else []
     )
-    print("\n" + report.table(results, goals, cluster_goals, replica_goals), flush=True)
+    print("\n" + report.table(results, goals, cluster_goals, replica_goals, issue32_goals), flush=True)
     opts.out.mkdir(parents=True, exist_ok=True)
     if restores:
         cluster.write(restores, results, cluster_goals, meta, opts.out, opts.doc)
@@ -393,13 +396,15 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
         replicas.write(replicated, results, replica_goals, meta, opts.out, opts.doc)
     if not main_scenarios:  # (an opt-in-only run leaves results.json and the bench:results block alone)
         return 0
-    report.write_json(opts.out / "results.json", report.to_json(results, goals, meta))
+    report.write_json(
+        opts.out / "results.json", report.to_json(results, goals, meta, issue32_goals=issue32_goals)
+    )
     limit = (ram_budget + 200e6) / MiB
     pngs = report.plots(results, opts.out, {"ram_4x_rss": (limit, f"budget + 200 MB = {limit:.0f} MiB")})
     progress(f"wrote {opts.out / 'results.json'} and {len(pngs)} plots in {opts.out}")
     if opts.doc != "none":
         doc = Path(opts.doc)
-        if report.update_doc(doc, report.markdown(results, goals, meta, pngs, doc)):
+        if report.update_doc(doc, report.markdown(results, goals, meta, pngs, doc, issue32_goals)):
             progress(f"updated the results in {doc}")
         else:
             progress(f"{doc}: missing, or without the {report.BEGIN} ... {report.END} markers: not updated")

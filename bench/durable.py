@@ -95,6 +95,7 @@ class Poller:
         self.seen: dict[str, tuple[int, float]] = {}  # key -> (size, first poll that saw that size)
         self.done_at: float | None = None
         self.error: BaseException | None = None
+        self.cpu = 0.0  # CPU seconds of the poller thread itself, set when it ends (client CPU leaves it out)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="durable-poller", daemon=True)
@@ -126,6 +127,7 @@ class Poller:
         return size is not None and key in self.seen and self.seen[key][0] == size
 
     def _run(self) -> None:
+        cpu0 = time.thread_time()
         try:
             while not self._stop.is_set():
                 with self._lock:
@@ -142,6 +144,8 @@ class Poller:
                 self._stop.wait(self.interval)
         except BaseException as e:  # noqa: BLE001 -- reported by wait()
             self.error = e
+        finally:
+            self.cpu = time.thread_time() - cpu0
 
     def _record(self, found: Iterable[tuple[str, int]], now: float) -> None:
         for key, size in found:

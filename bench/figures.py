@@ -58,6 +58,25 @@ FIGURES = [
     Figure("daemon_cpu", "daemon", "daemon CPU per GiB saved and uploaded", "CPU s/GiB"),
     Figure("daemon_rss", "daemon", "daemon peak RSS while saving and uploading", "MiB"),
     Figure("ram_4x_rss", "daemon", "ckptfs peak RSS saving 4x its RAM-tier budget", "MiB"),
+    # issue 32: what the client side spends (daemon + application, or the client library)
+    Figure(
+        "client_cpu_save",
+        "client_cpu",
+        "client CPU per GiB saved until durable",
+        "CPU s/GiB",
+        floor="cache-disk",
+    ),
+    Figure(
+        "client_cpu_cold", "client_cpu", "client CPU per GiB of a cold load", "CPU s/GiB", floor="cache-disk"
+    ),
+    Figure("gil_held", "gil", "daemon GIL-held time per GiB saved and uploaded", "s/GiB"),
+    Figure(
+        "projected_ceiling",
+        "gil",
+        "projected per-mount save ceiling on many cores = 1 / GIL-held s per GiB",
+        "GiB/s",
+        True,
+    ),
     Figure("write_tp", "write", "FUSE write path: 8 MiB os.write calls", "GiB/s", True, floor="nullfs"),
     Figure("save_tp", "write", "FUSE write path: torch.save throughput", "GiB/s", True, floor="nullfs"),
     Figure(
@@ -108,6 +127,8 @@ SCENARIO_TITLES = {
     "save": "One checkpoint: save stall and time to durable",
     "load": "Loading the latest checkpoint",
     "daemon": "Filesystem daemon: CPU and memory",
+    "client_cpu": "Client CPU per GiB: daemon + application, or the client library",
+    "gil": "ckptfs daemon: GIL-held time while saving and uploading",
     "write": "FUSE write path vs a do-nothing pyfuse3 filesystem",
     "scale": "Scaling: concurrent writers and cold readers in one mount",
     "scale_cpu": "Scaling: daemon CPU per GiB as the work grows",

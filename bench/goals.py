@@ -23,7 +23,8 @@ def _ratio_goal(
     """mine / other <= limit, or with `faster`, other / mine >= limit (how many times faster)."""
     mine, theirs = results.median(figure, ME), results.median(figure, other)
     if mine is None or theirs is None:
-        return Goal(text, f"not measured ({ME if mine is None else other} not in this run)", None)
+        missing = " and ".join(t for t, value in ((ME, mine), (other, theirs)) if value is None)
+        return Goal(text, f"not measured ({missing} not in this run)", None)
     unit = BY_ID[figure].unit
     if faster:
         ratio = theirs / mine
@@ -128,6 +129,46 @@ def check(results: Results, ram_budget: int) -> list[Goal]:
             None,
         ),
         _best_everywhere(results),
+    ]
+
+
+def _at_most(results: Results, text: str, figure: str, limit: float, also: str = "") -> Goal:
+    mine = results.median(figure, ME)
+    if mine is None:
+        return Goal(text, "not measured", None)
+    unit = BY_ID[figure].unit
+    return Goal(text, f"{mine:.2f} {unit}{also}", mine <= limit)
+
+
+def _gil_goal(results: Results) -> Goal:
+    text = "daemon GIL-held <= 0.5 s per GiB saved and uploaded (projected ceiling >= 2 GiB/s)"
+    ceiling = results.median("projected_ceiling", ME)
+    return _at_most(results, text, "gil_held", 0.5, f" (ceiling {ceiling:.2f} GiB/s)" if ceiling else "")
+
+
+def check_issue32(results: Results) -> list[Goal]:
+    """Issue 32's targets ("bytes off the GIL"), for ckptfs-s3."""
+    return [
+        _ratio_goal(results, "time to durable <= s3torchconnector's", "durable", "s3torchconnector", 1.0),
+        _ratio_goal(
+            results,
+            "DCP 4 ranks: time to durable <= s3torchconnector's",
+            "dcp_durable",
+            "s3torchconnector",
+            1.0,
+        ),
+        _ratio_goal(
+            results, "cold torch.load >= 1.1x the throughput of boto3", "cold_load", "boto3", 1.1, faster=True
+        ),
+        _ratio_goal(
+            results,
+            "client CPU of a cold load (daemon + reader) <= half of boto3's",
+            "client_cpu_cold",
+            "boto3",
+            0.5,
+        ),
+        _at_most(results, "daemon CPU <= 1.5 CPU s per GiB saved and uploaded", "daemon_cpu", 1.5),
+        _gil_goal(results),
     ]
 
 

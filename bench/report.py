@@ -75,7 +75,11 @@ def _goal_lines(title: str, goals: list[Goal]) -> str:
 
 
 def table(
-    results: Results, goals: list[Goal], cluster_goals: list[Goal] = (), replica_goals: list[Goal] = ()
+    results: Results,
+    goals: list[Goal],
+    cluster_goals: list[Goal] = (),
+    replica_goals: list[Goal] = (),
+    issue32_goals: list[Goal] = (),
 ) -> str:
     rows = []
     for fig in FIGURES:
@@ -106,6 +110,7 @@ def table(
         text
         + notes
         + _goal_lines("Design section 5 targets (ckptfs-s3)", goals)
+        + _goal_lines("Issue 32 targets, bytes off the GIL (ckptfs-s3)", list(issue32_goals))
         + _goal_lines("Issue 30 targets (ckptfs-cluster)", list(cluster_goals))
         + _goal_lines("Replicated level targets (--replicas 1)", list(replica_goals))
     )
@@ -114,7 +119,13 @@ def table(
 # --- JSON ------------------------------------------------------------------------------------
 
 
-def to_json(results: Results, goals: list[Goal], meta: dict, figs: list[Figure] = MAIN) -> dict:
+def _goal_json(goals: list[Goal]) -> list[dict]:
+    return [{"target": g.text, "measured": g.detail, "met": g.met} for g in goals]
+
+
+def to_json(
+    results: Results, goals: list[Goal], meta: dict, figs: list[Figure] = MAIN, issue32_goals: list[Goal] = ()
+) -> dict:
     figures = []
     for fig in figs:
         values = {}
@@ -136,11 +147,10 @@ def to_json(results: Results, goals: list[Goal], meta: dict, figs: list[Figure] 
                     "ratios": {t: results.ratios(fig.id, t) for t in CKPTFS if t in values},
                 }
             )
-    return {
-        "meta": meta,
-        "figures": figures,
-        "design_targets": [{"target": g.text, "measured": g.detail, "met": g.met} for g in goals],
-    }
+    out = {"meta": meta, "figures": figures, "design_targets": _goal_json(goals)}
+    if issue32_goals:
+        out["issue32_targets"] = _goal_json(issue32_goals)
+    return out
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -157,6 +167,8 @@ BAR_LABELS = {
     ("durable", "boto3"): "boto3\n(upload only)",
     ("cold_load", "boto3"): "boto3\n(download only)",
     ("cold_load", "cache-disk"): "cache-disk\n(cold)",
+    ("client_cpu_save", "boto3"): "boto3\n(serialize\n+ upload)",
+    ("client_cpu_cold", "boto3"): "boto3\n(download only)",
 }
 
 
@@ -232,7 +244,14 @@ def plots(results: Results, out: Path, limits: dict[str, tuple[float, str]]) -> 
 # --- docs/benchmarks.md ----------------------------------------------------------------------
 
 
-def markdown(results: Results, goals: list[Goal], meta: dict, plot_paths: list[Path], doc: Path) -> str:
+def markdown(
+    results: Results,
+    goals: list[Goal],
+    meta: dict,
+    plot_paths: list[Path],
+    doc: Path,
+    issue32_goals: list[Goal] = (),
+) -> str:
     targets = [t for t in ORDER if any(t in results.targets(f.id) for f in MAIN)]
     rows = []
     for f in MAIN:
@@ -293,10 +312,23 @@ def markdown(results: Results, goals: list[Goal], meta: dict, plot_paths: list[P
         "",
         *(f"- **{_goal_mark(g)}**: {g.text}: {g.detail}" for g in goals),
         "",
+        *(["Issue 32 targets (bytes off the GIL), for ckptfs-s3:", ""] if issue32_goals else []),
+        *(f"- **{_goal_mark(g)}**: {g.text}: {g.detail}" for g in issue32_goals),
+        *([""] if issue32_goals else []),
+        *gil_calibration(meta),
         *(f"![{p.stem}]({os.path.relpath(p, doc.parent)})" for p in plot_paths),
         END,
     ]
     return "\n".join(lines)
+
+
+def gil_calibration(meta: dict) -> list[str]:
+    """The GIL-held method checked on known processes (bench/gil.py), as a line of markdown."""
+    found = meta.get("gil_calibration_s")
+    if not found:
+        return []
+    checks = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in found.items())
+    return [f"GIL-held calibration (py-spy, 2 s of each): {checks} (expected 2 and 0).", ""]
 
 
 def header(meta: dict) -> list[str]:
@@ -319,7 +351,7 @@ def header(meta: dict) -> list[str]:
     versions = (
         f"Versions: ckptfs {v['ckptfs']}, torch {v['torch']}, pyfuse3 {v['pyfuse3']}, s3fs {v['s3fs']}, "
         f"rclone {v['rclone']}, boto3 {v['boto3']}, s3torchconnector {v['s3torchconnector']}, Swift {v['swift']}, "
-        f"libfuse {v['libfuse']}."
+        f"libfuse {v['libfuse']}, py-spy {v.get('py-spy', 'not installed')}."
     )
     return [generated, "", host, versions]
 

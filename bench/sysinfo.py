@@ -7,6 +7,7 @@ import importlib.metadata
 import mmap
 import os
 import platform
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,13 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (all its threads) so far."""
     times = psutil.Process(pid).cpu_times()
     return times.user + times.system
+
+
+def own_cpu_seconds() -> float:
+    """User + system CPU seconds of this process, all its threads (getrusage RUSAGE_SELF: not its
+    children). Precise to the microsecond, unlike /proc/PID/stat's clock ticks."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def reset_peak_rss(pid: int) -> None:
@@ -121,6 +129,7 @@ def describe() -> dict:
             "pyfuse3": _python_package("pyfuse3"),
             "boto3": _python_package("boto3"),
             "s3torchconnector": _python_package("s3torchconnector"),
+            "py-spy": _python_package("py-spy"),
             "s3fs": _first_line(["s3fs", "--version"])
             .replace("Amazon Simple Storage Service File System V", "")
             .split(" ")[0],

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench import sysinfo
 from bench.durable import DirView, S3View
 from bench.mounts import CkptfsMount, ForegroundMount
 
@@ -55,6 +56,28 @@ class Context:
 
 def load(path) -> object:
     return torch.load(path, weights_only=False)
+
+
+@dataclass
+class ColdLoad:
+    seconds: float
+    app_cpu: float  # CPU seconds of this process: the reader (torch.load) or the client library
+    daemon_cpu: float | None  # of the fresh mount's daemon over the same window; None: no daemon
+
+    @property
+    def client_cpu(self) -> float:
+        return self.app_cpu + (self.daemon_cpu or 0.0)
+
+
+def timed_load(read, daemon_pid: int | None = None) -> ColdLoad:
+    """Run `read()`: its wall time, this process's CPU and the daemon's over it. Nothing else of
+    the bench runs meanwhile (no poller), so this process's CPU is the reader's or the library's."""
+    daemon0 = sysinfo.cpu_seconds(daemon_pid) if daemon_pid else None
+    app0, start = sysinfo.own_cpu_seconds(), time.monotonic()
+    read()
+    seconds, app = time.monotonic() - start, sysinfo.own_cpu_seconds() - app0
+    daemon = sysinfo.cpu_seconds(daemon_pid) - daemon0 if daemon_pid else None
+    return ColdLoad(seconds, app, daemon)
 
 
 class Target:
@@ -115,16 +138,15 @@ class Target:
         load(self.root / rel)
 
     @contextlib.contextmanager
-    def fresh(self) -> Iterator[Path]:
-        """A view of the store as another node sees it: a new mount with an empty cache."""
-        yield self.root
+    def fresh(self) -> Iterator[tuple[Path, int | None]]:
+        """A view of the store as another node sees it: a new mount with an empty cache; with the
+        PID of its daemon (None: no daemon)."""
+        yield self.root, None
 
-    def cold_load(self, rel: str, drop_page_cache) -> float:
-        with self.fresh() as root:
+    def cold_load(self, rel: str, drop_page_cache) -> ColdLoad:
+        with self.fresh() as (root, pid):
             drop_page_cache()
-            start = time.monotonic()
-            load(root / rel)
-            return time.monotonic() - start
+            return timed_load(lambda: load(root / rel), pid)
 
     def remove(self, rel: str) -> None:
         path = self.root / rel
@@ -223,9 +245,9 @@ class Ckptfs(Target):
             time.sleep(0.05)
 
     @contextlib.contextmanager
-    def fresh(self) -> Iterator[Path]:
+    def fresh(self) -> Iterator[tuple[Path, int | None]]:
         with self.fresh_mount() as mount:
-            yield mount.mountpoint
+            yield mount.mountpoint, mount.pid
 
     @contextlib.contextmanager
     def fresh_mount(self) -> Iterator[CkptfsMount]:
@@ -303,9 +325,9 @@ class FusePeer(Target):
         return self.mount.pid
 
     @contextlib.contextmanager
-    def fresh(self) -> Iterator[Path]:
+    def fresh(self) -> Iterator[tuple[Path, int | None]]:
         with self.fresh_mount() as mount:
-            yield mount.mountpoint
+            yield mount.mountpoint, mount.pid
 
     @contextlib.contextmanager
     def fresh_mount(self) -> Iterator[CkptfsMount]:
@@ -448,11 +470,12 @@ class Boto3(ClientTarget):
     def rank_spec(self, rel: str) -> tuple:
         return ("boto3", self.bucket, rel)
 
-    def cold_load(self, rel: str, drop_page_cache) -> float:
+    def cold_load(self, rel: str, drop_page_cache) -> ColdLoad:
         drop_page_cache()
-        start = time.monotonic()
-        self.ctx.client().download_fileobj(self.bucket, rel, io.BytesIO(), Config=transfer_config())
-        return time.monotonic() - start
+        client = self.ctx.client()
+        return timed_load(
+            lambda: client.download_fileobj(self.bucket, rel, io.BytesIO(), Config=transfer_config())
+        )
 
 
 def s3torch_checkpoint(ctx_or_endpoint, region: str = "us-east-1"):
@@ -494,12 +517,14 @@ class S3Torch(ClientTarget):
     def rank_spec(self, rel: str) -> tuple:
         return ("s3torch", self.bucket, rel)
 
-    def cold_load(self, rel: str, drop_page_cache) -> float:
+    def cold_load(self, rel: str, drop_page_cache) -> ColdLoad:
         drop_page_cache()
-        start = time.monotonic()
-        with self.checkpoint.reader(self.url(rel)) as reader:
-            load(reader)
-        return time.monotonic() - start
+
+        def read():
+            with self.checkpoint.reader(self.url(rel)) as reader:
+                load(reader)
+
+        return timed_load(read)
 
 
 TARGETS = {cls.name: cls for cls in (CacheDisk, CkptfsLocal, CkptfsS3, S3fs, Rclone, Boto3, S3Torch, NullFs)}

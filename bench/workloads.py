@@ -3,7 +3,8 @@ noise on a shared machine spreads over all targets instead of hitting one.
 
 Every save is timed the same way (`measure`): the stall is the wall time of the call, time to
 durable comes from the store poller (bench.durable) started with the save, the daemon's CPU
-seconds and peak RSS cover the save and its upload.
+seconds and peak RSS cover the save and its upload, and so does the CPU of the bench process
+itself less its poller's (the application's torch.save, or the client library's threads).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench import sysinfo
+from bench import gil, sysinfo
 from bench.durable import Poller
 from bench.figures import Results
 from bench.ranks import Ranks
@@ -65,6 +66,7 @@ class Bench:
     progress: Progress
     runs: Callable[[str, str], int]  # (scenario, target) -> how many runs
     latest: dict[str, str] = field(default_factory=dict)  # target -> its latest single-file checkpoint
+    meta: dict = field(default_factory=dict)  # facts a scenario adds to results.json's meta
 
     def each_run(self, scenario: str, names):
         """(run index, target) in interleaved order, skipping targets not in this run."""
@@ -83,6 +85,12 @@ class Measured:
     cpu: float | None  # CPU seconds of the daemon, save start to durable
     rss: int | None  # its peak RSS over the same window
     extra: dict
+    app_cpu: float  # CPU seconds of this process over the same window, less the poller thread's
+
+    @property
+    def client_cpu(self) -> float:
+        """What the client side spent: the application or library here, plus the daemon."""
+        return self.app_cpu + (self.cpu or 0.0)
 
 
 def measure(
@@ -94,6 +102,7 @@ def measure(
         sysinfo.reset_peak_rss(pid)
         cpu0 = sysinfo.cpu_seconds(pid)
     known = known or {}
+    app0 = sysinfo.own_cpu_seconds()
     start = time.monotonic()
     poller = None
     if target.view is not None:
@@ -108,9 +117,10 @@ def measure(
     finally:
         if poller is not None:
             poller.cancel()
+    app_cpu = sysinfo.own_cpu_seconds() - app0 - (poller.cpu if poller is not None else 0.0)
     cpu = sysinfo.cpu_seconds(pid) - cpu0 if pid else None
     rss = sysinfo.peak_rss(pid) if pid else None
-    return Measured(stall, durable, cpu, rss, extra)
+    return Measured(stall, durable, cpu, rss, extra, app_cpu)
 
 
 def _fmt(m: Measured) -> str:
@@ -123,6 +133,12 @@ def _fmt(m: Measured) -> str:
 
 
 SAVE_TARGETS = ("cache-disk", "ckptfs-local", "ckptfs-s3", "s3fs", "rclone", "boto3", "s3torchconnector")
+GIL_TARGETS = ("ckptfs-local", "ckptfs-s3")  # Python daemons py-spy can sample
+
+
+def _client_cpu(gib: float, app: float, daemon: float | None) -> str:
+    split = f" (app {app / gib:.2f} + daemon {daemon / gib:.2f})" if daemon is not None else ""
+    return f"client {(app + (daemon or 0.0)) / gib:.2f} CPU s/GiB{split}"
 
 
 def one_checkpoint(bench: Bench, state, nbytes: int) -> None:
@@ -144,6 +160,9 @@ def one_checkpoint(bench: Bench, state, nbytes: int) -> None:
         if m.cpu is not None:
             r.add("daemon_cpu", t.name, m.cpu / (nbytes / GiB))
             r.add("daemon_rss", t.name, m.rss / MiB)
+        # (the floor too: what torch.save alone costs, until it returns)
+        r.add("client_cpu_save", t.name, m.client_cpu / (nbytes / GiB))
+        line += "; " + _client_cpu(nbytes / GiB, m.app_cpu, m.cpu)
         if t.root is not None:
             t.settle()
             sysinfo.prefault_free_memory(int(LOAD_PREFAULT * nbytes))
@@ -167,11 +186,55 @@ def cold_loads(bench: Bench, nbytes: int) -> None:
         sysinfo.prefault_free_memory(int(LOAD_PREFAULT * nbytes))
 
     for i, n, t in bench.each_run("cold", [name for name in SAVE_TARGETS if name in bench.latest]):
-        seconds = t.cold_load(bench.latest[t.name], drop)
-        bench.results.add("cold_load", t.name, seconds)
-        bench.progress(f"cold load {t.name:17} run {i + 1}/{n}: {seconds:6.2f} s")
+        load = t.cold_load(bench.latest[t.name], drop)
+        bench.results.add("cold_load", t.name, load.seconds)
+        bench.results.add("client_cpu_cold", t.name, load.client_cpu / (nbytes / GiB))
+        cpu = _client_cpu(nbytes / GiB, load.app_cpu, load.daemon_cpu)
+        bench.progress(f"cold load {t.name:17} run {i + 1}/{n}: {load.seconds:6.2f} s, {cpu}")
     if dropped and not all(dropped):
         bench.progress("  (could not drop the page cache: not root; cold loads are not cold)")
+
+
+def gil_held(bench: Bench, state, nbytes: int) -> None:
+    """The ckptfs daemon's GIL-held seconds per GiB over a save and its upload (save start until
+    durable), sampled with py-spy (bench.gil) on saves of their own after the timed ones (the
+    sampler takes CPU from the same cores); first the method's calibration on known processes.
+    Without py-spy, or when it fails, the figures are left out with a one-line note."""
+    chosen = [n for n in GIL_TARGETS if n in bench.targets]
+    if not chosen:
+        return
+    work = bench.targets[chosen[0]].ctx.work
+    try:
+        bench.meta["gil_calibration_s"] = found = gil.calibrate(work)
+    except gil.GilError as e:
+        bench.progress(f"gil       no GIL-held figures: {e}")
+        return
+    expected = {"busy loop": gil.CALIBRATION_SECONDS, "sleeper": 0.0}
+    bench.progress(
+        f"gil       calibration over {gil.CALIBRATION_SECONDS:.0f} s: "
+        + ", ".join(f"{k} {v:.2f} s GIL-held (expected {expected[k]:.0f})" for k, v in found.items())
+    )
+    for i, n, t in bench.each_run("save", chosen):
+        rel = f"gil/run-{i}/model.pt"
+        try:
+            with gil.GilSampler(t.pid, work / f"gil-{t.name}-{i}") as sampler:
+                m = measure(t, lambda t=t, rel=rel: t.save(state, rel), [rel])
+        except gil.GilError as e:
+            bench.progress(f"gil       {t.name:17} run {i + 1}/{n}: no figure: {e}")
+            continue
+        finally:
+            t.remove(os.path.dirname(rel))
+        per_gib = sampler.seconds / (nbytes / GiB)
+        bench.results.add("gil_held", t.name, per_gib)
+        if per_gib > 0:
+            bench.results.add("projected_ceiling", t.name, 1 / per_gib)
+        if off := gil.calibration_off(found):
+            bench.results.note("gil_held", t.name, off)
+            bench.results.note("projected_ceiling", t.name, off)
+        bench.progress(
+            f"gil       {t.name:17} run {i + 1}/{n}: GIL held {sampler.seconds:.2f} s of the "
+            f"{m.durable:.2f} s to durable ({per_gib:.2f} s/GiB); {_fmt(m)}"
+        )
 
 
 def write_path(bench: Bench, state, nbytes: int) -> None:
