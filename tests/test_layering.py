@@ -67,7 +67,7 @@ SUBLAYERS: dict[str, list[set[str]]] = {
         {"model"},
     ],
     "store": [
-        {"store.base", "store.localfs", "store.health"},
+        {"store.base", "store.localfs", "store.health", "store.s3_crt"},
         {"store.local_tree", "store.s3_client"},
         {"store.local_multipart", "store.s3_multipart"},
         {"store.local", "store.s3"},
@@ -77,7 +77,7 @@ SUBLAYERS: dict[str, list[set[str]]] = {
 
 PYFUSE3_ALLOWED = {"fuse.ops", "daemon.run"}
 S3_LIBRARIES = {"boto3", "botocore", "s3transfer", "awscrt"}
-S3_ALLOWED = {"store.s3", "store.s3_client", "store.s3_multipart"}  # the S3 store's modules
+S3_ALLOWED = {"store.s3", "store.s3_client", "store.s3_multipart", "store.s3_crt"}  # the S3 store's modules
 
 # Classes of ckptfs that a class of another module may inherit from: interfaces (an ABC or a
 # Protocol: test_the_class_reader_sees_known_bases checks) and the exceptions of errors.py.

@@ -211,7 +211,7 @@ def test_limits_scale_with_the_machine(monkeypatch, tmp_path):
 
 def test_rss_stays_under_the_formula(tmp_path, own_shm, mount_factory):
     """Writing four times the RAM budget (and reading it back) keeps the daemon's peak RSS under
-    --ram-cache + (2 x concurrency + 4) x part size + the fixed overhead (docs/architecture.md)."""
+    --ram-cache + (3 x concurrency + 4) x part size + the fixed overhead (docs/architecture.md)."""
     ram, part, concurrency = 32 * MiB, 4 * MiB, 4
     m = mount_factory(
         "m",

@@ -8,9 +8,10 @@ tmpfs the arena already holds (a remount reuses its pages).
 
 The daemon's memory, stated in docs/architecture.md and tested in tests/test_limits.py:
 RSS <= the RAM tier (--ram-cache: pages of the tmpfs arena the daemon touched) +
-part-sized buffers ((2 x --upload-concurrency + 4) x --part-size: parts uploading, blocks
-being fetched, small files and disk blocks being hashed or sent whole; allocated when first
-needed, then reused) + a fixed overhead (the interpreter, libraries, FUSE buffers).
+part-sized buffers ((3 x --upload-concurrency + 4) x --part-size: parts uploading, and
+their copies in the CRT client's buffers as they go out, blocks being fetched, small files and
+disk blocks being hashed or sent whole; allocated when first needed, then reused) + a fixed
+overhead (the interpreter, libraries, FUSE buffers).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def memory_bound(config: MountConfig) -> int:
     --cluster, the parts asked of peers take as much again as the fetches (concurrency x part
     size), each peer connection a buffer, and each replica stream this node holds for another
     (at most ``MAX_REPLICA_STREAMS``) a block."""
-    bound = config.ram_cache + (2 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
+    bound = config.ram_cache + (3 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
     if config.cluster:
         bound += config.upload_concurrency * config.part_size + config.peer_connections * PEER_BUFFER
         bound += MAX_REPLICA_STREAMS * config.part_size
