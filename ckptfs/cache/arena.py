@@ -1,7 +1,8 @@
 """The cache's two arenas: one pre-sized file each, carved into slots of ``block_size`` bytes.
 
-The RAM tier lives on tmpfs (mapped once: reads, and writes of populated slots, are a memcpy),
-the NVMe tier in the cache dir (pread/pwrite, so its pages never count against the daemon's
+The RAM tier lives on tmpfs, mapped once (views for hashing and for FUSE reads), but written
+and copied out through the file (pwrite/preadv release the GIL: docs/architecture.md "What runs
+where"); the NVMe tier in the cache dir (pread/pwrite, so its pages never count against the daemon's
 RSS). A ``Tier`` keeps its free slots and the bytes charged to its budget: a RAM slot costs a
 whole block (its pages stay, for reuse), a disk slot only the pages its block holds once that
 is known for good (the rest is punched out). The disk arena grows by a slot whenever its budget
@@ -40,6 +41,16 @@ def in_pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
+def _address_of(mm: mmap.mmap) -> int:
+    """Where the map starts (the ctypes view is dropped at once: a live one would keep the map
+    from closing)."""
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
 class Tier:
     """One arena file, its free slots and the bytes charged to its budget."""
 
@@ -60,8 +71,8 @@ class Tier:
         if self.file_size:
             os.ftruncate(self.fd, self.file_size)
         self.mm = mmap.mmap(self.fd, self.file_size) if mapped and self.file_size else None
+        self._map_address = _address_of(self.mm) if self.mm is not None else 0
         self.touched: set[int] = set()  # RAM slots known to have their pages (see back)
-        self.populated: set[int] = set()  # RAM slots whose pages are zeroed and mapped (see write)
         self.shrunk = False  # the filesystem ran out of room: unbacked slots are retired
         self.backing_error = ""
 
@@ -114,12 +125,14 @@ class Tier:
         if not self.back(slot):
             return False
         assert self.mm is not None  # (only the RAM tier, which is mapped, is populated)
-        try:
-            self.mm.madvise(MADV_POPULATE_WRITE, slot * self.block_size, self.block_size)
-        except OSError as exc:  # kernels before 5.14 (a populate failure is an error, never a signal)
-            log.debug("cannot populate %s: %s", self.path, exc)
-        else:
-            self.populated.add(slot)
+        if self.mm.closed:
+            return False
+        # libc's madvise through ctypes, not mmap.madvise: the kernel zeroes the slot's pages
+        # meanwhile (0.75 s/GiB here), and ctypes releases the GIL for it, mmap does not.
+        address = self._map_address + slot * self.block_size
+        if _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(self.block_size), MADV_POPULATE_WRITE):
+            # kernels before 5.14 (a populate failure is an error, never a signal)
+            log.debug("cannot populate %s: %s", self.path, os.strerror(ctypes.get_errno()))
         return True
 
     def held_bytes(self) -> int:
