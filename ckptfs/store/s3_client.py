@@ -198,7 +198,10 @@ class S3Client(ObjectStore):
         self._zeros_refused = False  # the server refused UploadPartCopy: holes are sent as zeros
         self._health: StoreHealth | None = None
         self._max_connections = max_connections
-        self._crt_wanted = crt_available() and os.environ.get("CKPTFS_S3_CLIENT", "crt") != "botocore"
+        # The CRT transport is opt-in (CKPTFS_S3_CLIENT=crt): it holds the GIL half as long per
+        # GiB sent, but on the measured machine it cost more CPU, time and memory than botocore
+        # (docs/architecture.md, "What runs where").
+        self._crt_wanted = crt_available() and os.environ.get("CKPTFS_S3_CLIENT") == "crt"
         self._crt_transport: CrtTransport | None = None
         self._crt_lock = threading.Lock()
 
@@ -244,8 +247,8 @@ class S3Client(ObjectStore):
     # -- the byte path through the CRT (s3_crt.py) ---------------------------------------------
 
     def _crt(self) -> CrtTransport | None:
-        """The CRT transport for part uploads, puts and ranged GETs; None where botocore sends
-        them (awscrt missing, or CKPTFS_S3_CLIENT=botocore: the bench's comparison)."""
+        """The CRT transport for part uploads and puts, where chosen (CKPTFS_S3_CLIENT=crt and
+        awscrt installed); None where botocore sends them (the default)."""
         if self._crt_transport is None and self._crt_wanted:
             with self._crt_lock:
                 if self._crt_transport is None:

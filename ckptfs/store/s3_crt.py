@@ -1,10 +1,12 @@
-"""The S3 store's request bodies in C: part uploads and puts through the AWS CRT's S3 client
-(awscrt), the client s3torchconnector and Mountpoint are built on.
+"""The S3 store's request bodies in C, opt-in (``CKPTFS_S3_CLIENT=crt``): part uploads and puts
+through the AWS CRT's S3 client (awscrt), the client s3torchconnector and Mountpoint are built on.
 
 Why (issue 32; docs/architecture.md, "What runs where"): botocore builds, signs and sends each
 request in Python, under the interpreter lock the FUSE request loop needs too. Measured here
 (1 GiB of 8 MiB parts, 8 threads, Swift): botocore held the GIL 0.56-0.73 s, this path 0.14 s,
-for the same client CPU (about 1.5 s/GiB, mostly the payload's SHA-256 and the socket copies).
+for about the same client CPU (1.5 s/GiB, mostly the payload's SHA-256 and the socket copies).
+In a whole save on the 2-core machine it cost more than botocore (daemon CPU, time to durable,
+and about 60 MiB of RSS for its own buffers), which is why botocore stays the default.
 The CRT's native threads send and receive without the GIL; the calling thread hashes the body
 (hashlib releases the GIL), hands it over in one ``readinto`` (a copy with the GIL released)
 and waits. Ranged GETs stay in botocore: through the CRT they cost more CPU here (1.4-1.6
