@@ -16,7 +16,7 @@ from ckptfs.errors import NotFound, StoreError
 from ckptfs.store.base import DirListing, ObjectInfo, PartInfo
 from ckptfs.store.s3_client import (
     CHECKSUM_ALGORITHM,
-    body_bytes,
+    ViewBody,
     checksum_headers,
     crc32c_b64,
     etag_of,
@@ -51,7 +51,7 @@ class S3Store(S3Multipart):
             except (bex.ClientError, OSError) as e:
                 self._fail("put", key, e)
             return
-        body = body_bytes(data)
+        body = ViewBody(data)
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
         self._call(
             "put",

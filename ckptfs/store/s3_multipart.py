@@ -16,7 +16,7 @@ from ckptfs.store.base import RESERVED_PREFIX, PartInfo
 from ckptfs.store.s3_client import (
     CHECKSUM_ALGORITHM,
     S3Client,
-    body_bytes,
+    ViewBody,
     checksum_headers,
     crc32c_b64,
     log,
@@ -116,7 +116,7 @@ class S3Multipart(S3Client):
             except (bex.ClientError, OSError) as e:
                 self._fail("upload_part", key, e)
             return PartInfo(number, part_token(answer.headers.get("etag", ""), crc))
-        body = body_bytes(data)
+        body = ViewBody(data)
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
         r = self._call(
             "upload_part",
