@@ -8,8 +8,8 @@ tmpfs the arena already holds (a remount reuses its pages).
 
 The daemon's memory, stated in docs/architecture.md and tested in tests/test_limits.py:
 RSS <= the RAM tier (--ram-cache: pages of the tmpfs arena the daemon touched) +
-part-sized buffers ((3 x --upload-concurrency + 4) x --part-size: parts uploading, and
-their copies in the CRT client's buffers as they go out, blocks being fetched, small files and
+part-sized buffers ((3 x --upload-concurrency + 4) x --part-size: parts uploading, and,
+with the opt-in CRT transport, their copies in its buffers as they go out, blocks being fetched, small files and
 disk blocks being hashed or sent whole; allocated when first needed, then reused) + a fixed
 overhead (the interpreter, libraries, FUSE buffers).
 """
