@@ -77,6 +77,19 @@ FIGURES = [
         "GiB/s",
         True,
     ),
+    Figure(
+        "fuse_thread_cpu",
+        "gil",
+        "daemon FUSE thread's CPU per GiB saved and uploaded (serial: every request)",
+        "CPU s/GiB",
+    ),
+    Figure(
+        "fuse_thread_ceiling",
+        "gil",
+        "projected per-mount save ceiling = 1 / the FUSE thread's CPU s per GiB",
+        "GiB/s",
+        True,
+    ),
     Figure("write_tp", "write", "FUSE write path: 8 MiB os.write calls", "GiB/s", True, floor="nullfs"),
     Figure("save_tp", "write", "FUSE write path: torch.save throughput", "GiB/s", True, floor="nullfs"),
     Figure(

@@ -12,6 +12,7 @@ sleeper (never).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -133,3 +134,10 @@ def calibrate(work: Path) -> dict[str, float]:
             proc.kill()
             proc.wait()
     return found
+
+
+def main_thread_cpu(pid: int) -> float:
+    """User + system CPU seconds of ``pid``'s main thread (the ckptfs daemon's trio thread, which
+    answers every FUSE request), from /proc/PID/task/PID/stat."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

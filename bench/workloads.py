@@ -218,7 +218,9 @@ def gil_held(bench: Bench, state, nbytes: int) -> None:
         rel = f"gil/run-{i}/model.pt"
         try:
             with gil.GilSampler(t.pid, work / f"gil-{t.name}-{i}") as sampler:
+                fuse_cpu = gil.main_thread_cpu(t.pid)
                 m = measure(t, lambda t=t, rel=rel: t.save(state, rel), [rel])
+                fuse_cpu = gil.main_thread_cpu(t.pid) - fuse_cpu
         except gil.GilError as e:
             bench.progress(f"gil       {t.name:17} run {i + 1}/{n}: no figure: {e}")
             continue
@@ -231,9 +233,16 @@ def gil_held(bench: Bench, state, nbytes: int) -> None:
         if off := gil.calibration_off(found):
             bench.results.note("gil_held", t.name, off)
             bench.results.note("projected_ceiling", t.name, off)
+        # The trio thread answers every FUSE request: its CPU is serial whoever holds the GIL,
+        # and unlike py-spy's count it does not grow while the thread waits for a core.
+        serial = fuse_cpu / (nbytes / GiB)
+        bench.results.add("fuse_thread_cpu", t.name, serial)
+        if serial > 0:
+            bench.results.add("fuse_thread_ceiling", t.name, 1 / serial)
         bench.progress(
             f"gil       {t.name:17} run {i + 1}/{n}: GIL held {sampler.seconds:.2f} s of the "
-            f"{m.durable:.2f} s to durable ({per_gib:.2f} s/GiB); {_fmt(m)}"
+            f"{m.durable:.2f} s to durable ({per_gib:.2f} s/GiB); FUSE thread {serial:.2f} CPU s/GiB; "
+            f"{_fmt(m)}"
         )
 
 
