@@ -15,7 +15,7 @@ from ckptfs.store.health import StoreHealth
 from ckptfs.store.s3 import S3Store
 from tests.support.faultproxy import Rule, corrupt_request_body, status
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.store, pytest.mark.timeout(240)]
 
 MiB = 1 << 20
 KEYS = ["plain", "dir/a b+c%d&e=f?g#h", "uni/Ünïcødé~x", "x/.hidden", "sp  ace/ "]
