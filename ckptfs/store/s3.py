@@ -16,12 +16,12 @@ from ckptfs.errors import NotFound, StoreError
 from ckptfs.store.base import DirListing, ObjectInfo, PartInfo
 from ckptfs.store.s3_client import (
     CHECKSUM_ALGORITHM,
-    ViewBody,
     checksum_headers,
     crc32c_b64,
     etag_of,
     part_token,
 )
+from ckptfs.store.s3_crt import Body
 from ckptfs.store.s3_multipart import S3Multipart
 
 GiB = 1 << 30
@@ -51,7 +51,7 @@ class S3Store(S3Multipart):
             except (bex.ClientError, OSError) as e:
                 self._fail("put", key, e)
             return
-        body = ViewBody(data)
+        body = Body(data)
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
         self._call(
             "put",

@@ -108,37 +108,6 @@ def connection_reason(e: BaseException) -> str:
     return brief(inner) or type(e).__name__
 
 
-class ViewBody:
-    """A request body that botocore reads without copying and without the GIL (issue 32).
-
-    botocore turns a bytes body into a BytesIO (``convert_body_to_file_like_object``), hashes it
-    for the SigV4 payload signature 1 MiB at a time and sends it 16 KiB at a time, each read a
-    copy and a turn of Python with the GIL held: 0.6-0.7 s of GIL per GiB of parts here. This
-    body answers every ``read`` with the rest of the bytes as one view, so the hash is one
-    hashlib call and the send one ``sendall``, both with the GIL released. (A ``read`` that
-    returns more than asked for is what both readers accept: they only hash and send it.)"""
-
-    def __init__(self, data: bytes | bytearray | memoryview):
-        self._view = memoryview(data).cast("B")
-        self._pos = 0
-
-    def read(self, size: int = -1) -> memoryview:
-        chunk = self._view[self._pos :]
-        self._pos = len(self._view)
-        return chunk
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self._pos, len(self._view))[whence]
-        self._pos = max(0, min(len(self._view), base + offset))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def __len__(self) -> int:
-        return len(self._view) - self._pos
-
-
 def part_token(etag: str, crc32c: str | None) -> str:
     """A part's token (journaled, handed back to complete_multipart): its ETag, and the CRC32C
     the server verified if one was sent (the completion must list it; base64 has no spaces)."""

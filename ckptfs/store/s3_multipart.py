@@ -16,12 +16,12 @@ from ckptfs.store.base import RESERVED_PREFIX, PartInfo
 from ckptfs.store.s3_client import (
     CHECKSUM_ALGORITHM,
     S3Client,
-    ViewBody,
     checksum_headers,
     crc32c_b64,
     log,
     part_token,
 )
+from ckptfs.store.s3_crt import Body
 
 ZEROS_PREFIX = RESERVED_PREFIX + "zeros/"  # objects of zeros that hole parts are copied from
 ZEROS_MIN = 8 << 20  # the smallest such object (sizes are powers of two from here)
@@ -116,7 +116,7 @@ class S3Multipart(S3Client):
             except (bex.ClientError, OSError) as e:
                 self._fail("upload_part", key, e)
             return PartInfo(number, part_token(answer.headers.get("etag", ""), crc))
-        body = ViewBody(data)
+        body = Body(data)
         extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
         r = self._call(
             "upload_part",
