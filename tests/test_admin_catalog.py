@@ -148,8 +148,9 @@ def test_checkpoints_recognises_each_layout_on_the_mount_and_the_url(store, moun
     )
     dcp_save(root / "dcp" / "step-1", 1)
     dcp_save(root / "dcp" / "step-2", 2)
+    m.sync()  # (a .metadata never reaches the store before the shards it names)
     shard = sorted((root / "dcp" / "step-2").glob("*.distcp"))[0]
-    shard.unlink()  # a shard lost: the .metadata names a missing file
+    shard.unlink()  # a shard lost since: the .metadata names a missing file
     write(root, {"lightning/epoch=0-step=50.ckpt": b"l" * 10, "lightning/epoch=1-step=100.ckpt": b"l" * 10})
     write(root, {"lightning/last.ckpt": b"l" * 10})
     m.sync()

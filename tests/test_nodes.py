@@ -151,10 +151,10 @@ def lose_b_in_a_save(cluster, kind: str, marker: str, step: int, tmp_path: Path)
     return a, b_id
 
 
-def replace_and_save_again(cluster, a, kind: str, step: int, tmp_path: Path):
+def replace_and_save_again(cluster, a, kind: str, step: int, tmp_path: Path, extra=NODE):
     """B's replacement C joins; the job, resumed from the step before, saves ``step`` again."""
     time.sleep(LOST_AFTER + 1)  # (the job restarts after the node's loss: minutes, in real life)
-    c = cluster.node("c", extra=NODE)
+    c = cluster.node("c", extra=extra)
     save(kind, [a, c], step, tmp_path / "logs")
     a.sync(timeout=120)
     c.sync(timeout=120)
@@ -265,6 +265,125 @@ def test_no_marker_publishes_a_pointer_at_once(cluster, tmp_path):
     assert cluster.store.read("latest").strip() == b"step_1" and "step_1/model.pt" not in cluster.store.keys()
     b.release_uploads()
     b.sync(timeout=60)
+
+
+# -- a node cut off from the store -----------------------------------------------------------------
+RECORD_TIMEOUT = 3.0  # --record-timeout: how long a close of a cut-off node waits for its record
+
+
+def two_nodes(cluster, peers: bool, **kwargs):
+    """Nodes A and B (``peers``: with --cluster, each seeing the other live)."""
+    extra = (*NODE, "--record-timeout", str(RECORD_TIMEOUT), *(("--cluster",) if peers else ()))
+    a, b = cluster.node("a", extra=extra), cluster.node("b", extra=extra, **kwargs)
+    if peers:
+        for node in (a, b):
+            wait_for(lambda n=node: n.status()["peers"]["live"], 30, f"{node.name} sees its peer")
+    return a, b, extra
+
+
+def still_held(a, marker: str, rounds: int = 3) -> dict:
+    """A keeps ``marker`` back for ``rounds`` more checks (and past --record-timeout)."""
+    start = time.monotonic()
+    first = waiting_markers(a)[0]["checks"]
+    wait_for(
+        lambda: (
+            time.monotonic() - start > RECORD_TIMEOUT + 1
+            and waiting_markers(a)[0]["checks"] >= first + rounds
+        ),
+        120,
+        f"A checks {marker} {rounds} more times",
+    )
+    held = waiting_markers(a)
+    assert [w["marker"] for w in held] == [marker], held
+    return held[0]
+
+
+@pytest.mark.parametrize("peers", [False, True], ids=["store", "cluster"])
+def test_dcp_with_a_node_cut_off_from_the_store_then_lost(cluster, tmp_path, peers):
+    """Node B cut off from the store (every request of its that would change the store hangs,
+    its writer records and heartbeats too) before a DCP save, then lost: A's `.metadata` never
+    reaches the store, however long it waits, with and without --cluster; a replacement's next
+    save lands whole."""
+    store = cluster.store
+    a, b, extra = two_nodes(cluster, peers)
+    save("dcp", [a, b], 1, tmp_path / "logs")
+    a.sync()
+    b.sync()
+    b_id, written = b.status()["writer_records"]["node"], b.status()["writer_records"]["written"]
+    b.hold_uploads(except_prefixes=())  # cut off: nothing of B's reaches the store
+    save("dcp", [a, b], 2, tmp_path / "logs")
+    assert b.status()["writer_records"]["written"] == written  # (B's record of step_2/ never landed)
+    wait_for(lambda: waiting_markers(a), 60, "A holds step_2/.metadata back")
+    if peers:  # B told A what it holds, over the peer channel
+        held = still_held(a, "step_2/.metadata")
+        assert b_id in held["other_nodes"], held
+        assert a.status()["writer_records"]["told_to_peers"]["held_for_peers"] == {b_id: ["step_2/"]}
+    else:  # the .metadata names B's shard, which no store and no node A knows of holds
+        shown = b.status()["writer_records"]
+        assert shown["unrecorded"] >= 1 and shown["unrecorded_dirs"] == ["step_2/"], shown
+        text = ckptfs("status", str(b.path)).stdout
+        assert "without this node's writer record" in text and "step_2/" in text, text
+        held = still_held(a, "step_2/.metadata")
+        assert held["missing"] == ["step_2/__1_0.distcp"] and held["missing_since"], held
+        assert "in no store and on no node we know of, since" in held["waits_for"], held
+    b.lose()
+    still_held(a, "step_2/.metadata")
+    keys = store.keys()
+    assert "step_2/.metadata" not in keys and "step_2/__1_0.distcp" not in keys
+    assert "step_2/__0_0.distcp" in keys  # (A's shard: published as usual)
+    assert restart_step(cluster) == "step_1"
+
+    replace_and_save_again(cluster, a, "dcp", 2, tmp_path, extra)
+    assert {"step_2/.metadata", "step_2/__0_0.distcp", "step_2/__1_0.distcp"} <= store.keys()
+    assert restart_step(cluster) == "step_2"
+
+
+def test_dcp_with_a_slow_node_lost_mid_upload(cluster, tmp_path):
+    """B's link only slow (its records land, its shard crawls): B lost mid-upload leaves no
+    `.metadata` in the store."""
+    if cluster.kind != "s3":
+        pytest.skip("a slow link needs the S3 store (a local store's link is no network)")
+    store = cluster.store
+    a, b, _ = two_nodes(cluster, False)
+    save("dcp", [a, b], 1, tmp_path / "logs")
+    a.sync()
+    b.sync()
+    written = b.status()["writer_records"]["written"]
+    b.proxy.rate = 4 << 10  # 4 KiB/s: B's 32 KiB shard takes seconds, its records land
+    save("dcp", [a, b], 2, tmp_path / "logs")
+    wait_for(lambda: b.status()["writer_records"]["written"] > written, 60, "B's record of step_2/ lands")
+    held = wait_for(lambda: waiting_markers(a), 60, "A holds step_2/.metadata back")
+    assert b.status()["writer_records"]["node"] in held[0]["other_nodes"], held
+    assert "step_2/__1_0.distcp" not in store.keys(), "the link was not slow enough to catch B mid-upload"
+    b.lose()
+    still_held(a, "step_2/.metadata")
+    assert "step_2/.metadata" not in store.keys() and "step_2/__1_0.distcp" not in store.keys()
+    assert restart_step(cluster) == "step_1"
+    a.lose()  # (its .metadata would wait for ever: a clean umount would too)
+
+
+def test_a_pointer_to_a_cut_off_nodes_step_waits_with_cluster(cluster, tmp_path):
+    """A `latest` written by A naming a step of per-rank `torch.save` files that only B wrote,
+    B cut off from the store and then lost: with --cluster, B's pushed record holds `latest`
+    back (nothing in the pointer names B's files: the record is all A has)."""
+    store = cluster.store
+    a, b, extra = two_nodes(cluster, True)
+    save("latest", [a, b], 1, tmp_path / "logs")
+    a.sync()
+    b.sync()
+    assert store.read("latest").strip() == b"step_1"
+    b_id = b.status()["writer_records"]["node"]
+    b.hold_uploads(except_prefixes=())
+    save("latest", [a, b], 2, tmp_path / "logs")
+    wait_for(lambda: waiting_markers(a), 60, "A holds latest back")
+    b.lose()
+    held = still_held(a, "latest")
+    assert b_id in held["other_nodes"], held
+    assert store.read("latest").strip() == b"step_1" and "step_2/model.pt" not in store.keys()
+    assert restart_step(cluster) == "step_1"
+    c = replace_and_save_again(cluster, a, "latest", 2, tmp_path, extra)
+    assert store.read("latest").strip() == b"step_2" and "step_2/model.pt" in store.keys()
+    assert not c.status()["writer_records"]["unrecorded"]
 
 
 # -- the torture (long mode) ------------------------------------------------------------------------

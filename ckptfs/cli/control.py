@@ -414,6 +414,14 @@ def format_status(s: dict) -> str:
         for d in dropped[-5:]:
             if isinstance(d, dict):
                 lines.append(f"  {d.get('marker', '')}: {d.get('reason', '')}")
+    records = s.get("writer_records")
+    unrecorded = records.get("unrecorded_dirs") if isinstance(records, dict) else None
+    if isinstance(unrecorded, list) and unrecorded:  # (a node cut off from the store: cluster/records.py)
+        lines.append(
+            f"warning: files closed in {len(unrecorded)} directories without this node's writer record "
+            "in the store: another node's pointer to them may reach the store before they do"
+        )
+        lines.extend(f"  {d}" for d in unrecorded[:10])
     peers = s.get("peers")
     if isinstance(peers, dict):  # --cluster
         live = [p for p in peers.get("live", []) if isinstance(p, dict)]

@@ -63,10 +63,14 @@ class Members:
         identity: peer_tls.Identity,
         on_change: Callable[[], None],
         domain: str = "",
+        trust_for: float = LOST_S,
     ):
         self.store = store
         self.node = node
         self.domain = domain
+        # A record this old still admits its node's connections: a node cut off from the store
+        # (its record not refreshed) keeps telling its peers what it holds (peer_records.py).
+        self.trust_for = max(LOST_S, trust_for)
         self.identity = identity
         self.on_change = on_change  # the trusted certificates changed (the server's context follows)
         self.host, self.port = "", 0  # where this node listens (set by ``publish``)
@@ -116,12 +120,22 @@ class Members:
         return out
 
     def trusted(self) -> list[Member]:
-        """Members whose certificates a server admits: every recently seen record (a peer that
-        only this node cannot reach may still reach it)."""
+        """Members whose certificates a server admits: every record seen in the last
+        ``trust_for`` seconds (a peer that only this node cannot reach may still reach it, and a
+        peer cut off from the store may still reach this node)."""
         now = time.time()
         return [
-            m for n, (_, m) in self.known.items() if m is not None and now - self.seen.get(n, 0.0) <= LOST_S
+            m
+            for n, (_, m) in self.known.items()
+            if m is not None and now - self.seen.get(n, 0.0) <= self.trust_for
         ]
+
+    def node_of(self, fingerprint: str) -> str | None:
+        """The node whose record shows this certificate fingerprint, if any."""
+        for node, (_, member) in self.known.items():
+            if member is not None and member.fingerprint == fingerprint:
+                return node
+        return None
 
     def silent_for(self, node: str) -> float:
         """Seconds since ``node`` last put its record (since this run began, if never seen)."""

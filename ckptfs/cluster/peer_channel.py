@@ -8,6 +8,10 @@ One request at a time per connection; a client keeps a few idle connections per 
               b"N" + length (2) + reason    not served (the client reads from the store)
               b"D" + length (8) + bytes     the bytes [begin, begin + span) of that version
 
+A request naming ``records`` carries the writer records a node pushes to its peers
+(cluster/peer_records.py), answered ``D`` with no bytes when taken. The server adds ``from``,
+the fingerprint of the client's certificate, to every request it passes on.
+
 A request naming ``replica`` opens a replica stream instead (cluster/replicas.py says its
 messages): the connection is that stream's until it ends.
 
@@ -43,7 +47,7 @@ CONNECT_S = 2.0
 HANDSHAKE_S = 3.0  # (a stranger holds a connection slot at most this long)
 SERVER_IDLE_S = 30.0  # a connection with no request for this long is closed by the server
 SLOT_WAIT_S = 2.0  # a connection arriving while every slot is taken waits this long for one
-REQUEST_MAX = 8 << 10
+REQUEST_MAX = 64 << 10  # (a pushed set of writer records is at most 48 KiB)
 IDLE_CONNECTIONS = 2  # kept open per peer by a client (each holds one of that peer's slots)
 
 
@@ -205,7 +209,7 @@ class PeerServer:
             if self.session is not None:
                 self.session(request, tls, fingerprint)
             return False
-        future = self.gather(request)
+        future = self.gather({**request, "from": fingerprint})
         try:
             while True:
                 try:

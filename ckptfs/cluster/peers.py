@@ -40,7 +40,7 @@ from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
 from ckptfs.cluster import peer_tls
 from ckptfs.cluster.members import Member, Members
-from ckptfs.cluster.peer_channel import PeerClient, PeerError, PeerServer, Served
+from ckptfs.cluster.peer_channel import IDLE_S, PeerClient, PeerError, PeerServer, Served
 from ckptfs.errors import FsError
 from ckptfs.objects.integrity import Checksums
 from ckptfs.store.base import ObjectStore
@@ -89,11 +89,13 @@ class PeerCache:
         fill: Fill,
         domain: str = "",
         session: Callable[[dict, ssl.SSLSocket, str], None] | None = None,
+        on_records: Callable[[str, dict], str] | None = None,
+        trust_for: float = 0.0,
     ):
         self.url = store.url
         self.cache = cache
         self.identity = peer_tls.Identity(cache_dir, node)
-        self.members = Members(store, node, self.identity, self._members_changed, domain)
+        self.members = Members(store, node, self.identity, self._members_changed, domain, trust_for)
         self.addr = addr  # where to listen
         self.publish_host = publish_host  # the address the others are told
         self.lookup = lookup
@@ -112,6 +114,9 @@ class PeerCache:
             session,
         )
         self.client = PeerClient(self.client_context)
+        # (node, request) -> "" when taken, else why not: the writer records peers push to this
+        # node (cluster/peer_records.py)
+        self.on_records = on_records
         self.threads = trio.CapacityLimiter(max(4, max_connections))
         self.taken_bytes = 0  # bytes of parts taken from peers (and so not from the store)
         self.failures = 0  # asks that came back with nothing: the store served them instead
@@ -269,6 +274,8 @@ class PeerCache:
                 served.release()
 
     async def _serve(self, request: dict) -> Served:
+        if "records" in request:
+            return Served([], lambda: None, self._take_records(request))
         try:
             url, key, tag = str(request["url"]), str(request["key"]), str(request["tag"])
             size, begin, span = int(request["size"]), int(request["begin"]), int(request["span"])
@@ -328,6 +335,37 @@ class PeerCache:
                 self.cache.decref(ref)
 
         return Served(slices, release)
+
+    def _take_records(self, request: dict) -> str:
+        sender = self.members.node_of(str(request.get("from", "")))
+        if sender is None:
+            return "not a member"
+        if request.get("url") != self.url:
+            return "another store"
+        if self.on_records is None:
+            return "not kept here"
+        return self.on_records(sender, request)
+
+    async def push_records(self, member: Member, request: dict) -> bool:
+        """Tell ``member`` this node's writer records; True once it took them."""
+        deadline = time.monotonic() + IDLE_S
+        try:
+            answer = await trio.to_thread.run_sync(
+                self.client.take,
+                member,
+                {**request, "url": self.url},
+                0,
+                deadline,
+                limiter=self.threads,
+                abandon_on_cancel=True,
+            )
+        except PeerError as exc:
+            log.debug("could not tell peer %s this node's writer records: %s", member.node, exc)
+            return False
+        if isinstance(answer, str):
+            log.debug("peer %s did not take this node's writer records: %s", member.node, answer)
+            return False
+        return True
 
     def status(self) -> dict:
         return {

@@ -11,11 +11,13 @@ other node still holds files of that step (``model/gate.py``).
 
 Cost: the record is written once per node per directory, when the first file there is created
 (the close waits for it only if it is not in the store yet: for a file written for more than a
-store round trip, never), and deleted once the node's files there are all published and the
+store round trip, never; with ``--cluster``, nor for a record every live peer has taken:
+``cluster/peer_records.py``), and deleted once the node's files there are all published and the
 directory has been idle for ``IDLE_S``. A record must be in the store before the close that
 commits a file under it returns: a framework writes its pointer after a barrier that follows
 every rank's close, so the pointer's node then sees the record. When the store does not take
-it within ``--record-timeout`` the close goes on without it (one warning, a counter).
+it within ``--record-timeout`` (nor, with ``--cluster``, every live peer) the close goes on without
+it (one warning, a counter, and the directory in status).
 
 A node lost for good leaves its records. They keep holding the markers of the save it was lost
 in, but not those of a save made after its loss into the same directories (a job resumed from
@@ -38,6 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import trio
 
@@ -100,6 +103,17 @@ class Record:
         return cls(directory + "/", node, state, mtime)
 
 
+class Relay(Protocol):
+    """Records told to the live peers directly (``cluster/peer_records.py``, with --cluster)."""
+
+    def covers(self, directory: str) -> bool: ...
+    def others(self, scope: str) -> list[Record]: ...
+    def heard(self) -> dict[str, float]: ...
+    def forget(self, node: str) -> None: ...
+    def poke(self) -> None: ...
+    def status(self) -> dict: ...
+
+
 class WriterRecords:
     """This node's records, kept to what ``in_use`` says. ``in_use()``: directory -> DATA or
     MARKS for every directory (a key ending in "/") where this node holds something unpublished.
@@ -115,6 +129,7 @@ class WriterRecords:
         failing: Callable[[], bool],
         timeout: float,
         lost_after: float = 300.0,
+        relay: Relay | None = None,
     ):
         self.store = store
         self.node = node
@@ -134,7 +149,9 @@ class WriterRecords:
         self.written = 0
         self.deleted = 0
         self.unrecorded = 0  # closes that went on without their record (the store did not take it)
+        self.unrecorded_since: dict[str, float] = {}  # directory -> when a close first went on without
         self._warned: set[str] = set()
+        self.relay = relay  # --cluster: the live peers hear of this node's records directly too
 
     # -- this node's side (on the trio loop, no awaits) --------------------------------------------
     def want(self, directory: str) -> None:
@@ -155,20 +172,23 @@ class WriterRecords:
         return False
 
     def unsettled(self) -> list[str]:
-        return [d for d in self.target if not self.present.get(d)]
+        relay = self.relay
+        return [d for d in self.target if not self.present.get(d) and not (relay and relay.covers(d))]
 
     async def settled(self) -> None:
         """Return once every directory this node writes has its record in the store; at most
         ``timeout`` seconds (not at all while the store is known to be failing)."""
         if not self.unsettled():
             return
-        if not self.failing():
+        if not self.failing() or self.relay is not None:
             with trio.move_on_after(self.timeout):
                 while self.unsettled():
                     await self._wait_change()
                 return
         missing = self.unsettled()
         self.unrecorded += 1
+        for directory in missing:
+            self.unrecorded_since.setdefault(directory, time.time())
         if missing[0] not in self._warned:
             self._warned.add(missing[0])
             log.warning(
@@ -204,6 +224,9 @@ class WriterRecords:
             record = Record.parse(info.key, info.mtime)
             if record is not None and record.node != self.node:
                 found.append(record)
+        if self.relay is not None:  # (what peers told this node, though the store may not hold it)
+            listed = {(r.node, r.directory, r.state) for r in found}
+            found += [r for r in self.relay.others(scope) if (r.node, r.directory, r.state) not in listed]
         return found
 
     def heartbeats(self) -> dict[str, float]:
@@ -213,6 +236,9 @@ class WriterRecords:
             node = info.key[len(NODES_PREFIX) :]
             if len(node) == 16 and "/" not in node:
                 beats[node] = info.mtime
+        if self.relay is not None:
+            for node, heard in self.relay.heard().items():
+                beats[node] = max(beats.get(node, 0.0), heard)
         return beats
 
     def lost(self, record: Record, beats: dict[str, float], now: float) -> float | None:
@@ -255,7 +281,7 @@ class WriterRecords:
             if self.target or self.present:
                 await self.call(key, self.store.put, key, self.body)
                 self.beating = True
-                self._signal()
+                self.signal()
                 await trio.sleep(self.lost_after / 6)
             else:
                 if self.beating:
@@ -280,6 +306,8 @@ class WriterRecords:
                 self._reconcile(directory)
 
     def _reconcile(self, directory: str) -> None:
+        if self.relay is not None:
+            self.relay.poke()
         if directory in self.busy or self.nursery is None:
             return
         self.busy.add(directory)
@@ -297,7 +325,7 @@ class WriterRecords:
                     await self.call(key, self.store.put, key, self.body)
                     have.add(want)
                     self.written += 1
-                    self._signal()
+                    self.signal()
                     continue
                 stale = [s for s in have if s != want]
                 if not stale:
@@ -306,7 +334,7 @@ class WriterRecords:
                 await self.call(key, self.store.delete, key)
                 have.discard(stale[0])
                 self.deleted += 1
-                self._signal()
+                self.signal()
         finally:
             self.busy.discard(directory)
             if not self.present.get(directory):
@@ -315,18 +343,29 @@ class WriterRecords:
     async def remove_node(self, node: str) -> None:
         """Delete another node's records (its pending files are this node's now: a takeover of
         its replica, cluster/replicas.py)."""
+        if self.relay is not None:
+            self.relay.forget(node)
         infos = await self.call(PREFIX, lambda: list(self.store.list(PREFIX)))
         for info in infos:
             record = Record.parse(info.key, info.mtime)
             if record is not None and record.node == node:
                 await self.call(info.key, self.store.delete, info.key)
 
-    def _signal(self) -> None:
+    def signal(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
 
     async def _wait_change(self) -> None:
         await self.changed.wait()
+
+    def unrecorded_dirs(self) -> dict[str, float]:
+        """Directories where a close went on without its record, still not taken: another
+        node's pointer may reach the store before their files (directory -> since)."""
+        self.unrecorded_since = {
+            d: t for d, t in self.unrecorded_since.items() if d in self.target and not self.present.get(d)
+        }
+        relay = self.relay
+        return {d: t for d, t in self.unrecorded_since.items() if not (relay and relay.covers(d))}
 
     def status(self) -> dict:
         return {
@@ -335,5 +374,7 @@ class WriterRecords:
             "written": self.written,
             "deleted": self.deleted,
             "unrecorded": self.unrecorded,
+            "unrecorded_dirs": sorted(self.unrecorded_dirs()),
             "heartbeat": self.beating,
+            **({"told_to_peers": self.relay.status()} if self.relay is not None else {}),
         }

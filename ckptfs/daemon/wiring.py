@@ -32,6 +32,11 @@ The build order, and the two cycles in it (docs/architecture.md, "Wiring"):
   this node's files (the namespace) and fetches them from the store (the fetcher), and the
   fetcher asks it which peer owns a part. So it is given two functions (``lookup``, ``fill``)
   that read the namespace and fetcher built a few lines later; they run only once a peer asks.
+- records <-> relay <-> peers (``--cluster``): this node's writer records are also pushed to the
+  live peers (cluster/peer_records.py), which needs the peer channel, which hands the peers'
+  pushes to the relay. So the relay is given functions (``target``, ``live``, ``push``,
+  ``changed``) that read the records and peers built a few lines later; they run only once the
+  workers start.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from ckptfs.model.prefill import KernelCache, Prefill
 from ckptfs.model.tree import Tree
 
 if TYPE_CHECKING:
+    from ckptfs.cluster.peer_records import PeerRecords
     from ckptfs.cluster.peers import PeerCache
     from ckptfs.cluster.replicas import ReplicaHolder
     from ckptfs.cluster.replication import Replicator
@@ -93,6 +99,7 @@ class Core:
     open_uploads: list  # multipart uploads the journal recorded as open
     clean: dict[str, CleanEntry]  # blocks the last mount left cached, by key
     peers: PeerCache | None = None  # --cluster
+    relay: PeerRecords | None = None  # --cluster: writer records told to the peers directly
     holder: ReplicaHolder | None = None  # --cluster: replicas this node holds for others
     replicator: Replicator | None = None  # --replicas: this node's replicas on others
 
@@ -103,6 +110,8 @@ class Core:
         await nursery.start(self.records.run)
         if self.peers is not None:
             await nursery.start(self.peers.run)
+        if self.relay is not None:
+            await nursery.start(self.relay.run)
         if self.holder is not None:
             await nursery.start(self.holder.run)
         if self.replicator is not None:
@@ -222,14 +231,33 @@ def build_core(
     async def store_call(key: str, fn, *args):
         return await uploader.calls.call(key, fn, *args)
 
+    node = writer_records.node_id(cache_dir)
+    relay = None
+    if config.cluster:  # (the cycle records <-> relay <-> peers: see the module doc)
+        from ckptfs.cluster.peer_records import FILE as PEER_RECORDS
+        from ckptfs.cluster.peer_records import PeerRecords  # (TLS: only with --cluster)
+
+        async def push(member, request) -> bool:
+            assert peers is not None
+            return await peers.push_records(member, request)
+
+        relay = PeerRecords(
+            node,
+            lambda: dict(records.target),
+            lambda: peers.members.live() if peers is not None else [],
+            push,
+            lambda: records.signal(),
+            cache_dir / PEER_RECORDS,
+        )
     records = WriterRecords(
         store,
-        writer_records.node_id(cache_dir),
+        node,
         writing_in,
         store_call,
         health.in_trouble,
         config.record_timeout,
         config.lost_node_after,
+        relay,
     )
     gate = MarkerGate(tree, store, records, health, config.no_marker)
 
@@ -280,6 +308,8 @@ def build_core(
             fill,
             config.failure_domain,
             session,
+            relay.receive if relay is not None else None,
+            config.lost_node_after,  # (a node cut off from the store is not lost before that)
         )
         from ckptfs.cluster.replicas import ReplicaHolder
         from ckptfs.cluster.replication import Replicator
@@ -340,6 +370,7 @@ def build_core(
         open_uploads,
         clean,
         peers,
+        relay,
         holder,
         replicator,
     )

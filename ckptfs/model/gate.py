@@ -54,7 +54,7 @@ class Wait:
     missing: list[str] = field(default_factory=list)  # named files not in the store
     lost: dict[str, list[str]] = field(default_factory=dict)  # records of nodes lost before it, ignored
     checks: int = 0
-    absent_since: float | None = None  # (monotonic) when it was first seen naming what nobody holds
+    absent_since: float | None = None  # (wall clock) since when it names what nobody holds
 
     def describe(self) -> str:
         parts = []
@@ -63,7 +63,10 @@ class Wait:
         for node, dirs in sorted(self.nodes.items()):
             parts.append(f"files under {_few(dirs)} on node {node}")
         if self.missing:
-            parts.append(f"{_few(self.missing)}, not in the store")
+            where = "in no store and on no node we know of"
+            if self.absent_since is not None:
+                where += ", since " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.absent_since))
+            parts.append(f"{_few(self.missing)}, {where}")
         return "; ".join(parts) or "the store"
 
     def to_json(self) -> dict:
@@ -73,6 +76,7 @@ class Wait:
             "this_node": list(self.here),
             "other_nodes": {n: list(d) for n, d in self.nodes.items()},
             "missing": list(self.missing),
+            "missing_since": self.absent_since,
             "lost_nodes_ignored": {n: list(d) for n, d in self.lost.items()},
             "checks": self.checks,
         }
@@ -125,6 +129,8 @@ class MarkerGate:
         except Exception as exc:  # noqa: BLE001 - asked again next round
             wait.missing = [f"(the store did not answer: {exc})"]
             ready = False
+        if not wait.missing:
+            wait.absent_since = None
         if ready:
             self.waits.pop(op.seq, None)
         else:
@@ -286,20 +292,12 @@ class MarkerGate:
                 wait.missing = [scope]
         if not wait.missing:
             return True
-        # Named, yet in no store and on no node we know of: a record may still be on its way (a
-        # close waits --record-timeout for its own); after that the marker goes as it was
-        # written, as on a disk (ckptfs checkpoints then calls its step incomplete).
-        now = time.monotonic()
+        # Named, yet in no store and on no node we know of: held until it shows up, the marker is
+        # replaced, its step is deleted or a newer step of its series is published (``drops``),
+        # never published on a timeout: a disk never shows a .metadata naming a shard not written.
         if wait.absent_since is None:
-            wait.absent_since = now
-        if now - wait.absent_since < self.records.timeout:
-            return False
-        log.warning(
-            "marker %s names %s, which no node holds: published as it was written",
-            marker.key,
-            _few(wait.missing),
-        )
-        return True
+            wait.absent_since = time.time()
+        return False
 
     def _written_at(self, op: Op) -> float:
         """When the marker was written (its mtime, journaled with it), wall-clock seconds."""
