@@ -89,6 +89,7 @@ class PeerCache:
         fill: Fill,
         domain: str = "",
         session: Callable[[dict, ssl.SSLSocket, str], None] | None = None,
+        asks: int = 4,
     ):
         self.url = store.url
         self.cache = cache
@@ -111,8 +112,11 @@ class PeerCache:
             max_connections,
             session,
         )
-        self.client = PeerClient(self.client_context)
-        self.threads = trio.CapacityLimiter(max(4, max_connections))
+        self.client = PeerClient(self.client_context, max_idle=asks)
+        # Asks at once, each a thread and a part-sized buffer: as many as the fetcher's (its
+        # ``peer_bodies``); an ask given up on (a read interrupted) keeps its thread and buffer
+        # until it ends, and its place here with them (daemon/limits.py counts ``asks`` parts).
+        self.threads = trio.CapacityLimiter(asks)
         self.taken_bytes = 0  # bytes of parts taken from peers (and so not from the store)
         self.failures = 0  # asks that came back with nothing: the store served them instead
         self.refusals = 0  # asks a peer declined (not its version, not there)

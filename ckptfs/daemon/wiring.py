@@ -280,6 +280,7 @@ def build_core(
             fill,
             config.failure_domain,
             session,
+            asks=config.upload_concurrency,
         )
         from ckptfs.cluster.replicas import ReplicaHolder
         from ckptfs.cluster.replication import Replicator
