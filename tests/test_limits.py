@@ -4,6 +4,7 @@ for a container's /dev/shm."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import time
@@ -16,7 +17,7 @@ from ckptfs.cache.cache import Cache
 from ckptfs.config import MiB, MountConfig
 from ckptfs.daemon import limits
 from tests.conftest import LocalStoreView
-from tests.support.harness import assert_one_line_error, run_cli
+from tests.support.harness import assert_one_line_error, run_cli, wait_until
 from tests.support.mounting import Mount
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
@@ -249,3 +250,55 @@ def test_idle_rss_is_not_concurrency_times_part_size(tmp_path, own_shm, mount_fa
     m.sync()
     # (RssShmem is the RAM tier: the populate thread gives the next save's slot its pages.)
     assert vm(m.pid, "RssAnon") < limits.FIXED_OVERHEAD < concurrency * part
+
+
+def test_rss_with_cluster_stays_under_the_formula(cluster):
+    """With --cluster --replicas 1, two nodes: b restores a 128 MiB file a wrote (a's parts, and
+    those a still holds, from a over the peer channel, most sent from a's disk tier) while
+    each node writes 32 MiB files replicated to the other; each daemon's peak RSS stays under
+    memory_bound with every --cluster term (docs/architecture.md)."""
+    ram, part, concurrency, connections = 32 * MiB, 4 * MiB, 4, 4
+    flags = (
+        "--cluster",
+        "--replicas",
+        "1",
+        "--part-size",
+        str(part),
+        "--upload-concurrency",
+        str(concurrency),
+        "--peer-connections",
+        str(connections),
+    )
+    a, b = (cluster.node(name, extra=flags, ram_cache=str(ram), cache_size="1GiB") for name in "ab")
+    for node in (a, b):
+        wait_until(lambda node=node: node.status()["peers"].get("holders"), 30, what=f"{node.name}'s holder")
+    data = os.urandom(4 * ram)
+    (a.path / "restore.bin").write_bytes(data)
+    a.sync()
+    reader = subprocess.Popen(["sha256sum", str(b.path / "restore.bin")], stdout=subprocess.PIPE, text=True)
+    for round_ in range(4):  # (closes waiting for their replica while the restore goes on)
+        for node in (a, b):
+            (node.path / f"w{round_}.bin").write_bytes(os.urandom(8 * MiB))
+    out, _ = reader.communicate(timeout=300)
+    assert out.split()[0] == hashlib.sha256(data).hexdigest()
+    # what the terms are for happened: b took the restore from a, each held the other's replicas
+    peers = {node.name: node.status()["peers"] for node in (a, b)}
+    assert peers["b"]["taken_bytes"] >= len(data) // 4 and peers["a"]["served_bytes"] > 0, peers
+    for name in "ab":
+        assert peers[name]["replicated_bytes"] > 0 and peers[name]["replica_received_bytes"] > 0, peers
+    config = MountConfig(
+        mountpoint="",
+        store_url="",
+        cache_dir="",
+        ram_cache=ram,
+        part_size=part,
+        upload_concurrency=concurrency,
+        cluster=True,
+        replicas=1,
+        peer_connections=connections,
+    )
+    bound = limits.memory_bound(config)
+    for node in (a, b):
+        peak = vm(node.pid, "VmHWM")
+        print(f"{node.name}: peak RSS {peak / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB")
+        assert peak <= bound, (node.name, peak, bound)

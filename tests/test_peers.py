@@ -165,6 +165,9 @@ def test_a_peer_lost_mid_restore_costs_a_retry(cluster):
     # b's parts came from the store after one failed ask each (connection refused or broken
     # off), never after a read timeout (60 s): a bound on the stall, generous for a loaded VM
     assert took < 45, f"the read stalled {took:.0f} s after the peer was lost"
+    # the race was hit: a asked b after b was lost (refused, or broken off mid-ask), and read
+    # that part from the store
+    assert status["peers"]["asks_failed"] >= 1, status["peers"]
     wait_until(lambda: len(a.status()["peers"]["live"]) == 1, 30, what="a to drop b from its peers")
     # c still reads, with a as its only peer
     assert _result(_python(LOAD, str(c.path / "ckpt" / "model.pt"))) == digest
@@ -175,14 +178,15 @@ class RoguePeer:
     its certificate is published in the store like any node's (a holder of the store
     credentials gone bad, or a bit flipped in a peer's memory)."""
 
-    def __init__(self, cluster, node, data: bytes, trusted: bytes, root: Path):
+    def __init__(self, cluster, node, data: bytes, trusted: bytes, root: Path, shows=None):
         root.mkdir(mode=0o700)
         self.id = secrets.token_hex(8)
-        self.identity = peer_tls.Identity(root, self.id)
+        self.identity = peer_tls.Identity(root, self.id)  # (the certificate its record publishes)
+        shown = shows or self.identity  # (the one its server presents: ``shows``, never published)
         self.data, self.cluster, self.node = data, cluster, node
         self.asked = 0
         self.server = PeerServer(
-            lambda: self.identity.context(True, [trusted]),
+            lambda: shown.context(True, [trusted]),
             lambda fingerprint: True,
             self._gather,
             lambda release: release(),
@@ -280,6 +284,83 @@ def test_no_member_certificate_gets_nothing(cluster, tmp_path):
     # (counted by the server thread just after its alert went out: the client may be first)
     wait_until(lambda: a.status()["peers"]["refused_clients"] >= 3, 10, what="the 3 refusals counted")
     assert (b.path / "secret.bin").stat().st_size == 2 * MiB  # members still talk
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_peer_tls_is_1_3_both_ends_check_and_the_record_holds_no_key(cluster, tmp_path):
+    """The peer channel's security as a node runs it: a member's connection is TLS 1.3, a TLS 1.2
+    client (with a member's certificate) is refused; a node asking a member whose server
+    presents a certificate that was never published (a rogue at a member's address) refuses it
+    and reads from the store, counted; a node's record in the store holds its certificate and no
+    key; its key is made once (the same across a remount with the same cache dir)."""
+    writer = cluster.node("writer")
+    data = secrets.token_bytes(8 * MiB)
+    (writer.path / "model.bin").write_bytes(data)
+    writer.sync()
+    a, b = _members(cluster, ["a", "b"])
+    a_dir, b_dir = Path(a.mount.cache_dir), Path(b.mount.cache_dir)
+    a_cert = (a_dir / peer_tls.CERT_FILE).read_bytes()
+    b_identity = peer_tls.Identity(b_dir, "unused")  # (b's key and certificate, from its cache dir)
+    host, port = a.status()["peers"]["addr"].rsplit(":", 1)
+
+    def handshake(ctx: ssl.SSLContext) -> str:
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            with ctx.wrap_socket(raw) as tls:
+                return str(tls.version())
+
+    # TLS 1.3 between members; TLS 1.2 refused by the server even with b's certificate
+    assert handshake(b_identity.context(False, [a_cert])) == "TLSv1.3"
+    old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    old.check_hostname = False
+    old.maximum_version = ssl.TLSVersion.TLSv1_2
+    old.load_cert_chain(b_identity.cert_path, b_identity.key_path)
+    old.load_verify_locations(cadata=a_cert.decode())
+    with pytest.raises(ssl.SSLError):
+        handshake(old)
+
+    # a's record in the store: its certificate, no key
+    node = a.status()["peers"]["node"]
+    raw_record = cluster.store.read(f"{PREFIX}{node}.json")
+    record = json.loads(raw_record)
+    assert record["cert"].encode() == a_cert and peer_tls.valid_cert(a_cert)
+    key = (a_dir / peer_tls.KEY_FILE).read_bytes()
+    assert b"PRIVATE" not in raw_record and key.strip() not in raw_record
+    assert b"PRIVATE" in key  # (what was looked for is what the key file holds)
+
+    # the asking side: a member's record whose address serves another, unpublished certificate
+    b.stop()  # (a's only peer: the rogue)
+    rogue = RoguePeer(
+        cluster,
+        a,
+        data,
+        a_cert,
+        tmp_path / "rogue",
+        shows=peer_tls.Identity(_private(tmp_path / "unpublished"), "x"),
+    )
+    try:
+        wait_until(
+            lambda: [m["node"] for m in a.status()["peers"]["live"]] == [rogue.id],
+            30,
+            what="a to see the rogue",
+        )
+        assert (a.path / "model.bin").read_bytes() == data
+    finally:
+        rogue.close()
+    peers = a.status()["peers"]
+    assert peers["asks_failed"] >= 1 and peers["taken_bytes"] == 0, peers
+    assert rogue.server.requests == 0 and rogue.asked == 0  # (no request got through)
+
+    # the key is made once: a remount with the same cache dir keeps it and its certificate
+    a.stop()
+    a.start()
+    assert (a_dir / peer_tls.KEY_FILE).read_bytes() == key
+    record = json.loads(cluster.store.read(f"{PREFIX}{a.status()['peers']['node']}.json"))
+    assert record["cert"].encode() == a_cert
+
+
+def _private(path: Path) -> Path:
+    path.mkdir(mode=0o700)
+    return path
 
 
 def _read_all(sock) -> bytes:

@@ -25,14 +25,17 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from botocore.exceptions import ClientError
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.harness import wait_until
 
@@ -223,6 +226,45 @@ def test_no_live_peer_commits_at_the_local_level(cluster):
     a.release_uploads()
     a.sync()
     assert _state(a.path / "alone.bin") == "durable"
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_a_silent_holder_commits_at_the_local_level_after_the_replica_timeout(cluster):
+    """The holder a live member that stops answering (its daemon stopped, SIGSTOP): a close on
+    its origin returns at the committed level after --replica-timeout (the default, 5 s), not
+    before and not much after; one warning in the log for two such closes within the minute,
+    both counted by ``ckptfs_replica_local_commits_total`` on the metrics endpoint."""
+    a, b = _pair(cluster, extra=("--metrics-port", "0"))
+    assert b.status()["peers"]["holders"] == [a.status()["peers"]["node"]]
+    b.hold_uploads(except_prefixes=PASS)  # (a file in the store needs no replica: kept pending)
+    log = Path(b.mount.cache_dir) / "ckptfs.log"
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        took = []
+        for name in ("first.bin", "second.bin"):
+            started = time.monotonic()
+            _write(b.path / name, b"x" * MiB)
+            took.append(time.monotonic() - started)
+            assert _state(b.path / name) == "pending"
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    # the first close waited for its silent holder, still a live member (the warning says so),
+    # for the timeout
+    assert 5.0 <= took[0] < 15, took
+    warnings = [line for line in log.read_text().splitlines() if "on this node only until" in line]
+    assert len(warnings) == 1 and "no reply from the holders in 5 s" in warnings[0], warnings
+    assert b.status()["peers"]["local_commits"] == 2
+    url = b.status()["metrics_url"]
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        samples = {
+            s.name: s.value
+            for family in text_string_to_metric_families(answer.read().decode())
+            for s in family.samples
+        }
+    assert samples["ckptfs_replica_local_commits_total"] == 2
+    b.release_uploads()
+    b.sync()
+    assert _state(b.path / "first.bin") == "durable"
 
 
 @pytest.mark.skipif(not os.environ.get("CKPTFS_LONG"), reason="long mode (scripts/test --long)")

@@ -47,8 +47,9 @@ CONNECT_S = 2.0
 HANDSHAKE_S = 3.0  # (a stranger holds a connection slot at most this long)
 SERVER_IDLE_S = 30.0  # a connection with no request for this long is closed by the server
 SLOT_WAIT_S = 2.0  # a connection arriving while every slot is taken waits this long for one
-REQUEST_MAX = 64 << 10  # (a pushed set of writer records is at most 48 KiB)
+REQUEST_MAX = 8 << 10  # (a pushed set of writer records is at most 5 KiB of it)
 IDLE_CONNECTIONS = 2  # kept open per peer by a client (each holds one of that peer's slots)
+MAX_IDLE = 8  # kept open by a client in all, whatever the number of peers (``PeerClient(max_idle=)``)
 
 
 class PeerError(Exception):
@@ -243,9 +244,10 @@ class PeerServer:
 class PeerClient:
     """Requests to peers, from worker threads; a few idle connections kept per peer."""
 
-    def __init__(self, context: Callable[[Member], ssl.SSLContext]):
+    def __init__(self, context: Callable[[Member], ssl.SSLContext], max_idle: int = MAX_IDLE):
         self.context = context  # a client context that trusts exactly that member's certificate
         self.idle: dict[str, list[ssl.SSLSocket]] = {}
+        self.max_idle = max_idle  # (daemon/limits.py counts them: not one pool per member of a big cluster)
         self.lock = threading.Lock()
 
     def take(self, member: Member, request: dict, span: int, deadline: float) -> bytearray | str:
@@ -332,7 +334,7 @@ class PeerClient:
     def _keep(self, member: Member, tls: ssl.SSLSocket) -> None:
         with self.lock:
             pool = self.idle.setdefault(member.fingerprint, [])
-            if len(pool) < IDLE_CONNECTIONS:
+            if len(pool) < IDLE_CONNECTIONS and sum(map(len, self.idle.values())) < self.max_idle:
                 pool.append(tls)
                 return
         tls.close()
@@ -374,14 +376,21 @@ def send_frame(
         send(tls)
 
 
-def read_frame_header(tls: ssl.SSLSocket) -> dict | None:
-    """The next message's header (None: the stream ended); its body (``n`` bytes) follows."""
+def read_frame_length(tls: ssl.SSLSocket) -> int | None:
+    """The length of the next message's header (None: the stream ended); ``read_frame_body``
+    reads the header, then its body (``n`` bytes) follows. (Two steps: the holder reads a large
+    header only while no other large one is in memory, daemon/limits.py.)"""
     head = recv_exact(tls, 4)
     if head is None:
         return None
     (length,) = struct.unpack(">I", head)
     if length > FRAME_HEADER_MAX:
         raise ValueError("header too large")
+    return length
+
+
+def read_frame_body(tls: ssl.SSLSocket, length: int) -> dict | None:
+    """The header of ``length`` bytes whose length ``read_frame_length`` read."""
     raw = recv_exact(tls, length)
     if raw is None:
         return None

@@ -42,9 +42,9 @@ from ckptfs.util import private_files
 log = logging.getLogger(__name__)
 
 PUSH_S = 2.0  # a set that is not empty is pushed again this often
-PUSH_MAX = 48 << 10  # a pushed set's JSON at most (the peer channel's requests are at most 64 KiB)
-NODES_MAX = 256  # other nodes' sets kept
-FORGOTTEN_MAX = 64  # lost nodes this node took over, told to the peers in every push
+PUSH_MAX = 5 << 10  # a pushed set's directories at most, as JSON (a peer channel request is at most 8 KiB)
+NODES_MAX = 64  # other nodes' sets kept (with the sets: well under 1 MiB)
+FORGOTTEN_MAX = 16  # lost nodes this node took over, told to the peers in every push
 FILE = "peer-records.json"
 
 # Push one set to one member: True once it acknowledged it.
@@ -137,7 +137,7 @@ class PeerRecords:
         out: dict[str, str] = {}
         room = PUSH_MAX
         for directory, state in sorted(dirs.items()):
-            room -= len(directory.encode()) + 16
+            room -= len(json.dumps(directory)) + 10
             if room < 0:
                 break
             out[directory] = state

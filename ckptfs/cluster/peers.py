@@ -48,6 +48,7 @@ from ckptfs.store.base import ObjectStore
 log = logging.getLogger(__name__)
 
 PEER_BUFFER = 1 << 20  # a disk block is sent through a buffer this large (daemon/limits.py counts it)
+PUSH_THREADS = 4  # writer records pushed to peers at once (cluster/peer_records.py)
 ASK_MAX_S = 600.0  # an ask's bound without --read-timeout
 UNSPECIFIED = ("0.0.0.0", "::", "")  # listen on every interface: publish the one that routes to the store
 
@@ -89,6 +90,7 @@ class PeerCache:
         fill: Fill,
         domain: str = "",
         session: Callable[[dict, ssl.SSLSocket, str], None] | None = None,
+        asks: int = 4,
         on_records: Callable[[str, dict], str] | None = None,
         trust_for: float = 0.0,
     ):
@@ -113,11 +115,15 @@ class PeerCache:
             max_connections,
             session,
         )
-        self.client = PeerClient(self.client_context)
+        self.client = PeerClient(self.client_context, max_idle=asks)
+        # Asks at once, each a thread and a part-sized buffer: as many as the fetcher's (its
+        # ``peer_bodies``); an ask given up on (a read interrupted) keeps its thread and buffer
+        # until it ends, and its place here with them (daemon/limits.py counts ``asks`` parts).
+        self.threads = trio.CapacityLimiter(asks)
         # (node, request) -> "" when taken, else why not: the writer records peers push to this
-        # node (cluster/peer_records.py)
+        # node (cluster/peer_records.py); pushed in threads of their own (no part buffer)
         self.on_records = on_records
-        self.threads = trio.CapacityLimiter(max(4, max_connections))
+        self.push_threads = trio.CapacityLimiter(PUSH_THREADS)
         self.taken_bytes = 0  # bytes of parts taken from peers (and so not from the store)
         self.failures = 0  # asks that came back with nothing: the store served them instead
         self.refusals = 0  # asks a peer declined (not its version, not there)
@@ -356,7 +362,7 @@ class PeerCache:
                 {**request, "url": self.url},
                 0,
                 deadline,
-                limiter=self.threads,
+                limiter=self.push_threads,
                 abandon_on_cancel=True,
             )
         except PeerError as exc:

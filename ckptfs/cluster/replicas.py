@@ -51,7 +51,7 @@ from ckptfs.cache.arena import RAM
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.journal import ATTR, DELETE, MKDIR, MOVE, PUT, Op
 from ckptfs.cluster.members import TAKEOVER_PREFIX, Members
-from ckptfs.cluster.peer_channel import read_frame_header, recv_into, send_answer
+from ckptfs.cluster.peer_channel import read_frame_body, read_frame_length, recv_into, send_answer
 from ckptfs.cluster.replication import CLAIMING, PUBLISHED, TAKEN, read_lease
 from ckptfs.store.base import RESERVED_PREFIX, ObjectStore
 from ckptfs.util import private_files
@@ -68,6 +68,11 @@ KINDS = (PUT, DELETE, MOVE, MKDIR, ATTR)
 MAX_OBJECT = 5 << 40  # S3's largest object
 SESSION_IDLE_S = 300.0  # a stream silent this long is closed (its origin reopens it)
 NODE_ID = re.compile(r"[0-9a-f]{16}")  # cluster/records.py node_id
+# A message header over this many bytes (an op of a file of many blocks: its list of them) is
+# read and handled while no other stream holds one: the daemon's memory holds one such header
+# (at most FRAME_HEADER_MAX, and its decoded JSON) at a time, not one per stream (daemon/limits.py).
+SMALL_HEADER = 64 << 10
+_LARGE_HEADER = threading.Lock()
 
 # Hand a lost origin's ops, in order, to this node's journal and uploader (Commits.take_over):
 # the last of them's sequence number here.
@@ -282,21 +287,32 @@ class ReplicaHolder:
         buffer = memoryview(bytearray(self.cache.block_size))  # (one block per stream: daemon/limits.py)
         tls.settimeout(SESSION_IDLE_S)
         while True:
-            header = read_frame_header(tls)
-            if header is None:
+            length = read_frame_length(tls)
+            if length is None:
                 return
-            n = header["n"]
-            if n > len(buffer):
-                send_answer(tls, "a body larger than a block")
-                return
-            recv_into(tls, buffer[:n])
-            try:
-                value = self._on_trio(self._receive, origin, header, buffer[:n])
-            except Exception as exc:  # noqa: BLE001 - the origin chooses another holder
-                log.warning("replicas: refusing node %s's stream: %s", origin, exc)
-                send_answer(tls, f"{type(exc).__name__}: {exc}"[:200])
-                return
-            send_answer(tls, value)
+            with _LARGE_HEADER if length > SMALL_HEADER else contextlib.nullcontext():
+                if not self._message(origin, tls, length, buffer):
+                    return
+
+    def _message(self, origin: str, tls: ssl.SSLSocket, length: int, buffer: memoryview) -> bool:
+        """Read, store and answer one message whose header is ``length`` bytes (False: the
+        stream ends)."""
+        header = read_frame_body(tls, length)
+        if header is None:
+            return False
+        n = header["n"]
+        if n > len(buffer):
+            send_answer(tls, "a body larger than a block")
+            return False
+        recv_into(tls, buffer[:n])
+        try:
+            value = self._on_trio(self._receive, origin, header, buffer[:n])
+        except Exception as exc:  # noqa: BLE001 - the origin chooses another holder
+            log.warning("replicas: refusing node %s's stream: %s", origin, exc)
+            send_answer(tls, f"{type(exc).__name__}: {exc}"[:200])
+            return False
+        send_answer(tls, value)
+        return True
 
     def _fenced(self, origin: str) -> bool:
         """A holder took ``origin``'s replica over and it has not come back since (its start

@@ -11,7 +11,11 @@ RSS <= the RAM tier (--ram-cache: pages of the tmpfs arena the daemon touched) +
 part-sized buffers ((3 x --upload-concurrency + 4) x --part-size: parts uploading, and,
 with the opt-in CRT transport, their copies in its buffers as they go out, blocks being fetched, small files and
 disk blocks being hashed or sent whole; allocated when first needed, then reused) + a fixed
-overhead (the interpreter, libraries, FUSE buffers).
+overhead (the interpreter, libraries, FUSE buffers); with --cluster, also
+(--upload-concurrency + 16) x --part-size (parts asked of peers; a block per replica stream held
+for another node) + 2 MiB per thread of the peer channel (--peer-connections + --replicas +
+--upload-concurrency + 16) + 128 MiB (TLS libraries, one large replica message header): see
+``memory_bound``.
 """
 
 from __future__ import annotations
@@ -46,18 +50,31 @@ def fmt(n: int) -> str:
 
 MAX_REPLICA_STREAMS = 16  # other nodes' replica streams held at once (cluster/replicas.py), a block each
 MAX_PEER_CONNECTIONS = 256  # --peer-connections: a thread each, and a 1 MiB buffer when sending from disk
-PEER_BUFFER = 1 * MiB
+# With --cluster, each thread of the peer channel: a served connection (--peer-connections),
+# a replica stream to a holder (--replicas), an ask of a peer (--upload-concurrency), a replica
+# stream held for another node (MAX_REPLICA_STREAMS). It may hold PEER_BUFFER (a disk block on
+# its way out, through cluster/peers.py's block_sender), its TLS state and stack (76 KiB per
+# connection measured), an idle client connection (at most --upload-concurrency of those), a
+# replica message header of at most 64 KiB (cluster/replicas.py SMALL_HEADER) and its decoded
+# JSON (at most 25 bytes per byte of JSON, measured for the worst: lists of empty lists).
+PEER_THREAD = 2 * MiB
+# With --cluster: OpenSSL and ``cryptography``, and the one replica message header over 64 KiB
+# held at a time (at most cluster/peer_channel.py FRAME_HEADER_MAX, 4 MiB; its bytes twice and
+# its decoded JSON, up to 25 times).
+CLUSTER_OVERHEAD = 128 * MiB
 
 
 def memory_bound(config: MountConfig) -> int:
     """The most the daemon's RSS may reach with these flags (see the module doc). With
-    --cluster, the parts asked of peers take as much again as the fetches (concurrency x part
-    size), each peer connection a buffer, and each replica stream this node holds for another
-    (at most ``MAX_REPLICA_STREAMS``) a block."""
+    --cluster: the parts asked of peers take as much again as the fetches (--upload-concurrency
+    x part size: ``PeerCache.threads`` holds an ask given up on until it ends), each replica
+    stream this node holds for another (at most ``MAX_REPLICA_STREAMS``) a block, each thread of
+    the peer channel ``PEER_THREAD``, and the TLS libraries ``CLUSTER_OVERHEAD``."""
     bound = config.ram_cache + (3 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
     if config.cluster:
-        bound += config.upload_concurrency * config.part_size + config.peer_connections * PEER_BUFFER
-        bound += MAX_REPLICA_STREAMS * config.part_size
+        bound += (config.upload_concurrency + MAX_REPLICA_STREAMS) * config.part_size
+        threads = config.peer_connections + config.replicas + config.upload_concurrency + MAX_REPLICA_STREAMS
+        bound += threads * PEER_THREAD + CLUSTER_OVERHEAD
     return bound
 
 

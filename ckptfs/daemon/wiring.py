@@ -308,8 +308,9 @@ def build_core(
             fill,
             config.failure_domain,
             session,
-            relay.receive if relay is not None else None,
-            config.lost_node_after,  # (a node cut off from the store is not lost before that)
+            asks=config.upload_concurrency,
+            on_records=relay.receive if relay is not None else None,
+            trust_for=config.lost_node_after,  # (a node cut off from the store is not lost before that)
         )
         from ckptfs.cluster.replicas import ReplicaHolder
         from ckptfs.cluster.replication import Replicator
