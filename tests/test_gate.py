@@ -236,3 +236,28 @@ async def test_a_pointer_to_a_step_only_another_node_writes_waits_for_it(tmp_pat
         with trio.fail_after(GUARD):
             await sync(a)
         assert store_files(local)["latest"] == b"step_7\n"
+
+
+@trio_test
+async def test_an_index_naming_a_shard_nobody_holds_waits_past_the_record_timeout(tmp_path, local):
+    """No timeout publishes a marker as written: an index naming a shard that is in no store and
+    on no node stays held, round after round, well past --record-timeout, until the shard shows
+    up (issue 39)."""
+    async with AsyncExitStack() as stack:
+        (a,) = await nodes(stack, tmp_path, local, 1)
+        a.core.records.timeout = 0.2  # (what the old fallback waited before publishing as written)
+        mkdirs(a.ns, "step_7")
+        await write(a, "step_7/model.index.json", index("shard-0.bin", "shard-1.bin"))
+        await write(a, "step_7/shard-0.bin", b"0" * 100)
+        await wait_until_async(lambda: a.core.gate.waiting(), GUARD, "the index held")
+        await wait_until_async(
+            lambda: a.core.gate.waiting()[0].checks >= 6, GUARD, "six rounds of checks (over 1 s)"
+        )
+        assert "step_7/model.index.json" not in store_files(local)
+        (wait,) = a.core.gate.waiting()
+        assert wait.missing == ["step_7/shard-1.bin"] and wait.absent_since is not None
+        assert "in no store and on no node we know of, since" in wait.describe()
+        await write(a, "step_7/shard-1.bin", b"1" * 100)  # (the shard after all)
+        with trio.fail_after(GUARD):
+            await sync(a)
+        assert "step_7/model.index.json" in store_files(local) and not a.core.gate.waiting()
