@@ -220,13 +220,18 @@ class Uploader:
         self.new_work.set()
         return task
 
-    def cancel(self, seq: int) -> bool:
-        """Drop a pending op; False if it is already being published (or gone)."""
+    def cancel(self, seq: int, reason: str = "replaced") -> bool:
+        """Drop a pending op; False if it is already being published (or gone). A held marker
+        dropped so is said once in the log and in status, with ``reason`` (the namespace
+        cancels a pending put when its file is written again, truncated or taken out)."""
         task = self.pending.get(seq)
         if task is None or task.publishing:
             return False
         del self.pending[seq]
-        self.held.pop(seq, None)
+        if self.held.pop(seq, None) is not None:
+            self.dropped_count += 1
+            self.dropped.append({"marker": task.op.key, "reason": reason, "at": time.time()})
+            log.warning("marker %s will not be published: %s", task.op.key, reason)
         if self.gate is not None:  # (a marker described, held or not)
             self.gate.forget(seq)
         task.cancelled = True
@@ -426,13 +431,8 @@ class Uploader:
         assert self.gate is not None
         for seq, held in list(self.held.items()):
             reason = self.gate.drops(op, held.op, published)
-            if reason is None or held.publishing:
-                continue
-            key = held.op.key
-            if self.cancel(seq):
-                self.dropped_count += 1
-                self.dropped.append({"marker": key, "reason": reason, "at": time.time()})
-                log.warning("marker %s will not be published: %s", key, reason)
+            if reason is not None and not held.publishing:
+                self.cancel(seq, reason)
         self.new_work.set()
 
     async def _publish(self, task: Task) -> None:
