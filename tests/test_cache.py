@@ -351,13 +351,14 @@ def test_backpressure_waits_for_a_decref(tmp_path):
             nursery.start_soon(writer)
             await trio.testing.wait_all_tasks_blocked()
             assert got == [] and cache.waiters == 1
-            assert cache.usage()["writers_waiting"] == 1
+            assert cache.usage()["writers_waiting"] == 1 and cache.usage()["space_waits"] == 1
             cache.incref(held[2])
             cache.decref(held[2])  # still referenced: no space yet
             await trio.testing.wait_all_tasks_blocked()
             assert got == []
             cache.decref(held[3])  # the last reference: the slot is free
         assert got == [held[3]] and cache.waiters == 0
+        assert cache.usage()["space_waits"] == 1  # one allocation waited (however often it woke)
         for ref in held[:3] + got:
             cache.decref(ref)
         assert_all_free(cache)

@@ -319,6 +319,21 @@ def test_format_status_tolerates_anything():
     cli_control.format_status({"markers_waiting": [None, {"since": "?"}], "markers_dropped": ["x", {}]})
 
 
+def test_format_status_prints_words_not_python_values():
+    """A boolean is yes or no and a null is none, also in what a newer daemon adds: never
+    Python's True, False or None."""
+    text = cli_control.format_status(
+        {"server_checksums": False, "a_new_flag": True, "a_new_figure": None, "durable_files": 3}
+    )
+    rows = dict((label, value.strip()) for label, value in (line.split(":", 1) for line in text.splitlines()))
+    assert rows == {
+        "server checksums": "no",
+        "a new flag": "yes",
+        "a new figure": "none",
+        "durable files": "3",
+    }
+
+
 def test_format_status_says_which_markers_wait_and_which_were_dropped():
     text = cli_control.format_status(
         {

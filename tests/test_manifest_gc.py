@@ -12,6 +12,7 @@ import pytest
 
 from ckptfs.objects import integrity
 from ckptfs.store.s3 import S3Store
+from tests.support.harness import wait_until
 from tests.support.mounting import Mount
 
 pytestmark = [pytest.mark.e2e, pytest.mark.store, pytest.mark.timeout(240)]
@@ -109,18 +110,31 @@ def test_the_manifest_of_an_upload_that_may_still_complete_is_kept(s3_bucket, cl
     assert len(found) == 2  # and deleted.bin's
 
 
+def sweep_line(m: Mount) -> str:
+    """The daemon's line saying whether it swept (once it has decided), from its log."""
+    lines = (m.cache_dir / "ckptfs.log").read_text(errors="replace").splitlines()
+    return next((line for line in lines if "manifest sweep: " in line), "")
+
+
 def test_a_mount_sweeps_at_most_once_a_day_over_all_mounts(
     s3_server, s3_bucket, client, object_store, written, tmp_path
 ):
-    """The mount in ``written`` swept at its start (the stamp is there); a second mount within the
-    day does not, and the sweep never deleted a live manifest."""
+    """The mount in ``written`` swept at its start (the stamp is there, its log says so); a second
+    mount within the day does not (its log says so, the stamp is the first's), and the sweep
+    never deleted a live manifest."""
+    assert "orphan manifests deleted" in sweep_line(written)
     stamp = client.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{integrity.SWEEP_STAMP}")
     assert time.time() - stamp["LastModified"].timestamp() < 600
     assert integrity.sweep_due(object_store, time.time()) is False
     assert integrity.sweep_due(object_store, time.time() + integrity.SWEEP_EVERY_S + 1) is True
+    stamp = client.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{integrity.SWEEP_STAMP}")  # (stamped again)
     m = Mount(f"s3://{s3_bucket}/{PREFIX}", tmp_path / "r", endpoint_url=s3_server.endpoint)
     try:
         m.start()
+        line = wait_until(lambda: sweep_line(m), 60, what="the second mount's sweep decision")
+        assert "manifest sweep: not due" in line, line
+        again = client.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{integrity.SWEEP_STAMP}")
+        assert again["ETag"] == stamp["ETag"] and again["LastModified"] == stamp["LastModified"]
         assert sorted(os.listdir(m.path)) == ["deleted.bin", "kept.bin", "overwritten.bin", "renamed.bin"]
         assert (m.path / "kept.bin").stat().st_size == 9 * MiB
         assert len((m.path / "renamed.bin").read_bytes()) == 9 * MiB  # its manifest is there: it reads

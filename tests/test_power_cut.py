@@ -11,9 +11,12 @@ with the same cache dir. Every fsync'd byte must be there.
 The disk: dm-flakey (``drop_writes``) over a loop device where the kernel has device-mapper,
 else tests/support/powercut_fs.py (a FUSE filesystem that keeps only what was fsynced).
 ``CKPTFS_POWER_CUT=flakey`` or ``=fuse`` picks one; a test skips, saying why, only where the one
-asked for (or, unset, both) cannot run. Uploads are held (the store behind a proxy that never
-answers a write) from before the first write to after the cut: a version must be in the store
-only through the cache dir, or an upload that finished in time would hide a missing sync.
+asked for (or, unset, both) cannot run. Each test's id names the disk it ran on (``[dm-flakey]``,
+``[powercut-fs]``), and the first test checks that disk itself: what was not flushed is gone
+after a cut, so these tests cannot pass on a disk that keeps everything. Uploads are held (the
+store behind a proxy that never answers a write) from before the first write to after the cut: a
+version must be in the store only through the cache dir, or an upload that finished in time
+would hide a missing sync.
 """
 
 from __future__ import annotations
@@ -151,16 +154,29 @@ class FuseDisk:
             subprocess.run(["umount", "-l", str(self.path)], check=False)
 
 
-@pytest.fixture
-def disk(tmp_path):
+def _disk_kind() -> str:
+    """The disk the tests use: the one ``CKPTFS_POWER_CUT`` asks for, else dm-flakey where it can
+    run, else the FUSE power-cut filesystem. It names the tests (``[dm-flakey]``, ``[powercut-fs]``)."""
     asked = os.environ.get("CKPTFS_POWER_CUT", "")
-    flakey, fuse = _flakey_missing(), _fuse_missing()
-    if asked == "flakey" or (not asked and not flakey):
+    return asked or ("flakey" if not _flakey_missing() else "fuse")
+
+
+DISK = _disk_kind()
+
+
+@pytest.fixture(params=[DISK], ids=[{"flakey": "dm-flakey", "fuse": "powercut-fs"}.get(DISK, DISK)])
+def disk(request, tmp_path):
+    kind, flakey, fuse = request.param, _flakey_missing(), _fuse_missing()
+    if kind == "flakey":
         if flakey:
             pytest.skip(f"CKPTFS_POWER_CUT=flakey but dm-flakey cannot run: {flakey}")
         made: FlakeyDisk | FuseDisk = FlakeyDisk(tmp_path)
+    elif kind != "fuse":
+        pytest.fail(f"CKPTFS_POWER_CUT={kind}: flakey or fuse")
     elif fuse:
-        pytest.skip(f"no power-cut disk: dm-flakey: {flakey}; the FUSE power-cut filesystem: {fuse}")
+        pytest.skip(
+            f"no power-cut disk: dm-flakey: {flakey or 'not asked for'}; the FUSE power-cut filesystem: {fuse}"
+        )
     else:
         made = FuseDisk(tmp_path)
     try:
@@ -254,6 +270,36 @@ TIERS = [pytest.param("64MiB", id="ram-tier"), pytest.param("0", id="disk-only")
 
 
 # -- the tests --------------------------------------------------------------------------------
+def test_the_disk_loses_what_was_not_flushed(disk):
+    """The power-cut disk itself: after a cut, bytes written after a file's last fsync are gone,
+    so is a file nothing flushed, and a rename no directory fsync followed is undone; what was
+    flushed stays. (Else every test below would pass on a disk that keeps everything.)"""
+    top = disk.path / "self-check"
+    top.mkdir()
+    fsync_path(disk.path)
+    synced, later = os.urandom(300_000), os.urandom(200_000)
+    for name in ("kept.bin", "moved.bin"):
+        with open(top / name, "wb") as f:
+            f.write(synced)
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_path(top)
+    with open(top / "kept.bin", "ab") as f:
+        f.write(later)
+    (top / "unsynced.bin").write_bytes(later)
+    os.rename(top / "moved.bin", top / "renamed.bin")
+    assert sorted(os.listdir(top)) == ["kept.bin", "renamed.bin", "unsynced.bin"]
+    disk.cut()
+    disk.power_on()
+    assert sorted(os.listdir(top)) == ["kept.bin", "moved.bin"], (
+        f"{type(disk).__name__} kept what was not flushed"
+    )
+    assert (top / "kept.bin").read_bytes() == synced, (
+        f"{type(disk).__name__} kept bytes that were not fsynced"
+    )
+    assert (top / "moved.bin").read_bytes() == synced
+
+
 @pytest.mark.parametrize(
     "ram_cache", [pytest.param("64MiB", id="ram-tier"), pytest.param("0", id="disk-only", marks=ONLY_LONG)]
 )
@@ -293,9 +339,13 @@ def test_a_readers_fsync_of_a_pending_version_survives_a_power_cut(
 
 def test_a_directory_fsync_survives_a_power_cut(node_factory, s3_server, s3_bucket):
     """Name changes made after a file's fsync, then fsync of their directory: a new directory,
-    a rename of the fsynced file, the unlink of a file already in the store."""
+    a rename of the fsynced file, the unlink of a file and the rmdir of a directory already in
+    the store. Versions only in the RAM tier are still dropped: a new file closed but never
+    fsynced is gone, a file rewritten that way is back to its version in the store."""
     n = node_factory()
     (n.m.path / "old.bin").write_bytes(b"in the store")
+    (n.m.path / "rewritten.bin").write_bytes(b"version 1, in the store")
+    (n.m.path / "emptied").mkdir()
     n.m.sync()
     n.hold_uploads()
     data = os.urandom(3 * MiB + 5)
@@ -306,17 +356,21 @@ def test_a_directory_fsync_survives_a_power_cut(node_factory, s3_server, s3_buck
     os.mkdir(n.m.path / "sub")
     os.rename(n.m.path / "a.bin", n.m.path / "b.bin")
     os.unlink(n.m.path / "old.bin")
+    os.rmdir(n.m.path / "emptied")
+    (n.m.path / "ram-only.bin").write_bytes(os.urandom(MiB))  # committed, in the RAM tier only
+    (n.m.path / "rewritten.bin").write_bytes(b"version 2, in the RAM tier only")
     fsync_path(n.m.path)
     n.power_cut()
-    assert sorted(os.listdir(n.m.path)) == ["b.bin", "sub"]
+    assert sorted(os.listdir(n.m.path)) == ["b.bin", "rewritten.bin", "sub"]
     assert (n.m.path / "b.bin").read_bytes() == data
+    assert (n.m.path / "rewritten.bin").read_bytes() == b"version 1, in the store"
     n.m.sync()
     assert store_read(s3_server, s3_bucket, "b.bin") == data
 
 
 @pytest.mark.parametrize(
     "dir_fsync",
-    [pytest.param(True, id="dir-fsynced"), pytest.param(False, id="no-dir-fsync", marks=ONLY_LONG)],
+    [pytest.param(True, id="dir-fsynced"), pytest.param(False, id="no-dir-fsync")],
 )
 def test_a_rename_after_an_fsync_survives_a_power_cut(node_factory, s3_server, s3_bucket, dir_fsync):
     """torch.distributed.checkpoint's ``.metadata``: written to a temp name, fsynced, closed,

@@ -9,11 +9,13 @@ from __future__ import annotations
 import errno
 import os
 import random
+import threading
 import time
 
 import pytest
 
 from tests.support.faultproxy import Rule, hold
+from tests.support.harness import wait_until
 from tests.support.mounting import Mount
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -77,20 +79,46 @@ class RandomWriter:
         self.model[offset : offset + len(data)] = data
 
 
-def test_a_random_writer_under_cache_pressure_completes_without_eio(store, mount_factory):
-    """Its earlier versions wait for their uploads (the store's own pace) and fill the cache;
-    the writer waits for them to drain, never an EIO, and the last version is the model's."""
-    m = mount_factory(**SMALL, extra=parts(store)).start()
-    writer = RandomWriter(m.path / "fsx.bin", seed=28, limit=largest(store))
+def test_a_random_writer_under_cache_pressure_completes_without_eio(cluster):
+    """Its earlier versions wait for their uploads and fill the cache; the writer waits for them
+    to drain, never an EIO, and the last version is the model's. The pressure is made sure of:
+    the node's uploads are held (tests/support/cluster.py) from the start until the writer waits
+    for cache space, then flow at the store's own pace."""
+    node = cluster.node("a", extra=parts(cluster.store), **SMALL)
+    writer = RandomWriter(node.path / "fsx.bin", seed=28, limit=largest(cluster.store))
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            writer.run(1500)  # (the issue's EIO came after ~2,300 fsx operations; these all write)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failed.append(exc)
+
+    node.hold_uploads()
     started = time.monotonic()
-    writer.run(1500)  # (the issue's EIO came after ~2,300 fsx operations; these all write)
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        wait_until(
+            lambda: node.status()["writers_waiting"] or not thread.is_alive(),
+            120,
+            what="the writer waiting for cache space",
+        )
+    finally:
+        node.release_uploads()
+        thread.join(240)
     took = time.monotonic() - started
-    m.sync()
-    assert store.read("fsx.bin") == bytes(writer.model)
-    assert (m.path / "fsx.bin").read_bytes() == bytes(writer.model)
-    print(f"\n{writer.ops} random writes and truncates, {writer.ops // writer.every} reopens: {took:.1f} s")
-    assert m.status()["errors"] == []
-    m.stop()
+    assert not thread.is_alive() and failed == []
+    waits = node.status()["space_waits"]
+    assert waits > 0, "the writer never waited for cache space"
+    node.sync()
+    assert cluster.store.read("fsx.bin") == bytes(writer.model)
+    assert (node.path / "fsx.bin").read_bytes() == bytes(writer.model)
+    print(
+        f"\n{writer.ops} random writes and truncates, {writer.ops // writer.every} reopens: {took:.1f} s; "
+        f"the writer waited for cache space {waits} times"
+    )
+    assert node.status()["errors"] == []
 
 
 def test_a_random_writer_with_nothing_draining_gets_enospc_after_write_timeout(proxied_store, tmp_path):

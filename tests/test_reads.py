@@ -9,6 +9,7 @@ from the store; on S3 a counting proxy (tests/support/faultproxy.py) counts the 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import threading
@@ -21,7 +22,7 @@ import xxhash
 
 from tests.support.checkpoints import assert_same, make_checkpoint
 from tests.support.harness import blob
-from tests.support.mounting import Mount
+from tests.support.mounting import Mount, ckptfs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -380,3 +381,40 @@ def test_one_reader_of_a_file_larger_than_the_cache(s3_server, s3_bucket, tmp_pa
         reader.stop()
     finally:
         reader.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. eviction order
+# ---------------------------------------------------------------------------------------------
+
+
+def _fetched_by_warmup(m: Mount, name: str) -> int:
+    """Bytes `ckptfs warmup` had to fetch for ``name``: what of it was not cached."""
+    return json.loads(ckptfs("warmup", "--json", str(m.path / name)).stdout)["fetched_bytes"]
+
+
+def test_a_read_through_the_mount_keeps_a_file_while_a_colder_one_is_evicted(tmp_path):
+    """Least recently used, not first in first out: a.bin then b.bin become durable (clean, in
+    that order); a read of a.bin through the mount makes b.bin the colder; a new file that needs
+    the room of one of them evicts b.bin, and a.bin stays cached."""
+    m = Mount(
+        f"file://{tmp_path / 'store'}",
+        tmp_path / "m",
+        ram_cache="0",
+        cache_size="8MiB",  # eight 1 MiB blocks: a.bin and b.bin (3 each), then c.bin needs one's
+        extra=("--part-size", "1MiB"),
+    )
+    try:
+        m.start()
+        for name in ("a.bin", "b.bin"):
+            (m.path / name).write_bytes(os.urandom(3 * MiB))
+            m.sync()
+        assert m.status()["clean_bytes"] == 6 * MiB
+        assert len((m.path / "a.bin").read_bytes()) == 3 * MiB  # the read: a.bin is used last
+        (m.path / "c.bin").write_bytes(os.urandom(3 * MiB))
+        m.sync()
+        assert _fetched_by_warmup(m, "a.bin") == 0  # still cached
+        assert _fetched_by_warmup(m, "b.bin") == 3 * MiB  # evicted for c.bin
+        m.stop()
+    finally:
+        m.cleanup()

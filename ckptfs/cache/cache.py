@@ -104,6 +104,7 @@ class Cache:
         self.clean: OrderedDict[object, tuple[Content, Callable[[], None], bool]] = OrderedDict()
         self._space = trio.Event()
         self.waiters = 0
+        self.space_waits = 0  # allocations that had to wait for room (status: cache pressure)
         # A writer waits for space at most this long without a block being freed (the store is
         # down: nothing drains), then gets ENOSPC (--write-timeout; None: as long as it takes).
         self.write_timeout = write_timeout
@@ -158,7 +159,7 @@ class Cache:
     async def alloc(self, only: int | None = None) -> BlockRef:
         """A fresh block; waits while the tiers are full of data not yet uploaded, as long as
         uploads free blocks: ENOSPC after ``write_timeout`` seconds without one freed."""
-        started = time.monotonic()
+        started, waited = time.monotonic(), False
         while (ref := self.try_alloc(only)) is None:
             if not self.policy.releases_pending():
                 raise OSError(
@@ -176,6 +177,8 @@ class Cache:
                         f"was uploaded for {self.write_timeout:g} s (--write-timeout): "
                         "is the store down? see 'ckptfs status'",
                     )
+            if not waited:
+                self.space_waits, waited = self.space_waits + 1, True
             self.waiters += 1
             try:
                 with trio.move_on_after(left):
@@ -388,6 +391,7 @@ class Cache:
             out[TIER_NAMES[tier.index]] = {"used": tier.charged_bytes, "budget": tier.budget}
         out["clean_bytes"] = sum(self.charged(r) for c, *_ in self.clean.values() for r in c.refs())
         out["writers_waiting"] = self.waiters
+        out["space_waits"] = self.space_waits
         return out
 
     def close(self) -> None:

@@ -301,6 +301,13 @@ def _seconds_ago(value: object) -> str | None:
     return "0 s" if value <= 0 else humanfriendly.format_timespan(value, max_units=2)
 
 
+def _plain(value: object) -> str:
+    """A value in words: yes/no for a boolean, none for a null (not Python's True/False/None)."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "none" if value is None else str(value)
+
+
 def _uploading(parts: object, nbytes: object) -> str:
     return f"{parts} parts" + (f", {format_bytes(nbytes)}" if nbytes is not None else "")
 
@@ -383,7 +390,7 @@ def format_status(s: dict) -> str:
     for key, value in s.items():  # what newer daemons add, shown plainly
         if key not in _STATUS_KEYS and not isinstance(value, (dict, list)):
             rows.append(
-                (key.replace("_", " "), format_bytes(value) if key.endswith("_bytes") else str(value))
+                (key.replace("_", " "), format_bytes(value) if key.endswith("_bytes") else _plain(value))
             )
 
     errors = s.get("errors")

@@ -125,6 +125,7 @@ class Commands:
             "disk": usage["disk"],
             "clean_bytes": usage["clean_bytes"],
             "writers_waiting": usage["writers_waiting"],
+            "space_waits": usage["space_waits"],  # allocations that waited for room, since the mount
             "pending": {"files": up.pending_count(), "bytes": up.pending_bytes()},
             "uploading": {"parts_in_flight": self.config.upload_concurrency - up.part_slots.value},
             "uploaded_bytes": up.uploaded_bytes,

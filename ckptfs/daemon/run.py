@@ -376,6 +376,7 @@ class Daemon:
             if not await trio.to_thread.run_sync(
                 integrity.sweep_due, self.store, time.time(), abandon_on_cancel=True
             ):
+                log.info("manifest sweep: not due (a mount of this store swept within the day)")
                 return
             # The store's own listing: a manifest matches its object by either size (the LogicalStore
             # would HEAD every object of a bucket with compressed ones to give uncompressed sizes).
