@@ -13,8 +13,7 @@ functions and under ``if TYPE_CHECKING`` count too), so the layering cannot rot 
   model/ and store/ (and a new package or top-level module needs a row);
 - no class inherits from a class of another ckptfs module (a mixin: its state and the methods
   it calls live in another file) other than an interface (ALLOWED_BASES: the store's ABC,
-  exceptions) or the store's chains of layers (LAYERED_BASES), and no such base class calls
-  what only its subclasses define.
+  Protocols, exceptions), and no such base class calls what only its subclasses define.
 
 Calls handed up at run time (the Protocols a lower layer declares and a higher one implements,
 such as the cache's ``EvictionPolicy`` and prefill's ``KernelCache``, and the callbacks it is
@@ -99,16 +98,6 @@ ALLOWED_BASES: dict[tuple[str, str], str] = {
             "NotFound",
         )
     },
-}
-# The two stores are each one ObjectStore built in layers, one module a layer, in SUBLAYERS'
-# order (LocalTree < LocalMultipart < LocalStore, S3Client < S3Multipart < S3Store): allowed as
-# long as a layer calls nothing that only the layers above it define (what they call of the
-# ObjectStore interface, such as S3Multipart's self.head and self.put, is declared below them).
-LAYERED_BASES: dict[tuple[str, str], str] = {
-    ("store.local_tree", "LocalTree"): "the local store's layers",
-    ("store.local_multipart", "LocalMultipart"): "the local store's layers",
-    ("store.s3_client", "S3Client"): "the S3 store's layers",
-    ("store.s3_multipart", "S3Multipart"): "the S3 store's layers",
 }
 
 
@@ -425,14 +414,17 @@ def show(cls: tuple[str, str]) -> str:
 
 def test_the_class_reader_sees_known_bases():
     # (a guard against the test below going blind: these classes exist today)
-    assert bases(("store.s3", "S3Store")) == [("store.s3_multipart", "S3Multipart")]
+    assert bases(("store.s3", "S3Store")) == [("store.base", "ObjectStore")]
     assert bases(("objects.logical_store", "LogicalStore")) == [("store.base", "ObjectStore")]
     assert ("errors", "ControlError") in bases(("control.client", "NoDaemon"))
-    assert ("store.base", "ObjectStore") in lineage(("store.local", "LocalStore"))
+    assert lineage(("store.local", "LocalStore")) == [
+        ("store.local", "LocalStore"),
+        ("store.base", "ObjectStore"),
+    ]
     assert {"head", "put", "list"} <= declared(("store.base", "ObjectStore"))
-    assert "head" in read(("store.s3_multipart", "S3Multipart"))
-    for cls in {**ALLOWED_BASES, **LAYERED_BASES}:
-        assert cls[1] in classes(cls[0]), f"{cls} (ALLOWED_BASES / LAYERED_BASES) is gone: remove it"
+    assert "client" in read(("store.s3_multipart", "S3Multipart"))
+    for cls in ALLOWED_BASES:
+        assert cls[1] in classes(cls[0]), f"{cls} (ALLOWED_BASES) is gone: remove it"
     for cls in ALLOWED_BASES:  # interfaces only: an ABC or a Protocol, or an exception of errors.py
         direct = {ast.unparse(base).split(".")[-1] for base in classes(cls[0])[cls[1]].bases}
         assert cls[0] == "errors" or direct & {"ABC", "Protocol"}, f"{cls} is no ABC or Protocol"
@@ -440,12 +432,12 @@ def test_the_class_reader_sees_known_bases():
 
 def test_no_mixins_across_modules():
     """A class may inherit from a class of another ckptfs module only if that is an interface or
-    an exception (ALLOWED_BASES) or a layer of a store (LAYERED_BASES); and no such base reads or
-    calls what only its subclasses define (a mixin in disguise). Compose instead: pass the
-    object, keep it in an attribute."""
+    an exception (ALLOWED_BASES); and no such base reads or calls what only its subclasses define
+    (a mixin in disguise). Compose instead: pass the object, keep it in an attribute (as each
+    store holds its client or tree and its multipart uploads)."""
     found = []
     for cls, base in inheritance_across_modules():
-        if base not in ALLOWED_BASES and base not in LAYERED_BASES:
+        if base not in ALLOWED_BASES:
             found.append(
                 f"{show(cls)} inherits {show(base)}: a mixin (another module's class that is "
                 "not an interface: ALLOWED_BASES)"
@@ -460,6 +452,24 @@ def test_no_mixins_across_modules():
                     + ", ".join(f"self.{a} (line {line})" for a, line in sorted(callbacks.items()))
                 )
     assert not found, "\n".join(sorted(set(found)))
+
+
+def test_no_class_reads_the_privates_of_what_it_holds():
+    """Composition without reaching in: a class calls what the objects it holds offer, never
+    their private attributes (``self.tree._xattrs``): a collaborator's state stays its own."""
+    found = []
+    for module in MODULES:
+        for node in ast.walk(parsed(module)):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name)
+                and node.value.value.id in ("self", "cls")
+            ):
+                found.append(f"{where(module)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "reads of a held object's private attributes: " + ", ".join(found)
 
 
 # -- what importing loads ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from ckptfs.errors import NotFound, StoreError
 from ckptfs.store import localfs
 from ckptfs.store.base import PartInfo
 from ckptfs.store.local import LocalStore
+from ckptfs.store.local_multipart import LocalMultipart
 from ckptfs.store.local_tree import TMP_DIR
 from tests.support.harness import blob
 
@@ -283,7 +284,7 @@ def test_completed_but_not_cleaned_up(object_store, monkeypatch):
     uid = object_store.create_multipart("c.bin")
     part = object_store.upload_part("c.bin", uid, 1, b"whole")
     with monkeypatch.context() as m:
-        m.setattr(LocalStore, "_drop_upload", lambda *a: None)
+        m.setattr(LocalMultipart, "_drop_upload", lambda *a: None)
         object_store.complete_multipart("c.bin", uid, [part])
     assert object_store.get_range("c.bin", 0, 10) == b"whole"
     assert object_store.list_multipart() == [("c.bin", uid)]
@@ -304,7 +305,7 @@ def test_part_waiting_for_an_abort_finds_the_upload_gone(object_store):
         thread.start()
         thread.join(0.3)
         assert thread.is_alive()  # waiting for the lock
-        object_store._drop_upload(uid)
+        object_store.multipart._drop_upload(uid)
     finally:
         os.close(index)
     thread.join(10)

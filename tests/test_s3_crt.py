@@ -25,7 +25,7 @@ KEYS = ["plain", "dir/a b+c%d&e=f?g#h", "uni/Ünïcødé~x", "x/.hidden", "sp  a
 def crt_store(monkeypatch, s3_server, s3_bucket, proxy):
     monkeypatch.setenv("CKPTFS_S3_CLIENT", "crt")
     store = S3Store(s3_bucket, "pre fix", endpoint_url=proxy.url)
-    assert store._crt() is not None  # (awscrt is a dependency: the transport is really used)
+    assert store.client._crt() is not None  # (awscrt is a dependency: the transport is really used)
     yield store
     store.close()
 
@@ -83,7 +83,7 @@ def test_no_upload_no_server_and_wrong_keys_read_as_botocore_errors(crt_store, m
     assert caught.value.transient
     nobody.close()
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
-    denied = S3Store(s3_bucket, endpoint_url=crt_store._endpoint_url)
+    denied = S3Store(s3_bucket, endpoint_url=crt_store.client.endpoint_url)
     with pytest.raises(StoreError, match="access denied"):
         denied.put("k", b"x")
     denied.close()

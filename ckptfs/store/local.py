@@ -20,14 +20,16 @@ is not an object: listings skip it (with a warning, once per key), reads find no
 replaces the link itself, and a link where a directory must be fails the write (ELOOP). The
 root itself may be reached through links in the path the admin gave.
 
-The store is built in layers, one module each: ``localfs`` (the file primitives: openat without
-following links, whole writes, kernel copies), ``local_tree`` (``LocalTree``: keys to paths, the
-walk, publishing a file whole, xattr metadata), ``local_multipart`` (``LocalMultipart``: the
-upload staging) and this module (``LocalStore``: the object verbs and the listings).
+``LocalStore`` (this module: the object verbs and the listings) holds two collaborators, each
+given what it needs at construction: a ``LocalTree`` (local_tree.py: keys to paths, the walk,
+publishing a file whole, xattr metadata, over the file primitives of ``localfs``: openat without
+following links, whole writes, kernel copies) and a ``LocalMultipart`` (local_multipart.py: the
+upload staging), built on the same tree.
 """
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
@@ -39,9 +41,18 @@ from pathlib import Path
 
 from ckptfs.errors import NotFound, StoreError
 from ckptfs.store import localfs as fs
-from ckptfs.store.base import DirListing, ObjectInfo
+from ckptfs.store.base import DirListing, ObjectInfo, ObjectStore, PartInfo
 from ckptfs.store.local_multipart import LocalMultipart
-from ckptfs.store.local_tree import NOT_AN_OBJECT, TMP_DIR, UPLOADS, XATTR_PREFIX, etag
+from ckptfs.store.local_tree import (
+    LOCAL_LIMITS,
+    NOT_AN_OBJECT,
+    TMP_DIR,
+    UPLOADS,
+    XATTR_PREFIX,
+    LocalTree,
+    etag,
+    why,
+)
 
 __all__ = ["TMP_DIR", "UPLOADS", "XATTR_PREFIX", "LocalStore"]
 
@@ -50,9 +61,17 @@ log = logging.getLogger(__name__)
 _WARNED_LINKS_MAX = 10_000  # links remembered as already warned about (then forgotten at once)
 
 
-class LocalStore(LocalMultipart):
+class LocalStore(ObjectStore):
+    """The store in the directory ``root``: the object verbs and listings here, on its ``tree``;
+    the multipart verbs handed to its ``multipart``."""
+
+    limits = LOCAL_LIMITS
+
     def __init__(self, root: Path | str):
-        super().__init__(root)
+        self.tree = LocalTree(root)
+        self.multipart = LocalMultipart(self.tree, self.limits.max_parts)
+        self.root = self.tree.root
+        self.url = self.root.as_uri()
         self._warned_links: set[str] = set()  # keys of links a listing skipped, warned about once
         self._warned_lock = threading.Lock()
 
@@ -107,8 +126,8 @@ class LocalStore(LocalMultipart):
                 f"cannot create local store {self.root}: {e.strerror}", errno_=e.errno or errno.EIO
             ) from None
         try:
-            self._prepare()
-            with self._dir((TMP_DIR,)) as tmp_dir:
+            self.tree.prepare()
+            with self.tree.directory((TMP_DIR,)) as tmp_dir:
                 name = f"{uuid.uuid4().hex}.tmp"
                 os.close(
                     os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | fs.NOFOLLOW, 0o600, dir_fd=tmp_dir)
@@ -116,20 +135,20 @@ class LocalStore(LocalMultipart):
                 os.unlink(name, dir_fd=tmp_dir)
         except OSError as e:
             raise StoreError(
-                f"local store {self.root} is not writable: {self._why(e)}", errno_=e.errno or errno.EIO
+                f"local store {self.root} is not writable: {why(e)}", errno_=e.errno or errno.EIO
             ) from None
 
     def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
-        parts = self._parts(key)
+        parts = self.tree.parts(key)
         try:
             if key.endswith("/"):
-                self._prepare()  # the root
-                with self._dir(parts, create=True) as d:
-                    self._set_metadata(d, metadata)  # a directory's attributes (mode, uid, ...)
+                self.tree.prepare()  # the root
+                with self.tree.directory(parts, create=True) as d:
+                    self.tree.write_metadata(d, metadata)  # a directory's attributes (mode, uid, ...)
                 return
-            self._publish_new(parts, metadata, lambda fd: fs.pwrite_all(fd, data, 0))
+            self.tree.publish_new(parts, metadata, lambda fd: fs.pwrite_all(fd, data, 0))
         except OSError as e:
-            raise self._err("put", key, e) from None
+            raise self.tree.err("put", key, e) from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self._get(key, start, length, False)[0]
@@ -141,13 +160,13 @@ class LocalStore(LocalMultipart):
         """Bytes of one open of the object, and (``meta``) its metadata from that same open."""
         if key.endswith("/"):
             try:
-                os.close(self._open_dir(self._parts(key)))
+                os.close(self.tree.open_dir(self.tree.parts(key)))
                 return b"", {}
             except OSError:
                 raise NotFound(f"local store {self.root}: no object {key!r}") from None
-        fd, _ = self._open_object(key, "get")
+        fd, _ = self.tree.open_object(key, "get")
         try:
-            metadata = self._get_metadata(fd) if meta else {}
+            metadata = self.tree.read_metadata(fd) if meta else {}
             chunks = []
             while length > 0:
                 chunk = os.pread(fd, length, start)
@@ -158,7 +177,7 @@ class LocalStore(LocalMultipart):
                 length -= len(chunk)
             return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), metadata
         except OSError as e:
-            raise self._err("get", key, e) from None
+            raise self.tree.err("get", key, e) from None
         finally:
             os.close(fd)
 
@@ -166,22 +185,22 @@ class LocalStore(LocalMultipart):
         # "a" and "a/" are different keys, as on S3: a directory is no object "a", a file no "a/".
         if key.endswith("/"):
             try:
-                with self._dir(self._parts(key)) as d:
-                    return ObjectInfo(key, 0, os.fstat(d).st_mtime, self._get_metadata(d))
+                with self.tree.directory(self.tree.parts(key)) as d:
+                    return ObjectInfo(key, 0, os.fstat(d).st_mtime, self.tree.read_metadata(d))
             except (FileNotFoundError, NotADirectoryError):
                 return None
             except OSError as e:
                 if e.errno in NOT_AN_OBJECT:
                     return None
-                raise self._err("head", key, e) from None
+                raise self.tree.err("head", key, e) from None
         try:
-            fd, st = self._open_object(key, "head")
+            fd, st = self.tree.open_object(key, "head")
         except NotFound:
             return None
         try:
-            return ObjectInfo(key, st.st_size, st.st_mtime, self._get_metadata(fd), etag(st))
+            return ObjectInfo(key, st.st_size, st.st_mtime, self.tree.read_metadata(fd), etag(st))
         except OSError as e:
-            raise self._err("head", key, e) from None
+            raise self.tree.err("head", key, e) from None
         finally:
             os.close(fd)
 
@@ -189,21 +208,21 @@ class LocalStore(LocalMultipart):
         # Walk only the deepest directory the prefix fully names.
         base = prefix.rpartition("/")[0]
         rel = base + "/" if base else ""
-        parts = self._parts(rel) if rel else []
+        parts = self.tree.parts(rel) if rel else []
         try:
-            fd = self._open_dir(parts)
+            fd = self.tree.open_dir(parts)
         except (FileNotFoundError, NotADirectoryError):
             return
         except OSError as e:
             if e.errno in NOT_AN_OBJECT:
                 return
-            raise self._err("list", prefix, e) from None
+            raise self.tree.err("list", prefix, e) from None
         try:
             if rel and prefix == rel:  # the prefix names a directory: its marker comes first
                 yield ObjectInfo(rel, 0, os.fstat(fd).st_mtime)
             yield from self._walk(fd, rel, prefix)
         except OSError as e:
-            raise self._err("list", prefix, e) from None
+            raise self.tree.err("list", prefix, e) from None
         finally:
             os.close(fd)
 
@@ -238,9 +257,9 @@ class LocalStore(LocalMultipart):
     def list_dir(self, prefix: str = "", limit: int | None = None) -> DirListing:
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"list_dir needs a directory prefix, not {prefix!r}")
-        parts = self._parts(prefix) if prefix else []
+        parts = self.tree.parts(prefix) if prefix else []
         try:
-            with self._dir(parts) as fd:
+            with self.tree.directory(parts) as fd:
                 items = []
                 for entry, is_dir in self._storable_entries(fd, prefix):
                     items.append((entry.name.encode() + (b"/" if is_dir else b""), entry, is_dir))
@@ -256,7 +275,7 @@ class LocalStore(LocalMultipart):
                     try:
                         st = self._file_stat(entry)
                     except OSError as e:
-                        raise self._err("list", prefix + entry.name, e) from None
+                        raise self.tree.err("list", prefix + entry.name, e) from None
                     if st is not None:  # else removed (or swapped for a link) while we listed
                         files.append(ObjectInfo(prefix + entry.name, st.st_size, st.st_mtime, etag=etag(st)))
                 return DirListing(files, dirs, True)
@@ -265,12 +284,12 @@ class LocalStore(LocalMultipart):
         except OSError as e:
             if e.errno in NOT_AN_OBJECT:
                 return DirListing([], [], not prefix)
-            raise self._err("list", prefix, e) from None
+            raise self.tree.err("list", prefix, e) from None
 
     def delete(self, key: str) -> None:
-        parts = self._parts(key)
+        parts = self.tree.parts(key)
         try:
-            with self._dir(parts[:-1]) as d:
+            with self.tree.directory(parts[:-1]) as d:
                 if key.endswith("/"):
                     os.rmdir(parts[-1], dir_fd=d)
                 else:
@@ -286,33 +305,56 @@ class LocalStore(LocalMultipart):
                 errno.EISDIR,
                 errno.ELOOP,
             ):
-                raise self._err("delete", key, e) from None
+                raise self.tree.err("delete", key, e) from None
 
     def set_metadata(self, key: str, metadata: dict[str, str]) -> None:
         """The xattrs rewritten in place: the data is not touched."""
         if key.endswith("/"):
             self.put(key, b"", metadata)
             return
-        fd, _ = self._open_object(key, "set_metadata")
+        fd, _ = self.tree.open_object(key, "set_metadata")
         try:
-            self._set_metadata(fd, metadata)
+            self.tree.write_metadata(fd, metadata)
             os.fsync(fd)
         except OSError as e:
-            raise self._err("set_metadata", key, e) from None
+            raise self.tree.err("set_metadata", key, e) from None
         finally:
             os.close(fd)
 
     def copy(self, src: str, dst: str) -> None:
-        dst_parts = self._parts(dst)
+        dst_parts = self.tree.parts(dst)
         if src.endswith("/"):
             if self.head(src) is None:
                 raise NotFound(f"local store {self.root}: no object {src!r}")
             self.put(dst, b"")
             return
-        sfd, _ = self._open_object(src, "copy")
+        sfd, _ = self.tree.open_object(src, "copy")
         try:
-            self._publish_new(dst_parts, self._get_metadata(sfd), lambda fd: fs.copy_range(sfd, 0, fd, 0))
+            self.tree.publish_new(
+                dst_parts, self.tree.read_metadata(sfd), lambda fd: fs.copy_range(sfd, 0, fd, 0)
+            )
         except OSError as e:
-            raise self._err("copy", f"{src} -> {dst}", e) from None
+            raise self.tree.err("copy", f"{src} -> {dst}", e) from None
         finally:
             os.close(sfd)
+
+    # -- multipart uploads: the tree's LocalMultipart ------------------------------------------
+
+    def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
+        return self.multipart.create(key, metadata)
+
+    def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
+        return self.multipart.upload_part(key, upload_id, number, data)
+
+    def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
+        """A hole: the part's bytes are punched out of the file, never written (a sparse object)."""
+        return self.multipart.upload_zero_part(key, upload_id, number, length)
+
+    def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[PartInfo]) -> None:
+        self.multipart.complete(key, upload_id, parts)
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        self.multipart.abort(key, upload_id)
+
+    def list_multipart(self, prefix: str = "") -> builtins.list[tuple[str, str]]:
+        return self.multipart.unfinished(prefix)

@@ -22,7 +22,6 @@ import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import xxhash
 
@@ -103,8 +102,9 @@ def _write_records(index: int, records: dict[int, _Part | None]) -> None:
     os.fdatasync(index)
 
 
-class LocalMultipart(LocalTree):
-    """The multipart verbs of the local store (LocalStore adds the object verbs)."""
+class LocalMultipart:
+    """The local store's multipart uploads, in the directory of its ``tree`` (``LocalStore``'s
+    multipart verbs call these), of at most ``max_parts`` parts."""
 
     # Each upload is a directory .ckptfs-tmp/uploads/<id>/ holding
     #   key, metadata.json  what create_multipart was given (``key`` also says the upload exists)
@@ -119,8 +119,9 @@ class LocalMultipart(LocalTree):
     # hold it exclusively, so they wait for parts being written. Like everything below the root,
     # the upload's files are reached through the descriptor of its directory, never a link.
 
-    def __init__(self, root: Path | str):
-        super().__init__(root)
+    def __init__(self, tree: LocalTree, max_parts: int):
+        self.tree = tree
+        self.max_parts = max_parts
         self._slot_sizes: dict[str, int] = {}  # upload id -> P, once known (it never changes)
         self._begun: dict[str, dict[int, int]] = {}  # upload id -> {number: length} of parts begun here
         self._begun_lock = threading.Lock()
@@ -128,17 +129,17 @@ class LocalMultipart(LocalTree):
     def _upload_dir(self, key: str, upload_id: str) -> int:
         """A descriptor of the upload's directory (the caller closes it); NotFound if it does not
         exist or is for another key."""
-        missing = NotFound(f"local store {self.root}: no upload {upload_id!r} for {key!r}")
+        missing = NotFound(f"local store {self.tree.root}: no upload {upload_id!r} for {key!r}")
         if not _UPLOAD_ID.match(upload_id):
             raise missing
         try:
-            d = self._open_dir((*UPLOADS, upload_id))
+            d = self.tree.open_dir((*UPLOADS, upload_id))
         except (FileNotFoundError, NotADirectoryError):
             raise missing from None
         except OSError as e:
             if e.errno in NOT_AN_OBJECT:
                 raise missing from None
-            raise self._err("multipart", key, e) from None
+            raise self.tree.err("multipart", key, e) from None
         try:
             if fs.read_small(d, "key") == key.encode():
                 return d
@@ -148,7 +149,7 @@ class LocalMultipart(LocalTree):
             os.close(d)
             if e.errno in NOT_AN_OBJECT:
                 raise missing from None
-            raise self._err("multipart", key, e) from None
+            raise self.tree.err("multipart", key, e) from None
         os.close(d)
         raise missing
 
@@ -173,10 +174,10 @@ class LocalMultipart(LocalTree):
             os.close(d)
 
     def _gone(self, key: str, upload_id: str) -> NotFound:
-        return NotFound(f"local store {self.root}: upload {upload_id!r} for {key!r} is gone")
+        return NotFound(f"local store {self.tree.root}: upload {upload_id!r} for {key!r} is gone")
 
     def _drop_upload(self, upload_id: str) -> None:
-        with contextlib.suppress(OSError), self._dir(UPLOADS) as uploads:
+        with contextlib.suppress(OSError), self.tree.directory(UPLOADS) as uploads:
             with contextlib.suppress(OSError), fs.closing(fs.subdir(uploads, upload_id)) as d:
                 os.unlink("key", dir_fd=d)  # out of list_multipart first
             shutil.rmtree(upload_id, dir_fd=uploads, ignore_errors=True)  # never follows a link
@@ -197,7 +198,7 @@ class LocalMultipart(LocalTree):
             if header is not None:
                 size = header[1]
             else:
-                lengths = {n: part.length for n, part in _read_parts(index, self.limits.max_parts).items()}
+                lengths = {n: part.length for n, part in _read_parts(index, self.max_parts).items()}
                 with self._begun_lock:
                     lengths |= self._begun.get(upload_id, {})
                 top = max(lengths, default=0)
@@ -211,14 +212,14 @@ class LocalMultipart(LocalTree):
             self._begun.pop(upload_id, None)
         return size
 
-    def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
-        self._parts(key)  # validate now, not at completion
+    def create(self, key: str, metadata: dict[str, str] | None = None) -> str:
+        self.tree.parts(key)  # validate now, not at completion
         upload_id = uuid.uuid4().hex
         try:
-            self._prepare()
+            self.tree.prepare()
             # Build the upload dir under a temp name, then rename: it appears whole, with its key.
             with (
-                self._dir((TMP_DIR,), create=True) as tmp_dir,
+                self.tree.directory((TMP_DIR,), create=True) as tmp_dir,
                 fs.closing(fs.subdir(tmp_dir, "uploads", create=True)) as uploads,
             ):
                 tmp = f"{upload_id}.upload"
@@ -242,7 +243,7 @@ class LocalMultipart(LocalTree):
                 os.rename(tmp, upload_id, src_dir_fd=tmp_dir, dst_dir_fd=uploads)
                 os.fsync(uploads)  # parts are durable once stored: so must their upload be
         except OSError as e:
-            raise self._err("create_multipart", key, e) from None
+            raise self.tree.err("create_multipart", key, e) from None
         return upload_id
 
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
@@ -272,9 +273,9 @@ class LocalMultipart(LocalTree):
     def _store_part(self, key: str, upload_id: str, number: int, length: int, token_of, write) -> PartInfo:
         """Part ``number`` of ``length`` bytes: ``token_of()`` names its content, ``write(fd,
         offset)`` puts its bytes (into ``data`` at its slot, or into a file of its own)."""
-        if not 1 <= number <= self.limits.max_parts:
+        if not 1 <= number <= self.max_parts:
             raise StoreError(
-                f"local store {self.root}: part number {number} not in 1..{self.limits.max_parts}",
+                f"local store {self.tree.root}: part number {number} not in 1..{self.max_parts}",
                 errno_=errno.EINVAL,
             )
         if upload_id not in self._slot_sizes:
@@ -314,26 +315,26 @@ class LocalMultipart(LocalTree):
                         os.unlink(own, dir_fd=d)
                 _write_records(index, {number: new})
         except OSError as e:
-            raise self._err("upload_part", key, e) from None
+            raise self.tree.err("upload_part", key, e) from None
         return PartInfo(number, token)
 
-    def complete_multipart(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
-        dest = self._parts(key)
+    def complete(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
+        dest = self.tree.parts(key)
         numbers = [p.number for p in parts]
         if not parts or numbers != sorted(set(numbers)):
             raise StoreError(
-                f"local store {self.root}: complete {key!r}: parts must be non-empty and ascending",
+                f"local store {self.tree.root}: complete {key!r}: parts must be non-empty and ascending",
                 errno_=errno.EINVAL,
             )
         try:
             with self._locked_upload(key, upload_id, fcntl.LOCK_EX) as (d, index):
-                recorded = _read_parts(index, self.limits.max_parts)
+                recorded = _read_parts(index, self.max_parts)
                 chosen: list[tuple[int, _Part]] = []
                 for p in parts:
                     part = recorded.get(p.number)
                     if part is None or part.token != p.token:
                         raise StoreError(
-                            f"local store {self.root}: complete {key!r}: part {p.number} "
+                            f"local store {self.tree.root}: complete {key!r}: part {p.number} "
                             f"with token {p.token!r} was not uploaded",
                             errno_=errno.EINVAL,
                         )
@@ -354,14 +355,16 @@ class LocalMultipart(LocalTree):
                         self._complete_in_place(d, index, fd, chosen, recorded, offset, metadata, dest)
                     else:
                         log.debug(
-                            "local store %s: parts of %r out of their slots: copying them", self.root, key
+                            "local store %s: parts of %r out of their slots: copying them",
+                            self.tree.root,
+                            key,
                         )
                         self._complete_by_copy(d, fd, chosen, metadata, dest)
                 finally:
                     os.close(fd)
                 self._drop_upload(upload_id)
         except OSError as e:
-            raise self._err("complete_multipart", key, e) from None
+            raise self.tree.err("complete_multipart", key, e) from None
 
     def _copy_part(self, d: int, number: int, part: _Part, data: int, dst: int, dst_offset: int) -> None:
         """Copy a part (from its slot in ``data`` or its own file) to ``dst`` at ``dst_offset``."""
@@ -401,8 +404,8 @@ class LocalMultipart(LocalTree):
                 self._copy_part(d, number, part, data, data, offset)
             offset += part.length
         os.ftruncate(data, size)
-        self._set_metadata(data, metadata)
-        self._publish(data, d, "data", dest)
+        self.tree.write_metadata(data, metadata)
+        self.tree.publish(data, d, "data", dest)
 
     def _complete_by_copy(
         self,
@@ -421,9 +424,9 @@ class LocalMultipart(LocalTree):
                 self._copy_part(d, number, part, data, fd, offset)
                 offset += part.length
 
-        self._publish_new(dest, metadata, concatenate)
+        self.tree.publish_new(dest, metadata, concatenate)
 
-    def abort_multipart(self, key: str, upload_id: str) -> None:
+    def abort(self, key: str, upload_id: str) -> None:
         try:
             d = self._upload_dir(key, upload_id)
         except NotFound:
@@ -434,17 +437,17 @@ class LocalMultipart(LocalTree):
         except FileNotFoundError:
             self._drop_upload(upload_id)  # removed meanwhile, or an upload without an index
         except OSError as e:
-            raise self._err("abort_multipart", key, e) from None
+            raise self.tree.err("abort_multipart", key, e) from None
         finally:
             os.close(d)
 
-    def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+    def unfinished(self, prefix: str = "") -> list[tuple[str, str]]:
         try:
-            uploads = self._open_dir(UPLOADS)
+            uploads = self.tree.open_dir(UPLOADS)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR, *NOT_AN_OBJECT):
                 return []
-            raise self._err("list_multipart", prefix, e) from None
+            raise self.tree.err("list_multipart", prefix, e) from None
         out = []
         try:
             with os.scandir(uploads) as entries:

@@ -4,6 +4,7 @@
 directories on the way opened one at a time (O_NOFOLLOW, relative to the one before), errors
 turned into StoreErrors, a new object published whole (a temp file in ``ROOT/.ckptfs-tmp/``,
 fsynced, renamed into place) and its user metadata in xattrs. ckptfs/store/local.py says why.
+``LocalStore`` and its ``LocalMultipart`` are each given one (the same) at construction.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from ckptfs.errors import NotFound, StoreError
 from ckptfs.store import localfs as fs
-from ckptfs.store.base import S3_LIMITS, ObjectStore
+from ckptfs.store.base import S3_LIMITS
 
 log = logging.getLogger("ckptfs.store.local")
 
@@ -52,18 +53,23 @@ def etag(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_mtime_ns:x}"
 
 
-class LocalTree(ObjectStore):
-    """The parts of the local store every operation shares (LocalStore is the store itself)."""
+def why(e: OSError) -> str:
+    """What went wrong with a name in the store, in words."""
+    if e.errno == errno.ELOOP:
+        name = e.filename or "a name on the way"
+        return f"{name} is a symbolic link (links in the store are never followed)"
+    return e.strerror or str(e)
 
-    limits = LOCAL_LIMITS
+
+class LocalTree:
+    """The directory of a local store and the file operations on it that every verb shares."""
 
     def __init__(self, root: Path | str):
         self.root = Path(os.path.abspath(root))
-        self.url = self.root.as_uri()
         self._xattrs = True  # cleared the first time the filesystem refuses them
         self._ready = False
 
-    def _parts(self, key: str) -> list[str]:
+    def parts(self, key: str) -> list[str]:
         """The path components of ``key`` below the root; ValueError for keys that would escape it."""
         if not key or key.startswith("/") or "\0" in key:
             raise ValueError(f"invalid store key {key!r}")
@@ -74,7 +80,7 @@ class LocalTree(ObjectStore):
             raise ValueError(f"invalid store key {key!r}: {TMP_DIR} is reserved")
         return parts
 
-    def _open_dir(self, parts: Sequence[str], create: bool = False) -> int:
+    def open_dir(self, parts: Sequence[str], create: bool = False) -> int:
         """A descriptor of the directory ROOT/parts..., each component opened relative to the
         one before and never through a link (see the module doc). With ``create``: mkdir -p."""
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -89,82 +95,79 @@ class LocalTree(ObjectStore):
         return fd
 
     @contextlib.contextmanager
-    def _dir(self, parts: Sequence[str], create: bool = False) -> Iterator[int]:
-        fd = self._open_dir(parts, create)
+    def directory(self, parts: Sequence[str], create: bool = False) -> Iterator[int]:
+        fd = self.open_dir(parts, create)
         try:
             yield fd
         finally:
             os.close(fd)
 
-    def _open_object(self, key: str, op: str) -> tuple[int, os.stat_result]:
+    def open_object(self, key: str, op: str) -> tuple[int, os.stat_result]:
         """The regular file holding ``key``, opened read-only, and its stat; NotFound where there
         is none (a directory, a link, anything else)."""
-        parts = self._parts(key)
+        parts = self.parts(key)
         try:
-            with self._dir(parts[:-1]) as d:
+            with self.directory(parts[:-1]) as d:
                 # O_NONBLOCK: opening a fifo someone put there must not hang; no effect on a file.
                 fd = os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | fs.NOFOLLOW, dir_fd=d)
         except (FileNotFoundError, NotADirectoryError):
             raise NotFound(f"local store {self.root}: no object {key!r}") from None
         except OSError as e:
             if e.errno in NOT_AN_OBJECT:
-                raise NotFound(f"local store {self.root}: no object {key!r} ({self._why(e)})") from None
-            raise self._err(op, key, e) from None
+                raise NotFound(f"local store {self.root}: no object {key!r} ({why(e)})") from None
+            raise self.err(op, key, e) from None
         try:
             st = os.fstat(fd)
         except OSError as e:
             os.close(fd)
-            raise self._err(op, key, e) from None
+            raise self.err(op, key, e) from None
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise NotFound(f"local store {self.root}: no object {key!r} (not a file)")
         return fd, st
 
-    @staticmethod
-    def _why(e: OSError) -> str:
-        if e.errno == errno.ELOOP:
-            return f"{e.filename or 'a name on the way'} is a symbolic link (links in the store are never followed)"
-        return e.strerror or str(e)
-
-    def _err(self, op: str, key: str, e: OSError) -> StoreError:
+    def err(self, op: str, key: str, e: OSError) -> StoreError:
+        """``e`` as the StoreError of ``op`` on ``key`` (transient where trying later may work)."""
         code = e.errno or errno.EIO
         return StoreError(
-            f"local store {self.root}: {op} {key!r}: {self._why(e)}", transient=code in TRANSIENT, errno_=code
+            f"local store {self.root}: {op} {key!r}: {why(e)}", transient=code in TRANSIENT, errno_=code
         )
 
-    def _prepare(self) -> None:
+    def prepare(self) -> None:
+        """Make the root and the uploads' directory (once)."""
         if not self._ready:
             self.root.mkdir(parents=True, exist_ok=True)
-            os.close(self._open_dir(UPLOADS, create=True))
+            os.close(self.open_dir(UPLOADS, create=True))
             self._ready = True
 
-    def _publish(self, fd: int, src_dir: int, src_name: str, dest: Sequence[str]) -> None:
+    def publish(self, fd: int, src_dir: int, src_name: str, dest: Sequence[str]) -> None:
         """fsync the file ``fd`` (named ``src_name`` in ``src_dir``), rename it over the key
         ``dest`` (its components) and make the rename durable. The rename replaces a link at
         ``dest`` itself, never what it points to."""
         os.fsync(fd)
-        with self._dir(dest[:-1], create=True) as d:
+        with self.directory(dest[:-1], create=True) as d:
             os.rename(src_name, dest[-1], src_dir_fd=src_dir, dst_dir_fd=d)
             os.fsync(d)
 
-    def _publish_new(
+    def publish_new(
         self, dest: Sequence[str], metadata: dict[str, str] | None, fill: Callable[[int], object]
     ) -> None:
-        """A new object at ``dest``: a temp file that ``fill(fd)`` writes, then ``_publish``."""
-        self._prepare()
-        with self._dir((TMP_DIR,), create=True) as tmp_dir:
+        """A new object at ``dest``: a temp file that ``fill(fd)`` writes, then ``publish``."""
+        self.prepare()
+        with self.directory((TMP_DIR,), create=True) as tmp_dir:
             name = f"{uuid.uuid4().hex}.tmp"
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | fs.NOFOLLOW, 0o644, dir_fd=tmp_dir)
             try:
                 fill(fd)
-                self._set_metadata(fd, metadata)
-                self._publish(fd, tmp_dir, name, dest)
+                self.write_metadata(fd, metadata)
+                self.publish(fd, tmp_dir, name, dest)
             finally:
                 os.close(fd)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=tmp_dir)
 
-    def _set_metadata(self, fd: int, metadata: dict[str, str] | None) -> None:
+    def write_metadata(self, fd: int, metadata: dict[str, str] | None) -> None:
+        """Set user metadata on the file or directory ``fd`` (xattrs, where the filesystem has them)."""
         for name, value in (metadata or {}).items():
             if not self._xattrs:
                 return
@@ -178,7 +181,8 @@ class LocalTree(ObjectStore):
                     "local store %s: no xattr support (%s): metadata is not kept", self.root, e.strerror
                 )
 
-    def _get_metadata(self, fd: int) -> dict[str, str]:
+    def read_metadata(self, fd: int) -> dict[str, str]:
+        """The user metadata of the file or directory ``fd``."""
         if not self._xattrs:
             return {}
         try:

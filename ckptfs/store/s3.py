@@ -1,68 +1,72 @@
 """The S3 store: any S3-compatible endpoint through boto3.
 
-``S3Store``: the object verbs (put, ranged get, head, listings, delete, metadata, copy) on top of
-the S3 store's two other modules: s3_client.py (``S3Client``: the session and its clients,
-signing, CRC32C checksums, error mapping, the server-checksum probe, ``check``, the health
-hooks) and s3_multipart.py (``S3Multipart``: the multipart uploads).
+``S3Store``: the object verbs (ranged get, listings, delete, metadata, copy) here; it holds two
+collaborators: an ``S3Client`` (s3_client.py: the session and its clients, signing, CRC32C
+checksums, error mapping, the server-checksum probe, ``check``, the health hooks, and the PUT and
+HEAD the multipart uploads need too) and an ``S3Multipart`` (s3_multipart.py: the multipart
+uploads), built on that client.
 """
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import botocore.exceptions as bex
 
 from ckptfs.errors import NotFound, StoreError
-from ckptfs.store.base import DirListing, ObjectInfo, PartInfo
-from ckptfs.store.s3_client import (
-    CHECKSUM_ALGORITHM,
-    checksum_headers,
-    crc32c_b64,
-    etag_of,
-    part_token,
-)
-from ckptfs.store.s3_crt import Body
+from ckptfs.store.base import DirListing, ObjectInfo, ObjectStore, PartInfo
+from ckptfs.store.s3_client import S3Client, etag_of, part_token
 from ckptfs.store.s3_multipart import S3Multipart
+
+if TYPE_CHECKING:
+    from ckptfs.store.health import StoreHealth
 
 GiB = 1 << 30
 
 
-class S3Store(S3Multipart):
+class S3Store(ObjectStore):
+    """The store in ``bucket`` under ``prefix``: the object verbs here, through its ``client``;
+    the multipart verbs handed to its ``multipart``."""
+
     # Above 5 GiB CopyObject is refused: copy in ranges instead (class attrs so tests can shrink them).
     max_single_copy = 5 * GiB
     copy_part_size = 1 * GiB
 
+    def __init__(
+        self, bucket: str, prefix: str = "", endpoint_url: str | None = None, max_connections: int = 16
+    ):
+        self.client = S3Client(bucket, prefix, endpoint_url=endpoint_url, max_connections=max_connections)
+        self.multipart = S3Multipart(self.client)
+        self.url = self.client.url
+
+    @property
+    def server_checksums(self) -> bool:  # type: ignore[override]  # (the client's, found by the probe)
+        return self.client.server_checksums
+
+    def detect_server_checksums(self) -> bool:
+        return self.client.detect_server_checksums()
+
+    def report_to(self, health: StoreHealth) -> None:
+        self.client.report_to(health)
+
+    def key_room(self) -> int:
+        return self.limits.max_key_bytes - len(self.client.base.encode())
+
+    def check(self) -> None:
+        self.client.check()
+
+    def close(self) -> None:
+        self.client.close()
+
     # -- ObjectStore -------------------------------------------------------------
 
     def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
-        crc = crc32c_b64(data) if self.server_checksums else None
-        if self._crt() is not None:
-            meta = [(f"x-amz-meta-{k}", v) for k, v in (metadata or {}).items()]
-            try:
-                self._crt_send(
-                    "put",
-                    key,
-                    "PUT",
-                    self._crt_path(key),
-                    [*meta, *checksum_headers(crc)],
-                    body=data,
-                    signed_payload=crc is None,
-                )
-            except (bex.ClientError, OSError) as e:
-                self._fail("put", key, e)
-            return
-        body = Body(data)
-        extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
-        self._call(
-            "put",
-            key,
-            "put_object",
-            client=self._body_client(crc),
-            Key=self._key(key),
-            Body=body,
-            Metadata=metadata or {},
-            **extra,
-        )
+        self.client.put(key, data, metadata)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self.client.head(key)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self.get_range_meta(key, start, length)[0]
@@ -72,11 +76,13 @@ class S3Store(S3Multipart):
         if length <= 0:
             info = self.head(key)
             if info is None:
-                raise NotFound(f"get s3://{self.bucket}/{self._base}{key}: no such key")
+                raise NotFound(f"get s3://{self.client.bucket}/{self.client.base}{key}: no such key")
             return b"", info.metadata
         try:
-            resp = self._client.get_object(
-                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
+            resp = self.client.boto.get_object(
+                Bucket=self.client.bucket,
+                Key=self.client.key(key),
+                Range=f"bytes={start}-{start + length - 1}",
             )
             body = resp["Body"]
             try:
@@ -90,59 +96,46 @@ class S3Store(S3Multipart):
             if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
                 info = self.head(key)
                 return b"", info.metadata if info is not None else {}
-            self._fail("get", key, e)
+            self.client.fail("get", key, e)
         except (bex.BotoCoreError, OSError) as e:
-            self._fail("get", key, e)
-
-    def head(self, key: str) -> ObjectInfo | None:
-        try:
-            r = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
-        except bex.ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                return None
-            self._fail("head", key, e)
-        except (bex.BotoCoreError, OSError) as e:
-            self._fail("head", key, e)
-        return ObjectInfo(
-            key, r["ContentLength"], r["LastModified"].timestamp(), dict(r.get("Metadata", {})), etag_of(r)
-        )
+            self.client.fail("get", key, e)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._base + prefix
+            pages = self.client.boto.get_paginator("list_objects_v2").paginate(
+                Bucket=self.client.bucket, Prefix=self.client.base + prefix
             )
             for page in pages:
                 for o in page.get("Contents", []):
-                    key = o["Key"][len(self._base) :]
+                    key = o["Key"][len(self.client.base) :]
                     if key:  # skip the "prefix/" marker itself
                         yield ObjectInfo(key, o["Size"], o["LastModified"].timestamp(), etag=etag_of(o))
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
-            self._fail("list", prefix, e)
+            self.client.fail("list", prefix, e)
 
     def list_dir(self, prefix: str = "", limit: int | None = None) -> DirListing:
         """ListObjectsV2 with Delimiter='/': one level, sub-directories as common prefixes."""
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"list_dir needs a directory prefix, not {prefix!r}")
-        full = self._base + prefix
+        full = self.client.base + prefix
         files: list[ObjectInfo] = []
         dirs: list[str] = []
         exists = not prefix
         try:
             if limit is not None:
                 pages = [
-                    self._client.list_objects_v2(
-                        Bucket=self.bucket, Prefix=full, Delimiter="/", MaxKeys=max(limit, 1)
+                    self.client.boto.list_objects_v2(
+                        Bucket=self.client.bucket, Prefix=full, Delimiter="/", MaxKeys=max(limit, 1)
                     )
                 ]
             else:
-                pages = self._client.get_paginator("list_objects_v2").paginate(
-                    Bucket=self.bucket, Prefix=full, Delimiter="/"
+                pages = self.client.boto.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.client.bucket, Prefix=full, Delimiter="/"
                 )
             for page in pages:
                 for o in page.get("Contents", []):
                     exists = True
-                    key = o["Key"][len(self._base) :]
+                    key = o["Key"][len(self.client.base) :]
                     if key != prefix:  # (not the directory's own marker)
                         files.append(
                             ObjectInfo(key, o["Size"], o["LastModified"].timestamp(), etag=etag_of(o))
@@ -151,7 +144,7 @@ class S3Store(S3Multipart):
                     exists = True
                     dirs.append(p["Prefix"][len(full) : -1])
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
-            self._fail("list", prefix, e)
+            self.client.fail("list", prefix, e)
         if limit is not None:
             del files[limit:]
             del dirs[max(limit - len(files), 0) :]
@@ -159,15 +152,15 @@ class S3Store(S3Multipart):
 
     def delete(self, key: str) -> None:
         try:
-            self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+            self.client.boto.delete_object(Bucket=self.client.bucket, Key=self.client.key(key))
         except bex.ClientError as e:
             if (
                 e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 404
                 or e.response.get("Error", {}).get("Code") == "NoSuchBucket"
             ):
-                self._fail("delete", key, e)
+                self.client.fail("delete", key, e)
         except (bex.BotoCoreError, OSError) as e:
-            self._fail("delete", key, e)
+            self.client.fail("delete", key, e)
 
     def set_metadata(self, key: str, metadata: dict[str, str]) -> None:
         """A server-side copy of the object onto itself (CopyObject, MetadataDirective=REPLACE)
@@ -177,20 +170,20 @@ class S3Store(S3Multipart):
             return
         info = self.head(key)
         if info is None:
-            raise NotFound(f"set_metadata s3://{self.bucket}/{self._base}{key}: no such key")
+            raise NotFound(f"set_metadata s3://{self.client.bucket}/{self.client.base}{key}: no such key")
         if info.size > self.max_single_copy:
             self.copy(key, key, metadata)
             return
-        source = {"Bucket": self.bucket, "Key": self._key(key)}
+        source = {"Bucket": self.client.bucket, "Key": self.client.key(key)}
         merged = {**info.metadata, **metadata}
         try:
             # If-Match: a version another mount wrote since the HEAD keeps its own metadata (ckptfs's
             # checksums and hash belong to the bytes).
-            self._call(
+            self.client.call(
                 "set_metadata",
                 key,
                 "copy_object",
-                Key=self._key(key),
+                Key=self.client.key(key),
                 CopySource=source,
                 CopySourceIfMatch=info.etag,
                 MetadataDirective="REPLACE",
@@ -206,11 +199,11 @@ class S3Store(S3Multipart):
                 raise StoreError(
                     f"set_metadata {key}: the object changed meanwhile", transient=True
                 ) from None
-            self._call(
+            self.client.call(
                 "set_metadata",
                 key,
                 "copy_object",
-                Key=self._key(key),
+                Key=self.client.key(key),
                 CopySource=source,
                 MetadataDirective="REPLACE",
                 Metadata=merged,
@@ -220,14 +213,14 @@ class S3Store(S3Multipart):
         """Server-side copy; ``metadata``: entries that replace the source's (others are kept)."""
         info = self.head(src)
         if info is None:
-            raise NotFound(f"copy s3://{self.bucket}/{self._base}{src}: no such key")
-        source = {"Bucket": self.bucket, "Key": self._key(src)}
+            raise NotFound(f"copy s3://{self.client.bucket}/{self.client.base}{src}: no such key")
+        source = {"Bucket": self.client.bucket, "Key": self.client.key(src)}
         if info.size <= self.max_single_copy:
-            self._call(
+            self.client.call(
                 "copy",
                 f"{src} -> {dst}",
                 "copy_object",
-                Key=self._key(dst),
+                Key=self.client.key(dst),
                 CopySource=source,
                 MetadataDirective="COPY",
             )
@@ -237,11 +230,11 @@ class S3Store(S3Multipart):
             parts = []
             for n, off in enumerate(range(0, info.size, self.copy_part_size), start=1):
                 end = min(off + self.copy_part_size, info.size) - 1
-                r = self._call(
+                r = self.client.call(
                     "copy",
                     f"{src} -> {dst}",
                     "upload_part_copy",
-                    Key=self._key(dst),
+                    Key=self.client.key(dst),
                     UploadId=upload_id,
                     PartNumber=n,
                     CopySource=source,
@@ -259,3 +252,26 @@ class S3Store(S3Multipart):
             except StoreError:
                 pass  # the original error matters more; a stale upload shows in list_multipart
             raise
+
+    # -- multipart uploads: the client's S3Multipart -------------------------------------------
+
+    def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
+        return self.multipart.create(key, metadata)
+
+    def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
+        return self.multipart.upload_part(key, upload_id, number, data)
+
+    def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
+        return self.multipart.upload_zero_part(key, upload_id, number, length)
+
+    def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[PartInfo]) -> None:
+        self.multipart.complete(key, upload_id, parts)
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        self.multipart.abort(key, upload_id)
+
+    def list_multipart(self, prefix: str = "") -> builtins.list[tuple[str, str]]:
+        return self.multipart.unfinished(prefix)
+
+    def list_multipart_started(self, prefix: str = "") -> builtins.list[float]:
+        return self.multipart.unfinished_started(prefix)

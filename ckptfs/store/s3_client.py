@@ -7,8 +7,9 @@ above this layer and decides from ``StoreError.transient``. Two more clients on 
 session: one that never retries (CreateMultipartUpload) and one that sends bodies without the
 SHA-256 payload signature when they carry a CRC32C the server verifies (UNSIGNED-PAYLOAD).
 ``S3Client`` also holds the server-checksum probe (``detect_server_checksums``), ``check``
-(can this bucket be used) and the health hooks on every HTTP attempt; the object verbs are in
-s3.py, the multipart uploads in s3_multipart.py.
+(can this bucket be used), the health hooks on every HTTP attempt, and the requests that carry a
+body (``put``, ``send_part``: botocore or the CRT) and ``head``, which the multipart uploads use
+too. ``S3Store`` (s3.py) holds one and hands it to its ``S3Multipart`` (s3_multipart.py).
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ import re
 import threading
 import uuid
 from typing import TYPE_CHECKING, Any, NoReturn
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import boto3  # (ckptfs/store/__init__.py has set BOTO_DISABLE_CRT)
 import botocore.exceptions as bex
 from botocore.config import Config
 
 from ckptfs.errors import NotFound, StoreError, one_line
-from ckptfs.store.base import MAX_KEY_BYTES, ObjectStore, redact_url
-from ckptfs.store.s3_crt import Answer, CrtTransport
+from ckptfs.store.base import MAX_KEY_BYTES, ObjectInfo, PartInfo, redact_url
+from ckptfs.store.s3_crt import Answer, Body, CrtTransport
 from ckptfs.store.s3_crt import available as crt_available
 
 if TYPE_CHECKING:
@@ -125,8 +126,9 @@ def etag_of(answer: dict[str, Any]) -> str:
     return str(answer.get("ETag", "")).strip('"')
 
 
-class S3Client(ObjectStore):
-    """The session, the clients and the request plumbing the S3 store's verbs share."""
+class S3Client:
+    """The session, the clients and the request plumbing the S3 store's verbs share: one bucket
+    and prefix (keys given to it are relative to the prefix)."""
 
     def __init__(
         self, bucket: str, prefix: str = "", endpoint_url: str | None = None, max_connections: int = 16
@@ -134,7 +136,7 @@ class S3Client(ObjectStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        self._base = self.prefix + "/" if self.prefix else ""
+        self.base = self.prefix + "/" if self.prefix else ""  # what goes before every key
         self._session = boto3.session.Session()
         self._config = Config(
             region_name=self._session.region_name or "us-east-1",
@@ -148,9 +150,9 @@ class S3Client(ObjectStore):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._endpoint_url = endpoint_url
-        try:
-            self._client = self._session.client("s3", endpoint_url=endpoint_url, config=self._config)
+        self.endpoint_url = endpoint_url
+        try:  # (the client every request goes through unless said otherwise; botocore retries it)
+            self.boto = self._session.client("s3", endpoint_url=endpoint_url, config=self._config)
         except ValueError as e:  # botocore: "Invalid endpoint: ..."
             raise StoreError(
                 f"bad S3 endpoint URL {redact_url(endpoint_url or '')!r}: {brief(redact_url(str(e)))}",
@@ -158,7 +160,7 @@ class S3Client(ObjectStore):
             ) from None
         # CreateMultipartUpload is not idempotent: a retry after a lost answer makes a second
         # upload. It goes through a client that never retries, so the caller sees every attempt.
-        self._client_once = self._session.client(
+        self.boto_once = self._session.client(
             "s3",
             endpoint_url=endpoint_url,
             config=self._config.merge(Config(retries={"mode": "standard", "total_max_attempts": 1})),
@@ -167,24 +169,16 @@ class S3Client(ObjectStore):
         # (UNSIGNED-PAYLOAD, as botocore itself does over https): the server refuses a damaged body
         # by its CRC32C, the xxh3 manifest checks every read, and the signature would cost 0.7 CPU
         # s/GiB (docs/architecture.md, Integrity). Everything else stays signed.
-        self._client_unsigned = self._session.client(
+        self._boto_unsigned = self._session.client(
             "s3",
             endpoint_url=endpoint_url,
             config=self._config.merge(
                 Config(s3={**(self._config.s3 or {}), "payload_signing_enabled": False})
             ),
         )
-        self.endpoint = redact_url(self._client.meta.endpoint_url)  # as printed: without a password
+        self.endpoint = redact_url(self.boto.meta.endpoint_url)  # as printed: without a password
         self._attempt = threading.local()  # (token, op, key) of this thread's HTTP attempt
-        # Whether the server verifies CRC32C (detect_server_checksums; off until detected), whether
-        # it takes it on multipart uploads too, and which uploads were created with it (by id).
-        self.server_checksums = False
-        self._multipart_checksums = True
-        self._checksummed: dict[str, bool] = {}
-        self._checksummed_lock = threading.Lock()
-        self._zeros_made: set[int] = set()  # sizes of the zeros objects known in the bucket (s3_multipart)
-        self._zeros_lock = threading.Lock()
-        self._zeros_refused = False  # the server refused UploadPartCopy: holes are sent as zeros
+        self.server_checksums = False  # whether the server verifies CRC32C (detect_server_checksums)
         self._health: StoreHealth | None = None
         self._max_connections = max_connections
         # The CRT transport is opt-in (CKPTFS_S3_CLIENT=crt): it holds the GIL half as long per
@@ -198,7 +192,7 @@ class S3Client(ObjectStore):
         """Tell ``health`` about every HTTP attempt, botocore's own retries included: an outage
         shows from the first failed attempt, not once the last retry gave up."""
         self._health = health  # (the CRT's requests report to it in _crt_send)
-        for client in (self._client, self._client_once, self._client_unsigned):
+        for client in (self.boto, self.boto_once, self._boto_unsigned):
             client.meta.events.register("before-send.s3", functools.partial(self._attempt_starts, health))
             client.meta.events.register("needs-retry.s3", functools.partial(self._attempt_ends, health))
 
@@ -206,7 +200,7 @@ class S3Client(ObjectStore):
         path = unquote(urlsplit(request.url).path).lstrip("/")  # (no query: no upload ids, no signatures)
         if path.startswith(self.bucket + "/") or path == self.bucket:  # path-style addressing
             path = path[len(self.bucket) + 1 :]
-        key = path[len(self._base) :] if path.startswith(self._base) else path
+        key = path[len(self.base) :] if path.startswith(self.base) else path
         op = event_name.rsplit(".", 1)[-1]
         self._attempt.current = (health.attempt_started(op, key), op, key)
 
@@ -243,7 +237,7 @@ class S3Client(ObjectStore):
                 if self._crt_transport is None:
                     self._crt_transport = CrtTransport(
                         self.bucket,
-                        self._endpoint_url,
+                        self.endpoint_url,
                         self._config.region_name or "us-east-1",
                         self._frozen_credentials,
                         self._max_connections,
@@ -261,11 +255,11 @@ class S3Client(ObjectStore):
     def _crt_path(self, key: str, query: str = "") -> str:
         crt = self._crt()
         assert crt is not None
-        return crt.path(self._key(key), query)
+        return crt.path(self.key(key), query)
 
     def _crt_send(self, op: str, key: str, method: str, path: str, headers, **kwargs: Any) -> Answer:
         """One request through the CRT, reported to the store's health as one attempt, its
-        errors mapped as botocore's are (``_fail``)."""
+        errors mapped as botocore's are (``fail``)."""
         crt = self._crt()
         assert crt is not None
         token = self._health.attempt_started(op, key) if self._health else None
@@ -286,13 +280,11 @@ class S3Client(ObjectStore):
 
     # -- helpers ---------------------------------------------------------------
 
-    def key_room(self) -> int:
-        return self.limits.max_key_bytes - len(self._base.encode())
-
-    def _key(self, key: str) -> str:
+    def key(self, key: str) -> str:
+        """The S3 key of the store's ``key`` (its prefix before it)."""
         if not key or key.startswith("/"):
             raise ValueError(f"invalid store key {key!r}")
-        full = self._base + key
+        full = self.base + key
         if len(full.encode()) > MAX_KEY_BYTES:
             raise StoreError(
                 f"s3://{self.bucket}/{full[:64]}...: key longer than {MAX_KEY_BYTES} bytes",
@@ -300,9 +292,9 @@ class S3Client(ObjectStore):
             )
         return full
 
-    def _fail(self, op: str, key: str, e: Exception) -> NoReturn:
+    def fail(self, op: str, key: str, e: Exception) -> NoReturn:
         """Raise ``e`` as a one-line StoreError naming the bucket and key (never credentials)."""
-        where = f"s3://{self.bucket}/{self._base}{key}"
+        where = f"s3://{self.bucket}/{self.base}{key}"
         if isinstance(e, bex.ClientError):
             err = e.response.get("Error", {})
             code = str(err.get("Code", ""))
@@ -348,11 +340,99 @@ class S3Client(ObjectStore):
         # assume a retry may help; the retry layer above gives up eventually.
         raise StoreError(f"{op} {where}: {type(e).__name__}: {brief(e)}", transient=True) from None
 
-    def _call(self, op: str, key: str, method: str, client=None, **kwargs: Any) -> dict[str, Any]:
+    def call(self, op: str, key: str, method: str, client=None, **kwargs: Any) -> dict[str, Any]:
+        """The botocore ``method`` on the bucket (through ``client``, else the retrying one), its
+        errors raised as by ``fail``."""
         try:
-            return getattr(client or self._client, method)(Bucket=self.bucket, **kwargs)
+            return getattr(client or self.boto, method)(Bucket=self.bucket, **kwargs)
         except (bex.BotoCoreError, bex.ClientError, OSError) as e:
-            self._fail(op, key, e)
+            self.fail(op, key, e)
+
+    # -- the requests the store and its multipart uploads share ---------------------------
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """HeadObject: the object's size, mtime, metadata and ETag, or None if absent."""
+        try:
+            r = self.boto.head_object(Bucket=self.bucket, Key=self.key(key))
+        except bex.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            self.fail("head", key, e)
+        except (bex.BotoCoreError, OSError) as e:
+            self.fail("head", key, e)
+        return ObjectInfo(
+            key, r["ContentLength"], r["LastModified"].timestamp(), dict(r.get("Metadata", {})), etag_of(r)
+        )
+
+    def put(self, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
+        """PutObject, with its CRC32C where the server verifies it, through the CRT where chosen."""
+        crc = crc32c_b64(data) if self.server_checksums else None
+        if self._crt() is not None:
+            meta = [(f"x-amz-meta-{k}", v) for k, v in (metadata or {}).items()]
+            try:
+                self._crt_send(
+                    "put",
+                    key,
+                    "PUT",
+                    self._crt_path(key),
+                    [*meta, *checksum_headers(crc)],
+                    body=data,
+                    signed_payload=crc is None,
+                )
+            except (bex.ClientError, OSError) as e:
+                self.fail("put", key, e)
+            return
+        body = Body(data)
+        extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
+        self.call(
+            "put",
+            key,
+            "put_object",
+            client=self._body_client(crc),
+            Key=self.key(key),
+            Body=body,
+            Metadata=metadata or {},
+            **extra,
+        )
+
+    def send_part(
+        self, key: str, upload_id: str, number: int, data: bytes | memoryview, crc: str | None
+    ) -> PartInfo:
+        """UploadPart, with ``crc`` (its CRC32C, where the upload carries them), through the CRT
+        where chosen."""
+        if self._crt() is not None:
+            query = f"partNumber={number}&uploadId={quote(upload_id, safe='')}"
+            try:
+                answer = self._crt_send(
+                    "upload_part",
+                    key,
+                    "PUT",
+                    self._crt_path(key, query),
+                    checksum_headers(crc),
+                    body=data,
+                    signed_payload=crc is None,
+                )
+            except (bex.ClientError, OSError) as e:
+                self.fail("upload_part", key, e)
+            return PartInfo(number, part_token(answer.headers.get("etag", ""), crc))
+        body = Body(data)
+        extra = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM, "ChecksumCRC32C": crc} if crc else {}
+        r = self.call(
+            "upload_part",
+            key,
+            "upload_part",
+            client=self._body_client(crc),
+            Key=self.key(key),
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+            **extra,
+        )
+        return PartInfo(number, part_token(r["ETag"], crc))
+
+    def _body_client(self, crc32c: str | None):
+        """The client for a request with a body: unsigned when the server verifies its CRC32C."""
+        return self._boto_unsigned if crc32c else self.boto
 
     # -- the bucket, the server's checksums, closing ------------------------------
 
@@ -367,7 +447,7 @@ class S3Client(ObjectStore):
         # endpoint fails `ckptfs mount` in seconds rather than after a retry storm.
         quick = self._session.client(
             "s3",
-            endpoint_url=self._endpoint_url,
+            endpoint_url=self.endpoint_url,
             config=self._config.merge(
                 Config(
                     connect_timeout=3, read_timeout=5, retries={"mode": "standard", "total_max_attempts": 1}
@@ -406,10 +486,6 @@ class S3Client(ObjectStore):
         finally:
             quick.close()
 
-    def _body_client(self, crc32c: str | None):
-        """The client for a request with a body: unsigned when the server verifies its CRC32C."""
-        return self._client_unsigned if crc32c else self._client
-
     def detect_server_checksums(self) -> bool:
         """Find out once (at mount) whether the server verifies ``x-amz-checksum-crc32c``: PUT a
         tiny probe with a wrong CRC32C (a server that verifies refuses it, one that ignores the
@@ -426,9 +502,9 @@ class S3Client(ObjectStore):
         verifies = False
         try:
             try:
-                self._client.put_object(
+                self.boto.put_object(
                     Bucket=self.bucket,
-                    Key=self._key(probe),
+                    Key=self.key(probe),
                     Body=PROBE_BODY,
                     ChecksumAlgorithm=CHECKSUM_ALGORITHM,
                     ChecksumCRC32C=wrong,
@@ -437,9 +513,9 @@ class S3Client(ObjectStore):
                 code = str(e.response.get("Error", {}).get("Code", ""))
                 status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
                 if status == 400 and code in CHECKSUM_REFUSED:
-                    self._client.put_object(
+                    self.boto.put_object(
                         Bucket=self.bucket,
-                        Key=self._key(probe),
+                        Key=self.key(probe),
                         Body=PROBE_BODY,
                         ChecksumAlgorithm=CHECKSUM_ALGORITHM,
                         ChecksumCRC32C=right,
@@ -451,7 +527,7 @@ class S3Client(ObjectStore):
             log.info("S3 checksum probe failed (%s): checksums not sent", brief(e))
         finally:
             try:
-                self._client.delete_object(Bucket=self.bucket, Key=self._key(probe))
+                self.boto.delete_object(Bucket=self.bucket, Key=self.key(probe))
             except (
                 bex.BotoCoreError,
                 bex.ClientError,
@@ -471,6 +547,6 @@ class S3Client(ObjectStore):
         if self._crt_transport is not None:
             self._crt_transport.close()
             self._crt_transport = None
-        self._client.close()
-        self._client_once.close()
-        self._client_unsigned.close()
+        self.boto.close()
+        self.boto_once.close()
+        self._boto_unsigned.close()
