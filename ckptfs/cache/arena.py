@@ -253,5 +253,7 @@ class Tier:
             try:
                 self.mm.close()
             except BufferError:  # a view is still alive in a thread; the OS cleans up
-                pass
+                log.warning(
+                    "%s: still in use by a thread at close (mapped until the daemon exits)", self.path
+                )
         os.close(self.fd)

@@ -103,6 +103,7 @@ class PeerServer:
         self.requests = 0
         self.refused_clients = 0  # connections that did not prove a member's certificate
         self.busy_refusals = 0  # connections closed at once: all slots taken
+        self.broken_off = 0  # asks broken off (the asker left, or a stop) before fully answered
         self.threads: list[threading.Thread] = []
 
     def start(self, host: str, port: int) -> int:
@@ -118,9 +119,10 @@ class PeerServer:
         self.threads.append(thread)
         return sock.getsockname()[1]
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> int:
         """Stop accepting, break every connection off, wait for their threads (they may be
-        sending from the arena, which must outlive them)."""
+        sending from the arena, which must outlive them); the number still running after
+        ``timeout`` (0: all ended), with a warning if any."""
         self.stopping = True
         if self.sock is not None:
             with contextlib.suppress(OSError):
@@ -133,6 +135,10 @@ class PeerServer:
         deadline = time.monotonic() + timeout
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        left = sum(thread.is_alive() for thread in self.threads)
+        if left:
+            log.warning("peer server: %d threads still running %g s after the stop", left, timeout)
+        return left
 
     def _accept(self) -> None:
         assert self.sock is not None
@@ -224,6 +230,7 @@ class PeerServer:
             if not future.cancel():
                 with contextlib.suppress(Exception):
                     self.released(future.result(timeout=10).release)
+            self._count("broken_off")  # (once cancelled, or let go)
             raise
         if served.refused:
             reason = served.refused.encode()[:1000]
@@ -235,6 +242,9 @@ class PeerServer:
             for send, length in served.slices:
                 send(tls)
                 self._count("served_bytes", length)
+        except BaseException:
+            self._count("broken_off")
+            raise
         finally:
             self.released(served.release)
         return True

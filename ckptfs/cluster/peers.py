@@ -128,6 +128,10 @@ class PeerCache:
         self.failures = 0  # asks that came back with nothing: the store served them instead
         self.refusals = 0  # asks a peer declined (not its version, not there)
         self.mismatches = 0  # parts a peer sent that did not match their checksums
+        # Blocks of the cache pinned for peers' asks (``_serve``), kept from eviction until sent or
+        # the asker gone: now, and in all.
+        self.pinned_blocks = 0
+        self.pinned_total = 0
 
     # -- life -------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -330,6 +334,8 @@ class PeerCache:
                 for index, ref in zip(indexes, refs):
                     assert ref is not None
                     self.cache.incref(ref)  # (pinned until sent, whatever evicts the content's)
+                    self.pinned_blocks += 1
+                    self.pinned_total += 1
                     length = content.block_length(index)
                     slices.append((block_sender(self.cache, ref, length), length))
         finally:
@@ -339,6 +345,7 @@ class PeerCache:
             for ref in refs:
                 assert ref is not None
                 self.cache.decref(ref)
+            self.pinned_blocks -= len(refs)
 
         return Served(slices, release)
 
@@ -383,6 +390,9 @@ class PeerCache:
             "asks_declined": self.refusals,
             "mismatches": self.mismatches,
             "refused_clients": self.server.refused_clients,
+            "asks_broken_off": self.server.broken_off,
+            "pinned_blocks": self.pinned_blocks,
+            "pinned_blocks_total": self.pinned_total,
         }
 
 
