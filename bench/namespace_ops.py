@@ -28,7 +28,7 @@ BS = 64 << 10
 
 
 async def one_round(tmp: Path, files: int, lookups: int) -> tuple[float, float]:
-    store = LocalStore(tmp / "store")
+    store = LocalStore.at(tmp / "store")
     store.check()
     config = MountConfig(
         mountpoint=str(tmp / "mnt"),

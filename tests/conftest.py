@@ -161,7 +161,7 @@ def s3_bucket(s3_server, request):
 def local(tmp_path):
     from ckptfs.store.local import LocalStore
 
-    store = LocalStore(tmp_path / "store")
+    store = LocalStore.at(tmp_path / "store")
     store.check()
     return store
 

@@ -309,7 +309,7 @@ def test_gc_on_the_url_deletes_manifests_and_markers(store, mount_factory):
 def test_gc_of_a_1000_file_step_is_quick(tmp_path):
     from ckptfs.store.local import LocalStore
 
-    store = LocalStore(tmp_path / "store")
+    store = LocalStore.at(tmp_path / "store")
     for n in range(1000):
         store.put(f"step-1/shard-{n:04d}.pt", b"s" * 100)
     store.put("step-2/x.pt", b"x")
@@ -383,7 +383,9 @@ def test_ls_shows_the_recorded_xxh3_of_a_one_put_file_too_large_to_check_per_rea
     from ckptfs.store.local import LocalStore
 
     data = b"w" * 1000
-    LocalStore(tmp_path / "store").put("big.pt", data, {integrity.XXH3_META: xxhash.xxh3_64_hexdigest(data)})
+    LocalStore.at(tmp_path / "store").put(
+        "big.pt", data, {integrity.XXH3_META: xxhash.xxh3_64_hexdigest(data)}
+    )
     monkeypatch.setattr(
         integrity, "WHOLE_FILE_CHECK_MAX", 100
     )  # reads of it go unchecked: it is recorded all the same
@@ -457,7 +459,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     from ckptfs.store.local import LocalStore
     from tests.support.mounting import CKPTFS
 
-    store = LocalStore(tmp_path / "store")
+    store = LocalStore.at(tmp_path / "store")
     for n in range(5000):
         store.put(f"step-1/shard-{n:05d}.pt", b"s")
     done = subprocess.run(

@@ -60,7 +60,7 @@ def test_the_orphan_sweep_keeps_a_compressed_objects_manifest(s3_server, s3_buck
     assert meta.get("ckptfs-format") == "zstd-seekable"
     manifest = f"{PREFIX}/{integrity.manifest_key(meta['ckptfs-upload'])}"
     later = time.time() + 2 * integrity.ORPHAN_MIN_AGE_S
-    raw = S3Store(s3_bucket, PREFIX, endpoint_url=s3_server.endpoint)
+    raw = S3Store.connect(s3_bucket, PREFIX, endpoint_url=s3_server.endpoint)
     logical = LogicalStore(raw)
     try:
         assert integrity.orphan_manifests(raw, later) == []

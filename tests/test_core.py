@@ -35,7 +35,7 @@ def config(tmp_path) -> MountConfig:
 
 
 def test_the_parts_share_one_policy_one_health_and_the_configured_timeouts(tmp_path):
-    store = LocalStore(tmp_path / "store")
+    store = LocalStore.at(tmp_path / "store")
     store.check()
     core = build_core(config(tmp_path), store, tmp_path / "cache", tmp_path / "ram", check_ram_room=False)
     try:
@@ -63,7 +63,7 @@ def test_the_parts_share_one_policy_one_health_and_the_configured_timeouts(tmp_p
 
 
 def test_a_file_written_through_the_core_is_in_the_store_and_shown_by_the_next_core(tmp_path):
-    store = LocalStore(tmp_path / "store")
+    store = LocalStore.at(tmp_path / "store")
     store.check()
     data = os.urandom(3 * BS + 5)
 

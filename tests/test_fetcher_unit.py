@@ -53,7 +53,7 @@ def cache(tmp_path):
 
 @pytest.fixture
 def object_store(tmp_path):
-    return BentStore(LocalStore(tmp_path / "store"))
+    return BentStore(LocalStore.at(tmp_path / "store"))
 
 
 def content_of(cache: Cache, key: str, size: int) -> Content:

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def object_store(tmp_path) -> LocalStore:
-    s = LocalStore(tmp_path / "store")
+    s = LocalStore.at(tmp_path / "store")
     s.check()
     return s
 
@@ -228,7 +228,7 @@ def test_torn_record_reads_as_not_uploaded(object_store):
 _WRITER = """
 import random, sys
 from ckptfs.store.local import LocalStore
-store = LocalStore(sys.argv[1])
+store = LocalStore.at(sys.argv[1])
 for n in range(1, 41):
     info = store.upload_part(sys.argv[2], sys.argv[3], n, random.Random(n).randbytes(1 << 20))
     print(n, info.token, flush=True)
@@ -240,7 +240,7 @@ def test_killed_mid_upload_completes_later_or_aborts(tmp_path, kill_after):
     """A process killed while it sends parts (most likely in the middle of one): the parts it
     was told are stored complete the upload later, from another process; abort removes it all."""
     key = "ckpt/killed.pt"
-    writer = LocalStore(tmp_path / "store")
+    writer = LocalStore.at(tmp_path / "store")
     writer.check()
     uid = writer.create_multipart(key)
     child = subprocess.Popen(
@@ -262,7 +262,7 @@ def test_killed_mid_upload_completes_later_or_aborts(tmp_path, kill_after):
         child.kill()
         child.wait()
     assert len(stored) == kill_after
-    later = LocalStore(tmp_path / "store")  # what the next daemon sees: only the disk
+    later = LocalStore.at(tmp_path / "store")  # what the next daemon sees: only the disk
     assert later.list_multipart() == [(key, uid)]
     blobs = {n: random.Random(n).randbytes(MiB) for n in range(1, 41)}
     blobs[41] = b"tail"
@@ -460,7 +460,7 @@ def test_a_linked_temp_dir_is_refused(object_store, planted):
     tmp = object_store.root / TMP_DIR
     shutil.rmtree(tmp)
     os.symlink(planted, tmp)
-    fresh = LocalStore(object_store.root)
+    fresh = LocalStore.at(object_store.root)
     with pytest.raises(StoreError, match="symbolic link") as exc:
         fresh.check()
     assert exc.value.errno == errno.ELOOP

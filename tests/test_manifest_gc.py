@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 @pytest.fixture
 def object_store(s3_server, s3_bucket):
-    s = S3Store(s3_bucket, PREFIX, endpoint_url=s3_server.endpoint)
+    s = S3Store.connect(s3_bucket, PREFIX, endpoint_url=s3_server.endpoint)
     yield s
     s.close()
 

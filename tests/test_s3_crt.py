@@ -24,7 +24,7 @@ KEYS = ["plain", "dir/a b+c%d&e=f?g#h", "uni/Ünïcødé~x", "x/.hidden", "sp  a
 @pytest.fixture
 def crt_store(monkeypatch, s3_server, s3_bucket, proxy):
     monkeypatch.setenv("CKPTFS_S3_CLIENT", "crt")
-    store = S3Store(s3_bucket, "pre fix", endpoint_url=proxy.url)
+    store = S3Store.connect(s3_bucket, "pre fix", endpoint_url=proxy.url)
     assert store.client._crt() is not None  # (awscrt is a dependency: the transport is really used)
     yield store
     store.close()
@@ -77,13 +77,13 @@ def test_server_errors_are_transient_and_reported(crt_store, proxy, code, s3_cod
 def test_no_upload_no_server_and_wrong_keys_read_as_botocore_errors(crt_store, monkeypatch, s3_bucket):
     with pytest.raises(NotFound):
         crt_store.upload_part("mp/x", "no-such-upload", 1, b"x" * 100)
-    nobody = S3Store(s3_bucket, endpoint_url="http://127.0.0.1:1")
+    nobody = S3Store.connect(s3_bucket, endpoint_url="http://127.0.0.1:1")
     with pytest.raises(StoreError, match="Connection refused") as caught:
         nobody.put("k", b"x")
     assert caught.value.transient
     nobody.close()
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
-    denied = S3Store(s3_bucket, endpoint_url=crt_store.client.endpoint_url)
+    denied = S3Store.connect(s3_bucket, endpoint_url=crt_store.client.endpoint_url)
     with pytest.raises(StoreError, match="access denied"):
         denied.put("k", b"x")
     denied.close()

@@ -48,14 +48,14 @@ def test_moto_stores_a_wrong_crc32c(moto):
     (a probe with a wrong CRC32C) therefore says this server does not verify."""
     endpoint, client, bucket = moto
     client.put_object(Bucket=bucket, Key="x", Body=b"abc", ChecksumCRC32C=crc32c_b64(b"abd"))
-    store = S3Store(bucket, "run", endpoint_url=endpoint)
+    store = S3Store.connect(bucket, "run", endpoint_url=endpoint)
     assert store.detect_server_checksums() is False and store.server_checksums is False
     assert _reserved_keys(client, bucket) == []  # the probe was deleted
 
 
 def test_detection_finds_a_verifying_server_and_leaves_no_probe(verifying):
     proxy, client, bucket = verifying
-    store = S3Store(bucket, "run", endpoint_url=proxy.url)
+    store = S3Store.connect(bucket, "run", endpoint_url=proxy.url)
     assert store.detect_server_checksums() is True
     assert proxy.refused_checksums == 1  # the deliberately wrong probe
     assert _reserved_keys(client, bucket) == []
@@ -148,13 +148,13 @@ def test_an_upload_resumed_by_another_process_keeps_its_checksums(verifying):
     list of unfinished uploads, sends the CRC32C of the parts it uploads, and completes with the
     checksums of all parts (those sent before the restart come back in their journaled tokens)."""
     proxy, client, bucket = verifying
-    before = S3Store(bucket, "run", endpoint_url=proxy.url)
+    before = S3Store.connect(bucket, "run", endpoint_url=proxy.url)
     assert before.detect_server_checksums()
     one, two = os.urandom(5 * MiB), os.urandom(1 * MiB)
     upload = before.create_multipart("resumed.bin")
     sent = before.upload_part("resumed.bin", upload, 1, one)
     assert sent.token.endswith(" " + crc32c_b64(one))
-    after = S3Store(bucket, "run", endpoint_url=proxy.url)  # the process after the restart
+    after = S3Store.connect(bucket, "run", endpoint_url=proxy.url)  # the process after the restart
     assert after.detect_server_checksums()
     proxy.reset_counts()
     second = after.upload_part("resumed.bin", upload, 2, two)

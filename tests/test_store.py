@@ -449,7 +449,7 @@ def test_multipart_parts_from_threads(object_store):
     ],
 )
 def test_local_rejects_escaping_keys(tmp_path, key):
-    object_store = LocalStore(tmp_path / "store")
+    object_store = LocalStore.at(tmp_path / "store")
     object_store.check()
     for call in (
         lambda: object_store.put(key, b"x"),
@@ -466,7 +466,7 @@ def test_local_rejects_escaping_keys(tmp_path, key):
 
 def test_local_layout(tmp_path):
     root = tmp_path / "deep" / "store"
-    object_store = LocalStore(root)
+    object_store = LocalStore.at(root)
     object_store.check()  # creates the root, parents too
     assert object_store.url == f"file://{root}"
     object_store.put("a/b/c.bin", b"data", {"xxh3": "1234"})
@@ -492,22 +492,22 @@ def test_local_layout(tmp_path):
 def test_local_check_errors(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match="not a directory"):
-        LocalStore(tmp_path / "file").check()
+        LocalStore.at(tmp_path / "file").check()
     with pytest.raises(StoreError, match="cannot create"):
-        LocalStore(tmp_path / "file" / "sub").check()
+        LocalStore.at(tmp_path / "file" / "sub").check()
     if os.geteuid() != 0:
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
         try:
             with pytest.raises(StoreError, match="not writable") as exc:
-                LocalStore(ro).check()
+                LocalStore.at(ro).check()
             assert exc.value.errno == errno.EACCES
         finally:
             ro.chmod(0o700)
 
 
 def test_local_file_in_the_way(tmp_path):
-    object_store = LocalStore(tmp_path)
+    object_store = LocalStore.at(tmp_path)
     object_store.put("a", b"x")
     with pytest.raises(StoreError) as exc:
         object_store.put("a/b", b"y")  # a file where a directory must go: an errno, not a crash

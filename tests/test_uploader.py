@@ -50,7 +50,7 @@ def test_a_1_tib_file_grows_its_parts_within_max_parts():
 
 class Env:
     def __init__(self, tmp_path, block_size=BS, ram_blocks=16, disk_blocks=64, store=None):
-        self.inner = store or LocalStore(tmp_path / "store")
+        self.inner = store or LocalStore.at(tmp_path / "store")
         self.inner.check()
         self.store = FaultyStore(self.inner)
         self.cache = Cache(

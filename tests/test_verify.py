@@ -195,7 +195,7 @@ def test_verify_keeps_off_the_default_thread_limiter(tmp_path):
     from ckptfs.admin import verify as verify_mod
     from ckptfs.store.local import LocalStore
 
-    store = LocalStore(tmp_path / "store")
+    store = LocalStore.at(tmp_path / "store")
     for n in range(64):
         store.put(f"step-1/shard-{n}.pt", b"x" * 1000)
     most = 0

@@ -35,7 +35,7 @@ def open_store(url: str | None, endpoint_url: str | None = None, max_connections
         from ckptfs.config import default_store_dir
         from ckptfs.store.local import LocalStore
 
-        return LocalStore(default_store_dir())
+        return LocalStore.at(default_store_dir())
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
     if sep and scheme == "file":
@@ -53,7 +53,7 @@ def open_store(url: str | None, endpoint_url: str | None = None, max_connections
             )
         from ckptfs.store.local import LocalStore
 
-        return LocalStore(Path(unquote(parts.path)))
+        return LocalStore.at(Path(unquote(parts.path)))
     if sep and scheme == "s3":
         bucket, _, prefix = rest.partition("/")
         if "@" in bucket:
@@ -80,5 +80,5 @@ def open_store(url: str | None, endpoint_url: str | None = None, max_connections
             )
         from ckptfs.store.s3 import S3Store  # imports boto3 (slow): only when needed
 
-        return S3Store(bucket, prefix, endpoint_url=endpoint_url, max_connections=max_connections)
+        return S3Store.connect(bucket, prefix, endpoint_url=endpoint_url, max_connections=max_connections)
     raise StoreError(f"unsupported store URL {_redact(url)!r}: {_USAGE}", errno_=errno.EINVAL)

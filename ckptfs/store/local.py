@@ -62,18 +62,25 @@ _WARNED_LINKS_MAX = 10_000  # links remembered as already warned about (then for
 
 
 class LocalStore(ObjectStore):
-    """The store in the directory ``root``: the object verbs and listings here, on its ``tree``;
-    the multipart verbs handed to its ``multipart``."""
+    """The store in a directory: the object verbs and listings here, on its ``tree``; the
+    multipart verbs handed to its ``multipart`` (built on the same tree). ``LocalStore.at(root)``
+    builds both."""
 
     limits = LOCAL_LIMITS
 
-    def __init__(self, root: Path | str):
-        self.tree = LocalTree(root)
-        self.multipart = LocalMultipart(self.tree, self.limits.max_parts)
-        self.root = self.tree.root
+    def __init__(self, tree: LocalTree, multipart: LocalMultipart):
+        self.tree = tree
+        self.multipart = multipart
+        self.root = tree.root
         self.url = self.root.as_uri()
         self._warned_links: set[str] = set()  # keys of links a listing skipped, warned about once
         self._warned_lock = threading.Lock()
+
+    @classmethod
+    def at(cls, root: Path | str) -> LocalStore:
+        """The store in the directory ``root``."""
+        tree = LocalTree(root)
+        return cls(tree, LocalMultipart(tree, cls.limits.max_parts))
 
     def _skip_link(self, key: str) -> None:
         """A listing met a symbolic link: it is not shown; say so once per key."""

@@ -27,19 +27,26 @@ GiB = 1 << 30
 
 
 class S3Store(ObjectStore):
-    """The store in ``bucket`` under ``prefix``: the object verbs here, through its ``client``;
-    the multipart verbs handed to its ``multipart``."""
+    """The store a ``client`` reaches (a bucket, a prefix): the object verbs here, through the
+    client; the multipart verbs handed to its ``multipart`` (built on the same client).
+    ``S3Store.connect(bucket, prefix, ...)`` builds both."""
 
     # Above 5 GiB CopyObject is refused: copy in ranges instead (class attrs so tests can shrink them).
     max_single_copy = 5 * GiB
     copy_part_size = 1 * GiB
 
-    def __init__(
-        self, bucket: str, prefix: str = "", endpoint_url: str | None = None, max_connections: int = 16
-    ):
-        self.client = S3Client(bucket, prefix, endpoint_url=endpoint_url, max_connections=max_connections)
-        self.multipart = S3Multipart(self.client)
-        self.url = self.client.url
+    def __init__(self, client: S3Client, multipart: S3Multipart):
+        self.client = client
+        self.multipart = multipart
+        self.url = client.url
+
+    @classmethod
+    def connect(
+        cls, bucket: str, prefix: str = "", endpoint_url: str | None = None, max_connections: int = 16
+    ) -> S3Store:
+        """The store in ``bucket`` under ``prefix`` (no request is sent yet)."""
+        client = S3Client(bucket, prefix, endpoint_url=endpoint_url, max_connections=max_connections)
+        return cls(client, S3Multipart(client))
 
     @property
     def server_checksums(self) -> bool:  # type: ignore[override]  # (the client's, found by the probe)

@@ -397,7 +397,7 @@ class Node:
             return
         code = (
             "import sys; from ckptfs.store.local import LocalStore; "
-            "LocalStore(sys.argv[1]).put(sys.argv[2], sys.stdin.buffer.read())"
+            "LocalStore.at(sys.argv[1]).put(sys.argv[2], sys.stdin.buffer.read())"
         )
         argv = [*self._link.wrap, sys.executable, "-c", code, urlsplit(self.store_url).path, key]
         done = subprocess.run(argv, input=data, capture_output=True, timeout=timeout, cwd=REPO)
