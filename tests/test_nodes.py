@@ -395,6 +395,16 @@ def _write(path: Path, data: bytes) -> None:
         f.write(data)
 
 
+def see_each_other(nodes) -> None:
+    """Every node (with --cluster) sees every other one live: their records reach each other."""
+    for node in nodes:
+        wait_for(
+            lambda n=node: len(n.status()["peers"]["live"]) == len(nodes) - 1,
+            60,
+            f"{node.name} sees its peers",
+        )
+
+
 def _torn(store, expected: dict[int, set[str]]) -> list[str]:
     """Markers in the store that name what it lacks: an index naming a missing shard, a `latest`
     naming a step without all its files."""
@@ -414,19 +424,27 @@ def _torn(store, expected: dict[int, set[str]]) -> list[str]:
 @pytest.mark.skipif(not os.environ.get("CKPTFS_LONG"), reason="long mode (scripts/test --long)")
 @pytest.mark.timeout(5400)
 def test_lost_node_torture(cluster, tmp_path):
-    """Three nodes save steps (each node a few shards, one of them over a part; a random node
-    writes the index and, after a barrier, rank 0's node `latest`); at a random moment of a random save a
-    random node is lost: its uploads held first, or not. After every loss the store is checked
+    """Three nodes (with --cluster) save steps (each node a few shards, one of them over a part; a
+    random node writes the index and, after a barrier, rank 0's node `latest`); at a random
+    moment of a random save a random node is lost: cut off from the store first (a partition:
+    nothing it sends that changes the store gets through, its records and heartbeats neither),
+    or its uploads held (its records pass), or neither. After every loss the store is checked
     (`_torn`), the node replaced, and the job resumes from the step `latest` names."""
     losses_wanted = int(os.environ.get("CKPTFS_NODE_LOSSES", "100"))
     rng = random.Random(int(os.environ.get("CKPTFS_TORTURE_SEED", "29")))
-    nodes = [cluster.node(f"n{i}", extra=NODE) for i in range(3)]
+    extra = (*NODE, "--cluster")
+    nodes = [cluster.node(f"n{i}", extra=extra) for i in range(3)]
+    see_each_other(nodes)
     expected: dict[int, set[str]] = {}
-    step, losses, made = 1, 0, 3
+    step, losses, made, partitions = 1, 0, 3, 0
     while losses < losses_wanted:
         victim = rng.randrange(3) if rng.random() < 0.5 else None
         moment = rng.choice(["shards", "index", "latest", "after"])
-        if victim is not None and rng.random() < 0.7:
+        cut = rng.random() if victim is not None else 1.0
+        if cut < 0.35:  # a partition, then the loss
+            nodes[victim].hold_uploads(except_prefixes=())
+            partitions += 1
+        elif cut < 0.8:
             nodes[victim].hold_uploads(except_prefixes=PASS)
         files, lost = set(), False
         for i, node in enumerate(nodes):
@@ -457,8 +475,9 @@ def test_lost_node_torture(cluster, tmp_path):
             problems = _torn(cluster.store, expected)
             assert not problems, f"after loss {losses} (step {step}, {moment}): {problems}"
             time.sleep(LOST_AFTER + 1)
-            nodes[victim] = cluster.node(f"n{made}", extra=NODE)
+            nodes[victim] = cluster.node(f"n{made}", extra=extra)
             made += 1
+            see_each_other(nodes)
             resumed = cluster.store.read("latest").strip() if "latest" in cluster.store.keys() else b""
             step = int(resumed.rsplit(b"_", 1)[-1]) + 1 if resumed else 1
         else:
@@ -481,4 +500,7 @@ def test_lost_node_torture(cluster, tmp_path):
         node.sync(timeout=300)
     assert not _torn(cluster.store, expected)
     assert cluster.store.read("latest").strip() == f"step_{step - 1}".encode()
-    print(f"lost-node torture: {losses} losses over {made - 3} replacements, step {step}, no torn checkpoint")
+    print(
+        f"lost-node torture: {losses} losses ({partitions} after a partition) over {made - 3} "
+        f"replacements, step {step}, no torn checkpoint"
+    )
