@@ -131,6 +131,8 @@ class MarkerGate:
             ready = False
         if not wait.missing:
             wait.absent_since = None
+        if op.seq not in self.described:  # forgotten meanwhile (replaced, dropped): keep no wait for it
+            return ready
         if ready:
             self.waits.pop(op.seq, None)
         else:
