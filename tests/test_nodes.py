@@ -272,13 +272,17 @@ def test_no_marker_publishes_a_pointer_at_once(cluster, tmp_path):
 RECORD_TIMEOUT = 3.0  # --record-timeout: how long a close of a cut-off node waits for its record
 
 
-def two_nodes(cluster, peers: bool, **kwargs):
-    """Nodes A and B (``peers``: with --cluster, each seeing the other live)."""
+def two_nodes(cluster, peers: bool, kind: str, tmp_path: Path):
+    """Nodes A and B (``peers``: with --cluster, each seeing the other live) that saved step 1
+    of ``kind`` whole, in the store."""
     extra = (*NODE, "--record-timeout", str(RECORD_TIMEOUT), *(("--cluster",) if peers else ()))
-    a, b = cluster.node("a", extra=extra), cluster.node("b", extra=extra, **kwargs)
+    a, b = cluster.node("a", extra=extra), cluster.node("b", extra=extra)
     if peers:
         for node in (a, b):
             wait_for(lambda n=node: n.status()["peers"]["live"], 30, f"{node.name} sees its peer")
+    save(kind, [a, b], 1, tmp_path / "logs")
+    a.sync()
+    b.sync()
     return a, b, extra
 
 
@@ -308,10 +312,7 @@ def test_dcp_with_a_node_cut_off_from_the_store_then_lost(cluster, tmp_path, pee
     if not LONG and (cluster.kind == "s3") != peers:  # (the suite's time: the other two in long mode)
         pytest.skip("long mode (scripts/test --long): the default suite runs local-store and s3-cluster")
     store = cluster.store
-    a, b, extra = two_nodes(cluster, peers)
-    save("dcp", [a, b], 1, tmp_path / "logs")
-    a.sync()
-    b.sync()
+    a, b, extra = two_nodes(cluster, peers, "dcp", tmp_path)
     b_id, written = b.status()["writer_records"]["node"], b.status()["writer_records"]["written"]
     b.hold_uploads(except_prefixes=())  # cut off: nothing of B's reaches the store
     save("dcp", [a, b], 2, tmp_path / "logs")
@@ -347,10 +348,7 @@ def test_dcp_with_a_slow_node_lost_mid_upload(cluster, tmp_path):
     if cluster.kind != "s3":
         pytest.skip("a slow link needs the S3 store (a local store's link is no network)")
     store = cluster.store
-    a, b, _ = two_nodes(cluster, False)
-    save("dcp", [a, b], 1, tmp_path / "logs")
-    a.sync()
-    b.sync()
+    a, b, _ = two_nodes(cluster, False, "dcp", tmp_path)
     written = b.status()["writer_records"]["written"]
     b.proxy.rate = 4 << 10  # 4 KiB/s: B's 32 KiB shard takes seconds, its records land
     save("dcp", [a, b], 2, tmp_path / "logs")
@@ -372,10 +370,7 @@ def test_a_pointer_to_a_cut_off_nodes_step_waits_with_cluster(cluster, tmp_path)
     if not LONG and cluster.kind == "s3":
         pytest.skip("long mode (scripts/test --long): the default suite runs it on the local store")
     store = cluster.store
-    a, b, extra = two_nodes(cluster, True)
-    save("latest", [a, b], 1, tmp_path / "logs")
-    a.sync()
-    b.sync()
+    a, b, extra = two_nodes(cluster, True, "latest", tmp_path)
     assert store.read("latest").strip() == b"step_1"
     b_id = b.status()["writer_records"]["node"]
     b.hold_uploads(except_prefixes=())
