@@ -52,6 +52,9 @@ class MountConfig:
     cache_size: int = 16 * GiB  # NVMe tier budget (arena file in cache_dir), bytes
     part_size: int = 8 * MiB
     upload_concurrency: int = 8  # parts in flight across all files
+    # Threads reading FUSE requests (fusewire/session.py), at most: a request waiting on the
+    # store holds one, so this many may wait at once; each holds up to 2 MiB of buffers.
+    fuse_threads: int = 16
     # Seconds a directory listing from the store is trusted before the next use lists it again
     # (what other mounts made durable shows up), and a name found absent is not asked again.
     # 0: ask the store every time.

@@ -1,7 +1,7 @@
 """The import rules of ckptfs/, checked by reading every module with ``ast`` (imports inside
 functions and under ``if TYPE_CHECKING`` count too), so the layering cannot rot silently:
 
-- only the FUSE glue (fuse/ops.py) and the daemon's run loop (daemon/run.py) import pyfuse3;
+- no module imports pyfuse3 (ckptfs speaks the FUSE protocol itself: fusewire/);
   only the S3 store's modules (store/s3.py, s3_client.py, s3_multipart.py: S3_ALLOWED) import
   boto3, botocore, s3transfer or awscrt; importing the package, the CLI or any other module
   loads neither (checked in a fresh interpreter, which also catches a dependency that pulls them
@@ -41,6 +41,7 @@ PACKAGE = ROOT / "ckptfs"
 LAYERS: list[tuple[str, set[str]]] = [
     ("leaves: import nothing of ckptfs", {"errors", "config", "blocks", "parts", "cluster.dcpmeta"}),
     ("util: threads, single flight, figures, private files", {"util"}),
+    ("fusewire: the FUSE kernel protocol, spoken by ckptfs itself", {"fusewire"}),
     ("store: the object stores", {"store"}),
     ("objects, cache: what objects hold and their checksums; the node's cache", {"objects", "cache"}),
     ("transfer: uploads, fetches, retries", {"transfer"}),
@@ -74,7 +75,7 @@ SUBLAYERS: dict[str, list[set[str]]] = {
     ],
 }
 
-PYFUSE3_ALLOWED = {"fuse.ops", "daemon.run"}
+PYFUSE3_ALLOWED: set[str] = set()  # (none: fusewire speaks the protocol)
 S3_LIBRARIES = {"boto3", "botocore", "s3transfer", "awscrt"}
 S3_ALLOWED = {"store.s3", "store.s3_client", "store.s3_multipart", "store.s3_crt"}  # the S3 store's modules
 
@@ -85,6 +86,7 @@ ALLOWED_BASES: dict[tuple[str, str], str] = {
     ("store.base", "ObjectStore"): "the object-store interface (an ABC)",
     ("cache.cache", "EvictionPolicy"): "what the cache asks of the model (a Protocol)",
     ("model.prefill", "KernelCache"): "what prefill asks of the kernel, through the FUSE glue (a Protocol)",
+    ("fusewire.face", "Filesystem"): "what the FUSE transport asks of a filesystem (its defaults: ENOSYS)",
     **{
         ("errors", name): "an exception"
         for name in (
@@ -214,7 +216,7 @@ def describe_place(name: str) -> str:
 def test_the_parser_sees_known_imports():
     # (a guard against this test going blind: these imports exist today)
     assert {"model.namespace", "fuse.openers", "errors"} <= imports("fuse.ops")[0].keys()
-    assert "pyfuse3" in imports("fuse.ops")[1] and "pyfuse3" in imports("daemon.run")[1]
+    assert "fusewire.face" in imports("fuse.ops")[0] and "fusewire.session" in imports("daemon.run")[0]
     assert "boto3" in imports("store.s3_client")[1]
     assert {"store.s3_client", "store.s3_multipart", "store.base"} <= imports("store.s3")[0].keys()
     assert {"store.local", "store.s3", "store.base"} <= imports("store")[0].keys()  # (inside open_store)
@@ -475,7 +477,7 @@ def test_no_class_reads_the_privates_of_what_it_holds():
 # -- what importing loads ------------------------------------------------------------------------
 
 
-def test_only_the_fuse_glue_and_the_daemon_import_pyfuse3():
+def test_no_module_imports_pyfuse3():
     users = {name for name in MODULES if "pyfuse3" in imports(name)[1]}
     assert users <= PYFUSE3_ALLOWED, (
         f"pyfuse3 imported outside {sorted(PYFUSE3_ALLOWED)}: {sorted(users - PYFUSE3_ALLOWED)}"
@@ -488,8 +490,8 @@ def test_only_the_s3_store_imports_boto3():
 
 
 def test_the_package_and_the_lower_layers_load_neither_at_import():
-    """In a fresh interpreter: `import ckptfs`, the CLI and every other module (bar the FUSE glue,
-    the daemon's run loop and the S3 store) load neither pyfuse3 nor an S3 library."""
+    """In a fresh interpreter: `import ckptfs`, the CLI and every other module (bar the S3 store)
+    load neither pyfuse3 nor an S3 library."""
     light = sorted(
         name for name in MODULES if name and name != "__main__" and name not in S3_ALLOWED | PYFUSE3_ALLOWED
     )

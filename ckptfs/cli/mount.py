@@ -119,6 +119,13 @@ def add_parser(sub) -> None:
         help=f"parts uploading at once (default {MountConfig.upload_concurrency})",
     )
     p.add_argument(
+        "--fuse-threads",
+        type=parse_positive_int,
+        metavar="N",
+        help="threads that read FUSE requests, at most; each holds up to 2 MiB of buffers "
+        f"(default {MountConfig.fuse_threads})",
+    )
+    p.add_argument(
         "--compress",
         type=_compress,
         metavar="zstd[:LEVEL]",
@@ -315,6 +322,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "cache_size": args.cache_size,
         "part_size": args.part_size,
         "upload_concurrency": args.upload_concurrency,
+        "fuse_threads": args.fuse_threads,
         "compress": args.compress,
         "list_ttl": args.list_ttl,
         "write_timeout": args.write_timeout,
@@ -414,6 +422,8 @@ def daemon_argv(config: MountConfig) -> list[str]:
         str(config.part_size),
         "--upload-concurrency",
         str(config.upload_concurrency),
+        "--fuse-threads",
+        str(config.fuse_threads),
         "--list-ttl",
         repr(config.list_ttl),
         "--write-timeout",

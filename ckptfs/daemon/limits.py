@@ -11,7 +11,8 @@ RSS <= the RAM tier (--ram-cache: pages of the tmpfs arena the daemon touched) +
 part-sized buffers ((3 x --upload-concurrency + 4) x --part-size: parts uploading, and,
 with the opt-in CRT transport, their copies in its buffers as they go out, blocks being fetched, small files and
 disk blocks being hashed or sent whole; allocated when first needed, then reused) + a fixed
-overhead (the interpreter, libraries, FUSE buffers); with --cluster, also
+overhead (the interpreter, libraries) + 2 MiB per FUSE reader thread (--fuse-threads: its
+request and reply buffers, fusewire/session.py); with --cluster, also
 (--upload-concurrency + 16) x --part-size (parts asked of peers; a block per replica stream held
 for another node) + 2 MiB per thread of the peer channel (--peer-connections + --replicas +
 --upload-concurrency + 16) + 128 MiB (TLS libraries, one large replica message header): see
@@ -49,6 +50,8 @@ def fmt(n: int) -> str:
 
 
 MAX_REPLICA_STREAMS = 16  # other nodes' replica streams held at once (cluster/replicas.py), a block each
+MAX_FUSE_THREADS = 256  # --fuse-threads
+FUSE_THREAD = 2 * MiB  # a FUSE reader's request buffer (1 MiB + 4 KiB) and READ reply buffer (1 MiB)
 MAX_PEER_CONNECTIONS = 256  # --peer-connections: a thread each, and a 1 MiB buffer when sending from disk
 # With --cluster, each thread of the peer channel: a served connection (--peer-connections),
 # a replica stream to a holder (--replicas), an ask of a peer (--upload-concurrency), a replica
@@ -71,6 +74,7 @@ def memory_bound(config: MountConfig) -> int:
     stream this node holds for another (at most ``MAX_REPLICA_STREAMS``) a block, each thread of
     the peer channel ``PEER_THREAD``, and the TLS libraries ``CLUSTER_OVERHEAD``."""
     bound = config.ram_cache + (3 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
+    bound += config.fuse_threads * FUSE_THREAD
     if config.cluster:
         bound += (config.upload_concurrency + MAX_REPLICA_STREAMS) * config.part_size
         threads = config.peer_connections + config.replicas + config.upload_concurrency + MAX_REPLICA_STREAMS
@@ -152,6 +156,10 @@ def check(config: MountConfig) -> list[str]:
         raise UsageError(
             f"--upload-concurrency {threads} is too many: at most {MAX_CONCURRENCY} "
             "(each part in flight is a thread, a connection and a part-sized buffer)"
+        )
+    if config.fuse_threads > MAX_FUSE_THREADS:
+        raise UsageError(
+            f"--fuse-threads {config.fuse_threads} is too many: at most {MAX_FUSE_THREADS} (each is a thread)"
         )
     if config.peer_connections > MAX_PEER_CONNECTIONS:
         raise UsageError(

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pyfuse3
 import trio
 
 from ckptfs.cache import clean_index
@@ -29,6 +28,8 @@ from ckptfs.daemon.mount_paths import check_mount_paths, prepare_mountpoint
 from ckptfs.daemon.wiring import CLEAN_INDEX, build_core
 from ckptfs.errors import MountError, StoreError
 from ckptfs.fuse.ops import Operations
+from ckptfs.fusewire.mount import MountFailed
+from ckptfs.fusewire.session import Notifier, Session
 from ckptfs.model.prefill import KernelCache
 from ckptfs.objects import integrity
 from ckptfs.objects.logical_store import LogicalStore
@@ -123,23 +124,27 @@ def _sweep_ram_dirs(shm_dir: Path) -> None:
 
 
 class FuseKernelCache(KernelCache):
-    """The kernel's caches through pyfuse3 (only the FUSE glue imports it). Asked only once the
-    FUSE channel is open: the pushes and refreshes that call it start after ``pyfuse3.init``."""
+    """The kernel's caches through the FUSE session's notifications. Asked only once the session
+    is mounted: the pushes and refreshes that call it start after ``Session.mount``."""
 
     def __init__(self, mountpoint: str):
         self.mountpoint = mountpoint
+        self.notifier: Notifier | None = None  # set once mounted
 
     def store_pages(self, ino: int, offset: int, data) -> None:
-        pyfuse3.notify_store(ino, offset, data)
+        if self.notifier is not None:
+            self.notifier.store(ino, offset, data)
 
     def invalidate_inode(self, ino: int) -> None:
-        pyfuse3.invalidate_inode(ino)
+        if self.notifier is not None:
+            self.notifier.inval_inode(ino)
 
     def stat(self, key: str) -> os.stat_result:
         return os.stat(os.path.join(self.mountpoint, key))
 
     def forget_name(self, parent_ino: int, name: str) -> None:
-        pyfuse3.invalidate_entry_async(parent_ino, os.fsencode(name), ignore_enoent=True)
+        if self.notifier is not None:
+            self.notifier.inval_entry(parent_ino, os.fsencode(name))
 
 
 class Daemon:
@@ -184,36 +189,48 @@ class Daemon:
             raise MountError(str(exc)) from exc
         self.ram_dir = claim_ram_dir(self.cache_dir, Path(self.config.shm_dir))
         covered = os.stat(self.mountpoint)  # the root looks like the directory it covers
+        kernel = FuseKernelCache(self.mountpoint)
         self.core = build_core(
             self.config,
             self.store,
             self.cache_dir,
             self.ram_dir,
             root=(covered.st_mode, covered.st_uid, covered.st_gid),
-            kernel=FuseKernelCache(self.mountpoint),
+            kernel=kernel,
         )
         core = self.core
         self.health, self.cache, self.journal = core.health, core.cache, core.journal
         self.uploader, self.fetcher, self.namespace = core.uploader, core.fetcher, core.namespace
         self.store.report_to(self.health)
         self.ops = Operations(self.namespace, self.config.part_size, self.mountpoint)
-        # default_permissions (in pyfuse3's defaults): the kernel checks every access against the
-        # modes, so other users, when allowed in at all, reach only what the modes let them.
-        # The source in the mount table is the store URL, as an fstab line names it: `mount -a`
-        # then knows the line is mounted already (libfuse splits options at unescaped commas).
-        fsname = self.store.url.replace("\\", "\\\\").replace(",", "\\,")
-        options = set(pyfuse3.default_options) | {f"fsname={fsname}", "subtype=ckptfs"}
+        # default_permissions: the kernel checks every access against the modes, so other users,
+        # when allowed in at all, reach only what the modes let them. The source in the mount
+        # table is the store URL, as an fstab line names it: `mount -a` then knows the line is
+        # mounted already.
+        options = ["default_permissions"]
         if self.config.allow_other:
-            options.add("allow_other")
+            options.append("allow_other")
+        self.session = Session(
+            self.ops,
+            self.mountpoint,
+            fsname=self.store.url,
+            options=options,
+            max_threads=self.config.fuse_threads,
+        )
         try:
-            pyfuse3.init(self.ops, self.mountpoint, options)
-        except RuntimeError as exc:
+            self.session.mount()
+        except (MountFailed, OSError) as exc:
+            core.close()
+            self.store.close()
             raise MountError(f"cannot mount at {self.mountpoint}: {exc}") from exc
+        kernel.notifier = self.session.notifier
+        if self.session.backing.refused:
+            log.info("passthrough reads off: %s", self.session.backing.refused)
         try:
             trio.run(self._serve, listing, on_ready)
             self._save_clean_index()
         finally:
-            pyfuse3.close(unmount=True)
+            self.session.close()
             core.close()
             self.store.close()
             log.info("unmounted %s", self.mountpoint)
@@ -327,7 +344,7 @@ class Daemon:
             nursery.start_soon(self._stopper)
             nursery.start_soon(self._sweep_manifests)
             try:
-                await pyfuse3.main()
+                await self.session.serve()
             finally:
                 self.trio_token = None  # the metrics thread stops asking the loop
             # Shutdown: store calls in flight are abandoned, not awaited (a dead store would hold
@@ -367,7 +384,7 @@ class Daemon:
         if self.core.peers is not None:
             await self.core.peers.leave()  # (the other nodes stop asking this one at once)
         await trio.sleep(0.05)  # let the umount reply reach the client
-        pyfuse3.terminate()
+        self.session.terminate()
 
     async def _sweep_manifests(self) -> None:
         """Delete the manifests no object will need again (integrity.orphan_manifests), once a

@@ -1,9 +1,10 @@
-"""pyfuse3 request handlers: thin wrappers over the namespace, and the one place errors become errno.
+"""FUSE request handlers (the transport's ``Filesystem`` face, ckptfs/fusewire): thin wrappers
+over the namespace, and the one place errors become errno.
 
-Each handler decodes its arguments, calls the namespace and turns the result into
-pyfuse3's types. What a handler raises becomes ``FUSEError(errors.to_errno(exc))``
-(an FsError's errno; EIO for a bug), because an exception escaping a handler would
-take the whole mount down.
+Each handler decodes its arguments, calls the namespace and turns the result into the
+transport's types. What a handler raises becomes ``FuseError(errors.to_errno(exc))`` (an
+FsError's errno; EIO for a bug), logged by level here, so the transport's own safety net never
+sees a failure of ours.
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ import os
 import stat
 import time
 
-import pyfuse3
-
 from ckptfs.errors import FsError, StoreError, to_errno
 from ckptfs.fuse.openers import Openers
+from ckptfs.fusewire.face import (
+    ENOATTR,
+    Ctx,
+    EntryAttributes,
+    FileInfo,
+    Filesystem,
+    FuseError,
+    SetattrFields,
+    StatvfsData,
+)
 from ckptfs.model.files import direct_writes
 from ckptfs.model.namespace import Namespace
 from ckptfs.model.tree import Attr
@@ -34,32 +43,31 @@ XXH3_XATTR = b"user.ckptfs.xxh3"  # the whole file's recorded xxh3-64, where the
 
 
 def _errno_boundary(handler):
-    """Every request handler's: what it raises becomes ``FUSEError(to_errno(exc))``. An exception
-    escaping a handler would take the whole mount down; cancellation is not caught (not an Exception)."""
+    """Every request handler's: what it raises becomes ``FuseError(to_errno(exc))``, logged once
+    by level; cancellation (an interrupt) is not caught (not an Exception)."""
 
     @functools.wraps(handler)
     async def wrapper(*args, **kwargs):
         try:
             return await handler(*args, **kwargs)
-        except pyfuse3.FUSEError:
+        except FuseError:
             raise
         except Exception as exc:
             number = to_errno(exc)
             _log_failure(handler.__name__, exc, number)
-            raise pyfuse3.FUSEError(number) from None
+            raise FuseError(number) from None
 
     return wrapper
 
 
 def _no_reply_boundary(handler):
-    """For forget, which has no reply: pyfuse3 answers the kernel first, then awaits the handler
-    with no except around it, so anything it raises (a FUSEError too) ends pyfuse3's request
-    loop and the mount with it. Nothing may escape: the failure is logged and dropped."""
+    """For forget, which has no reply: there is no one to tell of a failure, so nothing may
+    escape; it is logged and dropped."""
 
     @functools.wraps(handler)
-    async def wrapper(*args, **kwargs):
+    def wrapper(*args, **kwargs):
         try:
-            await handler(*args, **kwargs)
+            handler(*args, **kwargs)
         except Exception as exc:
             _log_failure(handler.__name__, exc, to_errno(exc))
 
@@ -71,7 +79,7 @@ def _log_failure(handler: str, exc: Exception, number: int) -> None:
     FsError at info, a store or OS failure at error; anything else is a bug, at error, with its
     traceback when debug logging is on."""
     if isinstance(exc, FsError):
-        if exc.errno not in (errno.ENOENT, pyfuse3.ENOATTR):
+        if exc.errno not in (errno.ENOENT, ENOATTR):
             log.info("%s: %s", handler, exc)
     elif isinstance(exc, (StoreError, OSError)):
         log.error("%s failed: %s (%s)", handler, exc, errno.errorcode.get(number, number))
@@ -90,11 +98,10 @@ def _name(raw: bytes) -> str:
     return os.fsdecode(raw)
 
 
-class Operations(pyfuse3.Operations):
-    enable_writeback_cache = False  # measured slower here (docs/machine-facts.md)
+class Operations(Filesystem):
+    """(No writeback cache: measured slower here, docs/machine-facts.md; the transport never asks for it.)"""
 
     def __init__(self, namespace: Namespace, block_size: int, mountpoint: str | None = None):
-        super().__init__()
         self.ns = namespace
         self.block_size = block_size
         # Who opened each writer, so a forked child's close does not commit it (fuse/openers.py).
@@ -115,8 +122,8 @@ class Operations(pyfuse3.Operations):
         # write beyond it gets EFBIG at once, before any cache, journal or upload work.
         self.max_file_size = namespace.store.limits.max_file_size
 
-    def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
-        entry = pyfuse3.EntryAttributes()
+    def _entry(self, attr: Attr) -> EntryAttributes:
+        entry = EntryAttributes()
         entry.st_ino = attr.ino
         entry.generation = 0
         entry.entry_timeout = self.entry_timeout
@@ -150,8 +157,8 @@ class Operations(pyfuse3.Operations):
         return _name(raw)
 
     @_errno_boundary
-    async def lookup(self, parent_inode, name, ctx=None):
-        name = self._checked_name(parent_inode, name)
+    async def lookup(self, parent_inode: int, raw: bytes, ctx: Ctx) -> EntryAttributes:
+        name = self._checked_name(parent_inode, raw)
         try:
             return self._entry(await self.ns.lookup_async(parent_inode, name))
         except FsError as exc:
@@ -160,22 +167,19 @@ class Operations(pyfuse3.Operations):
                 raise
         # Absent, and the namespace will say so without asking the store for ``ttl`` seconds:
         # the kernel may remember it as long (a negative entry: inode 0).
-        entry = pyfuse3.EntryAttributes()
-        entry.st_ino = 0
-        entry.entry_timeout = min(ttl, NEGATIVE_TIMEOUT_MAX)
-        return entry
+        return EntryAttributes(st_ino=0, entry_timeout=min(ttl, NEGATIVE_TIMEOUT_MAX))
 
     @_no_reply_boundary
-    async def forget(self, inode_list):
+    def forget(self, inode_list):
         for inode, count in inode_list:
             self.ns.forget(inode, count)
 
     @_errno_boundary
-    async def getattr(self, inode, ctx=None):
+    async def getattr(self, inode, ctx):
         return self._entry(self.ns.getattr(inode))
 
     @_errno_boundary
-    async def setattr(self, inode, attr, fields, fh, ctx):
+    async def setattr(self, inode, attr: EntryAttributes, fields: SetattrFields, fh, ctx):
         if fields.update_size and attr.st_size > self.max_file_size:
             raise FsError(errno.EFBIG, f"{attr.st_size} bytes: larger than the store's largest object")
         result = await self.ns.setattr(
@@ -239,7 +243,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def readlink(self, inode, ctx):
-        return await self.ns.readlink(inode)  # (bytes: pyfuse3 hands them to the kernel as they are)
+        return await self.ns.readlink(inode)  # (bytes: handed to the kernel as they are)
 
     @_errno_boundary
     async def link(self, inode, new_parent_inode, new_name, ctx):
@@ -257,13 +261,16 @@ class Operations(pyfuse3.Operations):
         return fh
 
     @_errno_boundary
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh, start_id):
         entries = self._dir_listings.get(fh, [])
-        for index in range(start_id, len(entries)):
-            name, attr = entries[index]
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), index + 1):
-                break
-            self.ns.looked_up(attr.ino)  # READDIRPLUS: the kernel now holds the entry, as after a lookup
+        return [
+            (os.fsencode(name), self._entry(attr), index + 1)
+            for index, (name, attr) in enumerate(entries[start_id:], start_id)
+        ]
+
+    @_no_reply_boundary
+    def entry_sent(self, entry: EntryAttributes) -> None:
+        self.ns.looked_up(entry.st_ino)  # READDIRPLUS: the kernel now holds the entry, as after a lookup
 
     @_errno_boundary
     async def releasedir(self, fh):
@@ -291,7 +298,7 @@ class Operations(pyfuse3.Operations):
         # check would send next: a small file takes six requests instead of seven
         # (docs/benchmarks.md, "What one small file costs").
         entry.attr_timeout = self.entry_timeout
-        return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_writes(flags)), entry
+        return FileInfo(fh=handle.fh, direct_io=direct_writes(flags)), entry
 
     @_errno_boundary
     async def open(self, inode, flags, ctx):
@@ -300,13 +307,13 @@ class Operations(pyfuse3.Operations):
         self.openers.opened(handle.fh, inode, ctx.pid, flags)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             self._opened_at[handle.fh] = time.monotonic()
-        return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct_io, keep_cache=keep_cache)
+        return FileInfo(fh=handle.fh, direct_io=direct_io, keep_cache=keep_cache)
 
     @_errno_boundary
-    async def read(self, fh, off, size):
-        # A view of the RAM tier where it can be (no copy per read): pyfuse3 hands it to the
-        # kernel before anything else runs, so the block cannot change or go away meanwhile.
-        return await self.ns.read(fh, off, size, view=True)
+    async def read(self, fh, off, out: memoryview) -> int:
+        # Into the reader thread's own reply buffer: the bytes cannot change or go away before
+        # its reply is written, and the copy runs with the GIL released where it can.
+        return await self.ns.read_into(fh, off, out)
 
     @_errno_boundary
     async def write(self, fh, off, buf):
@@ -320,7 +327,7 @@ class Operations(pyfuse3.Operations):
         return written
 
     @_errno_boundary
-    async def flush(self, fh):
+    async def flush(self, fh, ctx):
         # Every close of a descriptor sends FLUSH, a forked child's too: commit only at the
         # close after which the opening process holds the file no more (fuse/openers.py).
         commit = await self.openers.opener_closed(fh)
@@ -353,7 +360,7 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def statfs(self, ctx):
         usage = self.ns.statfs()
-        stats = pyfuse3.StatvfsData()
+        stats = StatvfsData()
         stats.f_bsize = stats.f_frsize = 4096
         # The store has no fixed size: report a large one, with the cache's use as used space.
         total = max(1 << 50, usage["ram"]["budget"] + usage["disk"]["budget"])
@@ -375,7 +382,7 @@ class Operations(pyfuse3.Operations):
             value = verified if name == VERIFIED_XATTR else xxh3
             if value:
                 return value.encode()
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        raise FuseError(ENOATTR)
 
     @_errno_boundary
     async def listxattr(self, inode, ctx):
@@ -384,9 +391,9 @@ class Operations(pyfuse3.Operations):
         return [STATE_XATTR, VERIFIED_XATTR, XXH3_XATTR]
 
     @_errno_boundary
-    async def setxattr(self, inode, name, value, ctx):
-        raise pyfuse3.FUSEError(errno.ENOTSUP)
+    async def setxattr(self, inode, name, value, flags, ctx):
+        raise FuseError(errno.ENOTSUP)
 
     @_errno_boundary
     async def removexattr(self, inode, name, ctx):
-        raise pyfuse3.FUSEError(errno.ENOTSUP)
+        raise FuseError(errno.ENOTSUP)

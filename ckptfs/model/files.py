@@ -9,7 +9,8 @@ import logging
 import os
 import stat
 import time
-from typing import cast
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 import trio
 
@@ -22,6 +23,7 @@ from ckptfs.model.tree import Attr, Handle, Node, Writing, attr_metadata
 from ckptfs.transfer.fetcher import Fetcher
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def direct_writes(flags: int) -> bool:
@@ -158,11 +160,43 @@ class Files:
         handle = self.tree.handle(fh)
         writing = handle.writing or handle.node.writing  # every descriptor reads the working copy
         if writing is not None:
-            try:
-                return writing.staged.read(offset, size)
-            except OSError as exc:
-                # (the working copy's reads fail with an errno: EIO, or the disk tier's own)
-                raise FsError(cast(int, exc.errno), str(exc)) from None
+            return self._read_working_copy(writing, offset, size)
+        # (A view only of what the handle still holds: the blocks of a version let go meanwhile
+        # may be freed with our hold.)
+        return await self._read_cached(
+            handle,
+            offset,
+            size,
+            lambda content: content.read(offset, size, view and content is handle.content),
+        )
+
+    async def read_into(self, fh: int, offset: int, out: memoryview) -> int:
+        """``read`` into a caller's buffer (a FUSE reader's reply buffer, which no one else can
+        change): the bytes filled; the copy out of the cache runs with the GIL released."""
+        handle = self.tree.handle(fh)
+        writing = handle.writing or handle.node.writing
+        if writing is not None:
+            data = self._read_working_copy(writing, offset, len(out))
+            out[: len(data)] = data
+            return len(data)
+
+        def fill(content: Content) -> int:
+            n = max(0, min(len(out), content.size - offset))
+            content.read_into(offset, out[:n])
+            return n
+
+        return await self._read_cached(handle, offset, len(out), fill)
+
+    @staticmethod
+    def _read_working_copy(writing: Writing, offset: int, size: int) -> bytes:
+        try:
+            return writing.staged.read(offset, size)
+        except OSError as exc:
+            # (the working copy's reads fail with an errno: EIO, or the disk tier's own)
+            raise FsError(cast(int, exc.errno), str(exc)) from None
+
+    async def _read_cached(self, handle, offset: int, size: int, take: Callable[[Content], T]) -> T:
+        """``take`` of the handle's version once every block of the range is cached."""
         reading = handle.content
         assert reading is not None  # no working copy: a reader, opened with the version it reads
         content = reading.hold()  # (a commit here may move the handle to a newer version meanwhile)
@@ -178,9 +212,7 @@ class Files:
                 with content.reading(offset, size):
                     while missing := content.missing(offset, size):
                         await self.fetcher.fill(content, missing)
-            # (No await since the check: every block is there. A view only of what the handle
-            # still holds: the blocks of a version let go meanwhile may be freed with our hold.)
-            return content.read(offset, size, view and content is handle.content)
+            return take(content)  # (no await since the check: every block is there)
         finally:
             content.release()
 

@@ -286,6 +286,10 @@ class Namespace:
         before anything else runs: fuse_ops)."""
         return await self.files.read(fh, offset, size, view)
 
+    async def read_into(self, fh: int, offset: int, out: memoryview) -> int:
+        """A read into ``out`` (its length is the size asked): the bytes filled."""
+        return await self.files.read_into(fh, offset, out)
+
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         return await self.files.write(fh, offset, data)
 
