@@ -55,6 +55,9 @@ class MountConfig:
     # Threads reading FUSE requests (fusewire/session.py), at most: a request waiting on the
     # store holds one, so this many may wait at once; each holds up to 2 MiB of buffers.
     fuse_threads: int = 16
+    # Bytes of complete cached versions kept as plain files in the cache dir, which the kernel
+    # reads itself (FUSE passthrough: model/passthrough.py); -1: as much as --cache-size; 0: off.
+    passthrough_cache: int = -1
     # Seconds a directory listing from the store is trusted before the next use lists it again
     # (what other mounts made durable shows up), and a name found absent is not asked again.
     # 0: ask the store every time.

@@ -59,8 +59,8 @@ LAYERS: list[tuple[str, set[str]]] = [
 # name itself is its __init__). Every module of the package needs a row.
 SUBLAYERS: dict[str, list[set[str]]] = {
     "model": [
-        {"model.tree", "model.prefill"},
-        {"model.policy", "model.gate"},
+        {"model.tree", "model.passthrough"},
+        {"model.prefill", "model.policy", "model.gate"},
         {"model.commits"},
         {"model.startup", "model.refresh", "model.files", "model.dirs"},
         {"model.namespace"},

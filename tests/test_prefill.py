@@ -1,5 +1,9 @@
 """End to end: the latest checkpoint, once durable, is pushed into the kernel's page cache.
 
+That is the path where passthrough reads are off (``--passthrough-cache 0`` here; a kernel before
+6.9 or a mount as a user); with them, the checkpoint becomes a file the kernel reads itself
+instead (tests/test_passthrough.py).
+
 What the kernel holds is read with mincore(2) on a mapping of the file through the mount, so
 these tests see the page cache itself, not the daemon's idea of it. The other half of the
 contract: a page of an older version is never served after a newer one is committed.
@@ -22,6 +26,7 @@ from tests.support.mounting import Mount
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
+NO_PASSTHROUGH = ("--passthrough-cache", "0")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -55,7 +60,7 @@ def wait_pushed(mount: Mount, size: int, timeout: float = 60) -> None:
 
 
 def test_a_durable_checkpoint_is_in_the_page_cache_before_its_first_read(mount_factory):
-    m = mount_factory().start()
+    m = mount_factory(extra=NO_PASSTHROUGH).start()
     data = random.Random(1).randbytes(3 * 8 * MiB + 12345)
     path = m.path / "step-1" / "model.pt"
     path.parent.mkdir()
@@ -75,7 +80,7 @@ def test_a_durable_checkpoint_is_in_the_page_cache_before_its_first_read(mount_f
 
 
 def test_small_files_are_not_pushed(mount_factory):
-    m = mount_factory().start()
+    m = mount_factory(extra=NO_PASSTHROUGH).start()
     (m.path / "step-1").mkdir()
     (m.path / "step-1" / "config.json").write_bytes(b"{}" * 1000)
     m.sync()
@@ -87,7 +92,7 @@ def test_small_files_are_not_pushed(mount_factory):
 def test_a_newer_version_is_never_served_from_older_pages(mount_factory):
     """Overwrite a pushed file again and again (same size, other bytes), reading between: each
     read returns the version committed last, whatever the push of an older one was doing."""
-    m = mount_factory().start()
+    m = mount_factory(extra=NO_PASSTHROUGH).start()
     path = m.path / "ckpt" / "model.pt"
     path.parent.mkdir()
     size = 2 * 8 * MiB
@@ -108,7 +113,7 @@ def test_a_newer_version_is_never_served_from_older_pages(mount_factory):
 def test_a_push_put_off_by_an_open_reader_goes_ahead_when_it_closes(mount_factory):
     """The push of a durable checkpoint finds the file open (a reader): it waits for the close
     instead of being dropped (it was dropped: the next restart then read through FUSE)."""
-    m = mount_factory().start()
+    m = mount_factory(extra=NO_PASSTHROUGH).start()
     path = m.path / "ckpt" / "model.pt"
     path.parent.mkdir()
     size = 2 * 8 * MiB

@@ -217,6 +217,17 @@ class Tier:
         if os.preadv(self.fd, [out], pos) != len(out):
             raise OSError(errno.EIO, f"short read from {self.path}")
 
+    def send_to(self, slot: int, length: int, out_fd: int, out_pos: int) -> None:
+        """Copy a block's first ``length`` bytes into another file at ``out_pos``, in the kernel
+        (sendfile: no bytes through Python, the GIL released; callable from a worker thread)."""
+        pos, end = slot * self.block_size, slot * self.block_size + length
+        os.lseek(out_fd, out_pos, os.SEEK_SET)
+        while pos < end:
+            sent = os.sendfile(out_fd, self.fd, pos, end - pos)
+            if sent == 0:
+                raise OSError(errno.EIO, f"short read from {self.path}")
+            pos += sent
+
     def view(self, slot: int, length: int) -> memoryview | bytes:
         """Zero-copy view for hashing and uploading (RAM tier); a read on disk."""
         if self.mm is not None:

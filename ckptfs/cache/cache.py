@@ -291,6 +291,10 @@ class Cache:
     def read_into(self, ref: BlockRef, offset: int, out: memoryview) -> None:
         self.tiers[ref[0]].read_into(ref[1], offset, out)
 
+    def send_to(self, ref: BlockRef, length: int, out_fd: int, out_pos: int) -> None:
+        """``Tier.send_to``: a block's bytes into another file, from a worker thread."""
+        self.tiers[ref[0]].send_to(ref[1], length, out_fd, out_pos)
+
     def view(self, ref: BlockRef, length: int):
         return self.tiers[ref[0]].view(ref[1], length)
 

@@ -295,6 +295,18 @@ _STATUS_KEYS = {
 }
 
 
+def _passthrough(figures) -> str | None:
+    """on: the kernel reads complete cached files itself (how many, since the mount); off: why."""
+    if not isinstance(figures, dict):
+        return None
+    if not figures.get("on"):
+        return f"off ({figures.get('off_because', 'unknown')})"
+    return (
+        f"on: {figures.get('opens', 0)} opens, {figures.get('files', 0)} files "
+        f"({format_bytes(figures.get('bytes', 0))} of {format_bytes(figures.get('budget', 0))})"
+    )
+
+
 def _seconds_ago(value: object) -> str | None:
     if not isinstance(value, (int, float)):
         return None
@@ -370,6 +382,7 @@ def format_status(s: dict) -> str:
         ("written", format_bytes(s["written_bytes"]) if "written_bytes" in s else None),
         ("committed", format_bytes(s["committed_bytes"]) if "committed_bytes" in s else None),
         ("durable files", get("durable_files")),
+        ("passthrough reads", _passthrough(s.get("passthrough"))),
         (
             "retries",
             ", ".join(f"{k} {v}" for k, v in s["retries"].items())

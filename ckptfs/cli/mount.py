@@ -126,6 +126,14 @@ def add_parser(sub) -> None:
         f"(default {MountConfig.fuse_threads})",
     )
     p.add_argument(
+        "--passthrough-cache",
+        type=parse_size_arg,
+        metavar="SIZE",
+        help="bytes of complete cached files kept as plain files in the cache dir, which the kernel "
+        "reads itself (FUSE passthrough: Linux 6.9+, as root); 0 turns passthrough reads off "
+        "(default: as much as --cache-size)",
+    )
+    p.add_argument(
         "--compress",
         type=_compress,
         metavar="zstd[:LEVEL]",
@@ -323,6 +331,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "part_size": args.part_size,
         "upload_concurrency": args.upload_concurrency,
         "fuse_threads": args.fuse_threads,
+        "passthrough_cache": args.passthrough_cache,
         "compress": args.compress,
         "list_ttl": args.list_ttl,
         "write_timeout": args.write_timeout,
@@ -441,6 +450,7 @@ def daemon_argv(config: MountConfig) -> list[str]:
         "--foreground",
     ]
     argv += ["--umask", f"{config.umask:04o}"]
+    argv += ["--passthrough-cache", str(config.passthrough_cache)] * (config.passthrough_cache >= 0)
     for glob in config.no_marker:
         argv += [f"--no-marker={glob}"]
     if config.cluster:

@@ -138,6 +138,7 @@ class Commands:
             **({"peers": self._peers_status()} if self.peers is not None else {}),
             "page_cache_pushed_bytes": self.namespace.prefill.pushed_bytes,
             "page_cache_queued_files": self.namespace.prefill.queued_files,
+            "passthrough": self._passthrough_status(),
             "errors": self.health.errors(),
             "store_health": self.health.status(),
             # Reads whose bytes never matched their checksum (EIO), and mismatches fetched again.
@@ -158,6 +159,17 @@ class Commands:
             "markers_dropped": list(up.dropped),
             "writer_records": {**self.records.status(), "marker_listings": self.gate.listings},
             **self.namespace.status(),
+        }
+
+    def _passthrough_status(self) -> dict:
+        """Whether the kernel reads complete cached files itself (FUSE passthrough), and why not."""
+        files = self.namespace.prefill.files
+        return {
+            "on": self.ops.passthrough_on,
+            **({} if self.ops.passthrough_on else {"off_because": self.ops.passthrough_off_reason}),
+            "opens": self.ops.passthrough_opens,  # opens the kernel served from a file, since the mount
+            "daemon_reads": self.ops.read_requests,  # READ requests the daemon served, since the mount
+            **(files.status() if files is not None else {}),
         }
 
     def _peers_status(self) -> dict:

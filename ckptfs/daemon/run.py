@@ -216,6 +216,8 @@ class Daemon:
             fsname=self.store.url,
             options=options,
             max_threads=self.config.fuse_threads,
+            passthrough=self.config.passthrough_cache != 0,
+            on_refused=self.ops.passthrough_refused,
         )
         try:
             self.session.mount()
@@ -224,8 +226,15 @@ class Daemon:
             self.store.close()
             raise MountError(f"cannot mount at {self.mountpoint}: {exc}") from exc
         kernel.notifier = self.session.notifier
-        if self.session.backing.refused:
-            log.info("passthrough reads off: %s", self.session.backing.refused)
+        files = self.namespace.prefill.files
+        if self.session.conn is not None and self.session.conn.passthrough and files is not None and files.on:
+            self.ops.passthrough_on = True
+            self.ops.passthrough_off_reason = ""
+            log.info("passthrough reads on: the kernel reads complete cached files itself")
+        else:
+            self.namespace.passthrough_off()
+            self.ops.passthrough_off_reason = self.passthrough_off_reason()
+            log.info("passthrough reads off: %s", self.ops.passthrough_off_reason)
         try:
             trio.run(self._serve, listing, on_ready)
             self._save_clean_index()
@@ -235,6 +244,11 @@ class Daemon:
             self.store.close()
             log.info("unmounted %s", self.mountpoint)
         self._drop_ram_tier()  # a clean stop only: after a crash the next mount needs it
+
+    def passthrough_off_reason(self) -> str:
+        if self.config.passthrough_cache == 0:
+            return "--passthrough-cache 0"
+        return self.session.backing.refused or "no FUSE channel"
 
     # -- start-up helpers ---------------------------------------------------------------
     def _drop_ram_tier(self) -> None:
@@ -334,6 +348,9 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             await self.core.start(nursery)
             await nursery.start(self.namespace.prefill.run)
+            files = self.namespace.prefill.files
+            if files is not None and files.on:
+                await nursery.start(files.run)
             await nursery.start(self.cache.run_populate, BackgroundThreads(1, "ckptfs-populate"))
             await self.core.fence()
             self.core.load(listing)

@@ -62,6 +62,7 @@ from ckptfs.daemon import limits
 from ckptfs.model.commits import Commits, Shadows
 from ckptfs.model.gate import MarkerGate
 from ckptfs.model.namespace import Namespace
+from ckptfs.model.passthrough import PassthroughFiles
 from ckptfs.model.policy import CheckpointEvictionPolicy, Retention
 from ckptfs.model.prefill import KernelCache, Prefill
 from ckptfs.model.tree import Tree
@@ -80,6 +81,9 @@ log = logging.getLogger(__name__)
 
 CLEAN_INDEX = "clean.index"
 JOURNAL = "journal"
+PASSTHROUGH_DIR = (
+    "passthrough"  # complete versions as plain files, for passthrough reads (model/passthrough.py)
+)
 REPLICAS = "replicas"  # the replicas this node holds for others (cluster/replicas.py)
 FENCE_WAIT_S = 30.0  # how long a start waits for a takeover of this node to end
 
@@ -155,6 +159,9 @@ class Core:
         if self.holder is not None:
             self.holder.close()
         self.uploader.close()  # store calls abandoned at shutdown may no longer read the cache
+        files = self.namespace.prefill.files
+        if files is not None:
+            files.close()  # (its copies read from the cache's arenas)
         self.journal.close()
         self.cache.close()
 
@@ -354,7 +361,11 @@ def build_core(
         peers=peers,
     )
     retention = Retention(tree, cache, uploader, policy)
-    prefill = Prefill(retention.busy, kernel)
+    # Passthrough reads need the kernel's channel; the files live beside the disk tier.
+    budget = config.cache_size if config.passthrough_cache < 0 else config.passthrough_cache
+    files = PassthroughFiles(cache_dir / PASSTHROUGH_DIR, budget if kernel is not None else 0, retention.busy)
+    files.start()
+    prefill = Prefill(retention.busy, kernel, files)
     commits = Commits(tree, cache, journal, uploader, retention, prefill, shadows, records, replicator)
     namespace = Namespace(commits, fetcher, health, list_ttl=config.list_ttl, kernel=kernel)
     return Core(

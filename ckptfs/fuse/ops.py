@@ -17,6 +17,7 @@ import stat
 import time
 
 from ckptfs.errors import FsError, StoreError, to_errno
+from ckptfs.fuse.nodeids import NodeIds
 from ckptfs.fuse.openers import Openers
 from ckptfs.fusewire.face import (
     ENOATTR,
@@ -107,6 +108,12 @@ class Operations(Filesystem):
         # Who opened each writer, so a forked child's close does not commit it (fuse/openers.py).
         # Without the mountpoint every flush commits.
         self.openers = Openers(mountpoint)
+        # The kernel's node ids (aliases where passthrough binds one: fuse/nodeids.py).
+        self.nodes = NodeIds()
+        self.passthrough_on = False  # set by the daemon once the kernel agreed to passthrough
+        self.passthrough_off_reason = "not mounted yet"
+        self.passthrough_opens = 0  # opens answered with a file the kernel reads itself
+        self.read_requests = 0  # READ requests served here (passthrough opens send none)
         self._dir_listings: dict[int, list] = {}
         self._next_dir_fh = 1 << 40
         # Names are cached by the kernel no longer than the namespace trusts a listing, so a
@@ -125,6 +132,7 @@ class Operations(Filesystem):
     def _entry(self, attr: Attr) -> EntryAttributes:
         entry = EntryAttributes()
         entry.st_ino = attr.ino
+        entry.nodeid = self.nodes.for_ino(attr.ino)
         entry.generation = 0
         entry.entry_timeout = self.entry_timeout
         # A file open for writing: no attribute caching, so every descriptor sees its size as
@@ -160,7 +168,7 @@ class Operations(Filesystem):
     async def lookup(self, parent_inode: int, raw: bytes, ctx: Ctx) -> EntryAttributes:
         name = self._checked_name(parent_inode, raw)
         try:
-            return self._entry(await self.ns.lookup_async(parent_inode, name))
+            return self._handed_out(self._entry(await self.ns.lookup_async(parent_inode, name)))
         except FsError as exc:
             ttl = self.ns.negative_ttl(parent_inode, name) if exc.errno == errno.ENOENT else 0
             if not ttl:
@@ -169,21 +177,25 @@ class Operations(Filesystem):
         # the kernel may remember it as long (a negative entry: inode 0).
         return EntryAttributes(st_ino=0, entry_timeout=min(ttl, NEGATIVE_TIMEOUT_MAX))
 
+    def _handed_out(self, entry: EntryAttributes) -> EntryAttributes:
+        self.nodes.handed_out(entry.nodeid)
+        return entry
+
     @_no_reply_boundary
     def forget(self, inode_list):
-        for inode, count in inode_list:
-            self.ns.forget(inode, count)
+        for nodeid, count in inode_list:
+            self.ns.forget(self.nodes.forgot(nodeid, count), count)
 
     @_errno_boundary
     async def getattr(self, inode, ctx):
-        return self._entry(self.ns.getattr(inode))
+        return self._entry(self.ns.getattr(self.nodes.ino(inode)))
 
     @_errno_boundary
     async def setattr(self, inode, attr: EntryAttributes, fields: SetattrFields, fh, ctx):
         if fields.update_size and attr.st_size > self.max_file_size:
             raise FsError(errno.EFBIG, f"{attr.st_size} bytes: larger than the store's largest object")
         result = await self.ns.setattr(
-            inode,
+            self.nodes.ino(inode),
             fh,
             size=attr.st_size if fields.update_size else None,
             mode=attr.st_mode if fields.update_mode else None,
@@ -197,7 +209,9 @@ class Operations(Filesystem):
     @_errno_boundary
     async def mkdir(self, parent_inode, name, mode, ctx):
         name = self._checked_name(parent_inode, name)
-        return self._entry(self.ns.mkdir(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
+        return self._handed_out(
+            self._entry(self.ns.mkdir(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
+        )
 
     @_errno_boundary
     async def rmdir(self, parent_inode, name, ctx):
@@ -234,16 +248,18 @@ class Operations(Filesystem):
         finally:
             self.ns.release(handle.fh)
         await self.ns.recorded()
-        return self._entry(self.ns.getattr(attr.ino))
+        return self._handed_out(self._entry(self.ns.getattr(attr.ino)))
 
     @_errno_boundary
     async def symlink(self, parent_inode, name, target, ctx):
         name = self._checked_name(parent_inode, name)
-        return self._entry(await self.ns.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        return self._handed_out(
+            self._entry(await self.ns.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        )
 
     @_errno_boundary
     async def readlink(self, inode, ctx):
-        return await self.ns.readlink(inode)  # (bytes: handed to the kernel as they are)
+        return await self.ns.readlink(self.nodes.ino(inode))  # (bytes: handed to the kernel as they are)
 
     @_errno_boundary
     async def link(self, inode, new_parent_inode, new_name, ctx):
@@ -270,6 +286,7 @@ class Operations(Filesystem):
 
     @_no_reply_boundary
     def entry_sent(self, entry: EntryAttributes) -> None:
+        self.nodes.handed_out(entry.nodeid)
         self.ns.looked_up(entry.st_ino)  # READDIRPLUS: the kernel now holds the entry, as after a lookup
 
     @_errno_boundary
@@ -289,30 +306,66 @@ class Operations(Filesystem):
         )
         self.openers.opened(handle.fh, attr.ino, ctx.pid, flags)
         self._opened_at[handle.fh] = time.monotonic()
+        if (
+            self.nodes.for_ino(attr.ino) in self.nodes.bound
+        ):  # (an existing file readers hold through passthrough)
+            self.nodes.retire(self.nodes.for_ino(attr.ino))
         # direct_io for write-only handles: the kernel hands large writes straight to us
         # (1 MiB requests) instead of splitting them through its page cache (files.direct_writes).
-        entry = self._entry(attr)
+        entry = self._handed_out(self._entry(attr))
+        direct_io = direct_writes(flags)
+        self.nodes.opened_with(handle.fh, entry.nodeid, "direct" if direct_io else "cached")
         # The new file's attributes may be cached although it is open for writing: the kernel
         # drops its cached size, times and blocks itself at every write and truncate through
         # it, and nothing else changes them. Saves the GETATTR that the open's permission
         # check would send next: a small file takes six requests instead of seven
         # (docs/benchmarks.md, "What one small file costs").
         entry.attr_timeout = self.entry_timeout
-        return FileInfo(fh=handle.fh, direct_io=direct_writes(flags)), entry
+        return FileInfo(fh=handle.fh, direct_io=direct_io), entry
+
+    def _passthrough_fd(self, nodeid: int, ino: int, read_only: bool) -> int | None:
+        """The file a read-only open of ``ino`` may be served from by the kernel itself."""
+        if not (read_only and self.passthrough_on and self.nodes.may_bind(nodeid)):
+            return None
+        return self.ns.passthrough_fd(ino)
 
     @_errno_boundary
     async def open(self, inode, flags, ctx):
+        ino = self.nodes.ino(inode)
+        read_only = flags & os.O_ACCMODE == os.O_RDONLY
+        if self.nodes.open_refused(inode, read_only, self._passthrough_fd(inode, ino, read_only)):
+            self.nodes.retire(inode)  # (the kernel looks the name up again: fuse/nodeids.py)
+            raise FsError(errno.ESTALE, "this node id is bound to another version's file")
         # (root keeps set-id bits when writing, as with CAP_FSETID: model/files.drops_setid)
-        handle, keep_cache, direct_io = await self.ns.open(inode, flags, keeps_setid=ctx.uid == 0)
-        self.openers.opened(handle.fh, inode, ctx.pid, flags)
-        if flags & os.O_ACCMODE != os.O_RDONLY:
+        handle, keep_cache, direct_io = await self.ns.open(ino, flags, keeps_setid=ctx.uid == 0)
+        backing = self._passthrough_fd(inode, ino, read_only)  # (again: a commit may have come meanwhile)
+        if self.nodes.open_refused(inode, read_only, backing):
+            self.ns.release(handle.fh)
+            self.nodes.retire(inode)
+            raise FsError(errno.ESTALE, "this node id is bound to another version's file")
+        self.openers.opened(handle.fh, ino, ctx.pid, flags)
+        if not read_only:
             self._opened_at[handle.fh] = time.monotonic()
-        return FileInfo(fh=handle.fh, direct_io=direct_io, keep_cache=keep_cache)
+        kind = "passthrough" if backing is not None else "direct" if direct_io else "cached"
+        self.passthrough_opens += kind == "passthrough"
+        self.nodes.opened_with(handle.fh, inode, kind, backing)
+        return FileInfo(fh=handle.fh, direct_io=direct_io, keep_cache=keep_cache, backing_fd=backing)
+
+    def passthrough_refused(self, fh: int, why: str) -> None:
+        """The transport answered an open as a plain one: the kernel refused passthrough (for
+        the mount: it is off from now on)."""
+        self.nodes.passthrough_refused(fh)
+        self.passthrough_opens -= 1
+        if self.passthrough_on:
+            self.passthrough_on = False
+            self.passthrough_off_reason = why
+            self.ns.passthrough_off()
 
     @_errno_boundary
     async def read(self, fh, off, out: memoryview) -> int:
         # Into the reader thread's own reply buffer: the bytes cannot change or go away before
         # its reply is written, and the copy runs with the GIL released where it can.
+        self.read_requests += 1
         return await self.ns.read_into(fh, off, out)
 
     @_errno_boundary
@@ -340,6 +393,7 @@ class Operations(Filesystem):
     @_errno_boundary
     async def release(self, fh):
         self.openers.released(fh)
+        self.nodes.released(fh)
         try:
             # commits a handle still dirty (its opener's close was not seen)
             if self.ns.release(fh):
@@ -376,9 +430,9 @@ class Operations(Filesystem):
     @_errno_boundary
     async def getxattr(self, inode, name, ctx):
         if name == STATE_XATTR:
-            return self.ns.state(inode).encode()
-        if name in (VERIFIED_XATTR, XXH3_XATTR) and not self.ns.node(inode).is_dir:
-            verified, xxh3 = await self.ns.verification(inode)
+            return self.ns.state(self.nodes.ino(inode)).encode()
+        if name in (VERIFIED_XATTR, XXH3_XATTR) and not self.ns.node(self.nodes.ino(inode)).is_dir:
+            verified, xxh3 = await self.ns.verification(self.nodes.ino(inode))
             value = verified if name == VERIFIED_XATTR else xxh3
             if value:
                 return value.encode()
@@ -386,7 +440,7 @@ class Operations(Filesystem):
 
     @_errno_boundary
     async def listxattr(self, inode, ctx):
-        if self.ns.node(inode).is_dir:
+        if self.ns.node(self.nodes.ino(inode)).is_dir:
             return [STATE_XATTR]
         return [STATE_XATTR, VERIFIED_XATTR, XXH3_XATTR]
 

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import trio
@@ -165,6 +165,7 @@ class Session:
         options: Iterable[str] = (),
         max_threads: int = 16,
         passthrough: bool = True,
+        on_refused: Callable[[int, str], None] | None = None,
     ):
         self.fs = fs
         self.mountpoint = mountpoint
@@ -173,6 +174,8 @@ class Session:
         self.options = list(options)
         self.max_threads = max(1, max_threads)
         self.want_passthrough = passthrough
+        # told (fh, why) when an open answered with a backing file goes out as a plain one
+        self.on_refused = on_refused or (lambda fh, why: None)
         self.device: Device | None = None
         self.conn: Conn | None = None
         self.mounted = False

@@ -148,6 +148,7 @@ class Commits:
         self.retention.keep(node)
         if old is not None:
             old.content.release()
+            self.prefill.replaced(node)
 
     def on_durable(self, node: Node):
         """The uploader's callback once ``node``'s current version is in the store."""

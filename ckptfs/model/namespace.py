@@ -286,6 +286,23 @@ class Namespace:
         before anything else runs: fuse_ops)."""
         return await self.files.read(fh, offset, size, view)
 
+    def passthrough_fd(self, ino: int) -> int | None:
+        """A plain file holding the current version of ``ino`` for the kernel to read itself
+        (model/passthrough.py); None when there is none yet (a copy is then asked for, made
+        when idle if the version is complete in the cache) or the file is being written."""
+        files = self.prefill.files
+        node = self.tree.node(ino)
+        if files is None or not files.on or node.writing is not None or node.version is None:
+            return None
+        fd = files.fd_for(node)
+        if fd is None:
+            files.want(node, node.version)
+        return fd
+
+    def passthrough_off(self) -> None:
+        if self.prefill.files is not None:
+            self.prefill.files.off()
+
     async def read_into(self, fh: int, offset: int, out: memoryview) -> int:
         """A read into ``out`` (its length is the size asked): the bytes filled."""
         return await self.files.read_into(fh, offset, out)

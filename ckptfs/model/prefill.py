@@ -24,6 +24,7 @@ from typing import Protocol
 
 import trio
 
+from ckptfs.model.passthrough import PassthroughFiles
 from ckptfs.util.background import BackgroundThreads
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,17 @@ class KernelCache(Protocol):
 class Prefill:
     """``kernel``: None (no FUSE channel, e.g. the namespace driven in process): prefill is off."""
 
-    def __init__(self, busy: Callable[[], bool], kernel: KernelCache | None = None):
+    def __init__(
+        self,
+        busy: Callable[[], bool],
+        kernel: KernelCache | None = None,
+        files: PassthroughFiles | None = None,
+    ):
         self.busy = busy  # a save or an upload is running: pushing would compete with it
         self.kernel = kernel
+        # With passthrough reads the kernel reads a version from a file of its own, not from the
+        # FUSE page cache: prefill makes that file instead of pushing pages (model/passthrough.py).
+        self.files = files
         self.stopped = False  # (stop: no new pushes)
         self.threads = BackgroundThreads(1, "ckptfs-prefill")  # low priority: never before the job
         self.queue: OrderedDict[int, tuple[object, object]] = OrderedDict()  # ino -> (node, version)
@@ -75,6 +84,9 @@ class Prefill:
 
     def want(self, node, version) -> None:
         """Push ``version`` of ``node`` when idle (the newest request for a node wins)."""
+        if self.files is not None and self.files.on:
+            self.files.want(node, version)
+            return
         if self.kernel is None or self.stopped:
             return
         self.queue.pop(node.ino, None)
@@ -117,6 +129,11 @@ class Prefill:
         if self._scope is not None:
             self._scope.cancel()
             await self._stopped.wait()
+
+    def replaced(self, node) -> None:
+        """``node`` has a new version: the file of the old one goes."""
+        if self.files is not None:
+            self.files.forget(node.ino)
 
     def closed(self, node) -> None:
         """``node``'s last handle closed: a push put off while it was open goes ahead."""
