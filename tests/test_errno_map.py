@@ -212,7 +212,10 @@ def test_every_request_handler_is_behind_a_boundary():
 
 def test_setxattr_and_removexattr_still_refuse():
     ops = Operations.__new__(Operations)
-    for call in (lambda: ops.setxattr(1, b"user.x", b"v", 0, None), lambda: ops.removexattr(1, b"user.x", None)):
+    for call in (
+        lambda: ops.setxattr(1, b"user.x", b"v", 0, None),
+        lambda: ops.removexattr(1, b"user.x", None),
+    ):
         with pytest.raises(FuseError) as raised:
             trio.run(call)
         assert raised.value.errno == errno.ENOTSUP
