@@ -142,7 +142,7 @@ SCENARIO_TITLES = {
     "daemon": "Filesystem daemon: CPU and memory",
     "client_cpu": "Client CPU per GiB: daemon + application, or the client library",
     "gil": "ckptfs daemon: GIL-held time while saving and uploading",
-    "write": "FUSE write path vs a do-nothing pyfuse3 filesystem",
+    "write": "FUSE write path vs a do-nothing filesystem on the same transport (fusewire)",
     "scale": "Scaling: concurrent writers and cold readers in one mount",
     "scale_cpu": "Scaling: daemon CPU per GiB as the work grows",
     "dcp": "DCP-like: 4 ranks save at once",

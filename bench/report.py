@@ -349,9 +349,9 @@ def header(meta: dict) -> list[str]:
         + (f" Note: {m['note']}" if m.get("note") else "")
     )
     versions = (
-        f"Versions: ckptfs {v['ckptfs']}, torch {v['torch']}, pyfuse3 {v['pyfuse3']}, s3fs {v['s3fs']}, "
+        f"Versions: ckptfs {v['ckptfs']}, torch {v['torch']}, s3fs {v['s3fs']}, "
         f"rclone {v['rclone']}, boto3 {v['boto3']}, s3torchconnector {v['s3torchconnector']}, Swift {v['swift']}, "
-        f"libfuse {v['libfuse']}, py-spy {v.get('py-spy', 'not installed')}."
+        f"fuse3 {v.get('fuse3', v.get('libfuse'))}, py-spy {v.get('py-spy', 'not installed')}."
     )
     return [generated, "", host, versions]
 

@@ -126,7 +126,6 @@ def describe() -> dict:
             "ckptfs": _git_revision(),
             "python": sys.version.split()[0],
             "torch": _python_package("torch"),
-            "pyfuse3": _python_package("pyfuse3"),
             "boto3": _python_package("boto3"),
             "s3torchconnector": _python_package("s3torchconnector"),
             "py-spy": _python_package("py-spy"),
@@ -135,6 +134,6 @@ def describe() -> dict:
             .split(" ")[0],
             "rclone": _first_line(["rclone", "version"]).replace("rclone v", ""),
             "swift": _debian_package("swift"),
-            "libfuse": _debian_package("fuse3"),
+            "fuse3": _debian_package("fuse3"),  # (its fusermount3 mounts FUSE for a user)
         },
     }

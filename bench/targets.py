@@ -170,7 +170,10 @@ class CacheDisk(Target):
 
 class NullFs(Target):
     name, role = "nullfs", "null"
-    note = "bench/nullfs.py: a pyfuse3 filesystem that discards writes (direct_io, same options as ckptfs)"
+    note = (
+        "bench/nullfs.py: a do-nothing filesystem on ckptfs's own FUSE transport (fusewire) that discards"
+        " writes (direct_io, same options as ckptfs)"
+    )
 
     def start(self) -> None:
         import sys

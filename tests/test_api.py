@@ -75,7 +75,7 @@ def test_a_training_loop_waits_for_each_step_to_be_durable(mount, bucket_read):
             sys.executable,
             "-c",
             "import sys, ckptfs; print(sorted(m for m in "
-            "('boto3', 'botocore', 'pyfuse3', 'trio', 'prometheus_client') if m in sys.modules))",
+            "('boto3', 'botocore', 'trio', 'prometheus_client') if m in sys.modules))",
         ],
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
 """prefill.py on its own: which versions are pushed into the page cache, in what order, and when not.
 
-The daemon hands Prefill its kernel's caches (a ``KernelCache``: pyfuse3's notify_store and
-invalidate_inode, a stat through the mount); here a stand-in records what it is asked, so the
+The daemon hands Prefill its kernel's caches (a ``KernelCache``: the FUSE transport's store and
+inval_inode notifications, a stat through the mount); here a stand-in records what it is asked, so the
 rules are checked without a kernel: the invalidate and the stat come before the first page,
 every cached block is pushed exactly once at its offset, a file that is open waits for its last
 close, and a push stops at the first change (a newer version, an unlink, the kernel forgetting

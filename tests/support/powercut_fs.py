@@ -1,5 +1,6 @@
-"""A filesystem that loses what was not flushed when its power is cut: a pyfuse3 passthrough for
-tests of fsync (root with /dev/fuse), where the kernel has no dm-flakey.
+"""A filesystem that loses what was not flushed when its power is cut: a passthrough on ckptfs's
+own FUSE transport (ckptfs/fusewire) for tests of fsync (root with /dev/fuse), where the kernel
+has no dm-flakey.
 
     python -m tests.support.powercut_fs WORK MOUNTPOINT     # prints "ready" once mounted
 
@@ -17,9 +18,10 @@ answers every call on the dead mount ENOTCONN (I/O refused until power on). Powe
 
 Coarser than POSIX in one way, as ext4 and xfs are: a directory's fsync commits the whole
 namespace (their journal commits every earlier name change with it), so a missing directory
-fsync is caught, the fsync of the wrong directory is not. ``fallocate`` is not offered (pyfuse3
-3.5 has no handler: callers get EOPNOTSUPP, as on a filesystem that cannot punch holes).
-Single-threaded: every call runs to its end before the next one.
+fsync is caught, the fsync of the wrong directory is not. ``fallocate`` is not offered (the
+transport has no handler for it: callers get EOPNOTSUPP, as on a filesystem that cannot punch
+holes). Single-threaded: one reader thread, and every call runs to its end on the trio loop
+before the next one.
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ import stat
 import sys
 from pathlib import Path
 
-import pyfuse3
 import trio
 
-ROOT = pyfuse3.ROOT_INODE
+from ckptfs.fusewire.abi import ROOT_ID
+from ckptfs.fusewire.face import EntryAttributes, FileInfo, Filesystem, FuseError, StatvfsData
+from ckptfs.fusewire.session import Session
+
+ROOT = ROOT_ID
 
 
 def copy_sparse(src_fd: int, dst: Path) -> None:
@@ -66,7 +71,7 @@ def copy_sparse(src_fd: int, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-class PowerCutFs(pyfuse3.Operations):
+class PowerCutFs(Filesystem):
     def __init__(self, work: Path):
         super().__init__()
         self.live = work / "live"
@@ -148,33 +153,41 @@ class PowerCutFs(pyfuse3.Operations):
         for p in [p for p in self.id_of if p == path or p.startswith(path + "/")]:
             del self.path_of[self.id_of.pop(p)]
 
-    def _attr(self, ino: int) -> pyfuse3.EntryAttributes:
+    def _attr(self, ino: int) -> EntryAttributes:
         st = os.lstat(self.live / self.path_of[ino])
-        attr = pyfuse3.EntryAttributes()
-        attr.st_ino = ino
-        for field in ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size", "st_blocks"):
-            setattr(attr, field, getattr(st, field))
-        attr.st_blksize = 4096
-        attr.st_atime_ns, attr.st_mtime_ns, attr.st_ctime_ns = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
-        attr.entry_timeout = attr.attr_timeout = 0
-        return attr
+        return EntryAttributes(
+            st_ino=ino,
+            entry_timeout=0,
+            attr_timeout=0,
+            st_mode=st.st_mode,
+            st_nlink=st.st_nlink,
+            st_uid=st.st_uid,
+            st_gid=st.st_gid,
+            st_rdev=st.st_rdev,
+            st_size=st.st_size,
+            st_blksize=4096,
+            st_blocks=st.st_blocks,
+            st_atime_ns=st.st_atime_ns,
+            st_mtime_ns=st.st_mtime_ns,
+            st_ctime_ns=st.st_ctime_ns,
+        )
 
-    def _entry(self, path: str) -> pyfuse3.EntryAttributes:
+    def _entry(self, path: str) -> EntryAttributes:
         ino = self.id_of.get(path)
         if ino is None:
             ino = self._new_id(path)
         return self._attr(ino)
 
     # -- operations ----------------------------------------------------------------------
-    async def lookup(self, parent_inode, name, ctx=None):
+    async def lookup(self, parent_inode, name, ctx):
         path = self._child(parent_inode, name)
         try:
             os.lstat(self.live / path)
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise FuseError(exc.errno) from None
         return self._entry(path)
 
-    async def getattr(self, inode, ctx=None):
+    async def getattr(self, inode, ctx):
         return self._attr(inode)
 
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -198,35 +211,33 @@ class PowerCutFs(pyfuse3.Operations):
                     ),
                 )
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise FuseError(exc.errno) from None
         return self._attr(inode)
 
     async def statfs(self, ctx):
         st = os.statvfs(self.live)
-        out = pyfuse3.StatvfsData()
-        for field in (
-            "f_bsize",
-            "f_frsize",
-            "f_blocks",
-            "f_bfree",
-            "f_bavail",
-            "f_files",
-            "f_ffree",
-            "f_favail",
-        ):
-            setattr(out, field, getattr(st, field))
-        out.f_namemax = st.f_namemax
-        return out
+        return StatvfsData(
+            f_bsize=st.f_bsize,
+            f_frsize=st.f_frsize,
+            f_blocks=st.f_blocks,
+            f_bfree=st.f_bfree,
+            f_bavail=st.f_bavail,
+            f_files=st.f_files,
+            f_ffree=st.f_ffree,
+            f_favail=st.f_favail,
+            f_namemax=st.f_namemax,
+        )
 
     async def opendir(self, inode, ctx):
         return inode
 
-    async def readdir(self, fh, start_id, token):
-        names = sorted(os.listdir(self.live / self.path_of[fh]))
-        for index in range(start_id, len(names)):
-            attr = self._entry(self._child(fh, os.fsencode(names[index])))
-            if not pyfuse3.readdir_reply(token, os.fsencode(names[index]), attr, index + 1):
-                break
+    async def readdir(self, fh, start_id):
+        # (every entry from start_id on: the transport sends as many as fit the reply)
+        names = [os.fsencode(name) for name in sorted(os.listdir(self.live / self.path_of[fh]))]
+        return [
+            (name, self._entry(self._child(fh, name)), index + 1)
+            for index, name in enumerate(names[start_id:], start_id)
+        ]
 
     async def releasedir(self, fh):
         pass
@@ -240,7 +251,7 @@ class PowerCutFs(pyfuse3.Operations):
             os.mkdir(self.live / path, mode & ~ctx.umask)
             os.chown(self.live / path, ctx.uid, ctx.gid)
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise FuseError(exc.errno) from None
         return self._entry(path)
 
     async def rmdir(self, parent_inode, name, ctx):
@@ -248,7 +259,7 @@ class PowerCutFs(pyfuse3.Operations):
         try:
             os.rmdir(self.live / path)
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise FuseError(exc.errno) from None
         self._forget_path(path)
 
     async def unlink(self, parent_inode, name, ctx):
@@ -256,17 +267,17 @@ class PowerCutFs(pyfuse3.Operations):
         try:
             os.unlink(self.live / path)
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise FuseError(exc.errno) from None
         self._forget_path(path)
 
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         if flags:
-            raise pyfuse3.FUSEError(errno.EINVAL)
+            raise FuseError(errno.EINVAL)
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
         try:
             os.rename(self.live / old, self.live / new)
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise FuseError(exc.errno) from None
         self._forget_path(new)  # what the rename replaced
         for p in [p for p in self.id_of if p == old or p.startswith(old + "/")]:
             ino = self.id_of.pop(p)
@@ -277,9 +288,9 @@ class PowerCutFs(pyfuse3.Operations):
         try:
             fd = os.open(self.live / self.path_of[inode], flags & ~(os.O_CREAT | os.O_EXCL | os.O_NOCTTY))
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise FuseError(exc.errno) from None
         self.fds[fd] = inode
-        return pyfuse3.FileInfo(fh=fd, direct_io=True)
+        return FileInfo(fh=fd, direct_io=True)
 
     async def create(self, parent_inode, name, mode, flags, ctx):
         path = self._child(parent_inode, name)
@@ -287,18 +298,18 @@ class PowerCutFs(pyfuse3.Operations):
             fd = os.open(self.live / path, flags | os.O_CREAT, mode & ~ctx.umask)
             os.fchown(fd, ctx.uid, ctx.gid)
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise FuseError(exc.errno) from None
         attr = self._entry(path)
         self.fds[fd] = attr.st_ino
-        return pyfuse3.FileInfo(fh=fd, direct_io=True), attr
+        return FileInfo(fh=fd, direct_io=True), attr
 
-    async def read(self, fh, off, size):
-        return os.pread(fh, size, off)
+    async def read(self, fh, off, out: memoryview) -> int:
+        return os.preadv(fh, [out], off)
 
-    async def write(self, fh, off, buf):
+    async def write(self, fh, off, buf: memoryview) -> int:
         return os.pwrite(fh, buf, off)  # (an O_APPEND descriptor appends, as the kernel asked)
 
-    async def flush(self, fh):
+    async def flush(self, fh, ctx):
         pass
 
     async def release(self, fh):
@@ -314,21 +325,25 @@ class PowerCutFs(pyfuse3.Operations):
             finally:
                 os.close(fd)
 
-    async def forget(self, inode_list):
+    def forget(self, items):
         pass  # ids live as long as their names
 
 
 def main() -> None:
     work, mountpoint = Path(sys.argv[1]), sys.argv[2]
     fs = PowerCutFs(work)
-    options = set(pyfuse3.default_options) - {"default_permissions"}
-    options |= {"fsname=ckptfs-powercut"}
-    pyfuse3.init(fs, mountpoint, options)
+    # Without default_permissions (the kernel checks no modes; its one user, the daemon, is root)
+    # and without passthrough: every read and write reaches this process, and the daemon's own
+    # passthrough backing files may live here (a FUSE filesystem stacked on one that uses none).
+    session = Session(
+        fs, mountpoint, fsname="ckptfs-powercut", subtype="powercut", max_threads=1, passthrough=False
+    )
+    session.mount()
     print("ready", flush=True)
     try:
-        trio.run(pyfuse3.main)
+        trio.run(session.serve)
     finally:
-        pyfuse3.close(unmount=True)
+        session.close()
 
 
 if __name__ == "__main__":
