@@ -272,18 +272,23 @@ class Session:
             self._stopping = True
 
     def terminate(self) -> None:
-        """Stop serving: unmount (lazily) and let the readers end."""
+        """Stop serving (on the trio loop): unmount (lazily), let the readers end, and return
+        from ``serve`` at once: a reader waiting for a handler stuck on the store ends when
+        the loop cancels that handler."""
         self._stopping = True
         self._unmount()
+        if self._finished is not None:
+            self._finished.set()
 
     def close(self) -> None:
         """Unmount if still mounted, wait for the readers, close every fd (which ends the
         connection: processes still holding files of the mount get ENOTCONN)."""
         self._stopping = True
         self._unmount()
+        deadline = time.monotonic() + 5
         for thread in list(self._readers):
             if thread is not threading.current_thread():
-                thread.join(timeout=5)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if self.notifier is not None:
             self.notifier.close()
         for device in self._devices:
@@ -337,6 +342,7 @@ class Session:
                 try:
                     n = device.read(buf)
                 except Disconnected:
+                    self.mounted = False  # (unmounted from outside, or aborted: nothing left to unmount)
                     break
                 if not n:
                     continue
