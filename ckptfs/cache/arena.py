@@ -175,6 +175,17 @@ class Tier:
         self.charge(slot, keep)
         self._punch(slot * self.block_size + keep, held - keep)
 
+    def prepare(self, slot: int, offset: int, length: int) -> None:
+        """The bookkeeping of a write (on the loop), so that ``pwrite`` may run in any thread."""
+        if self.mm is None and offset + length > self.charged.get(
+            slot, 0
+        ):  # a fitted block written again past its end
+            self.charge(slot, min(in_pages(offset + length), self.block_size))
+
+    def pwrite(self, slot: int, offset: int, data) -> None:
+        """The copy of a prepared write, through the file (the GIL released; any thread)."""
+        self._pwrite_all(data, slot * self.block_size + offset)
+
     def write(self, slot: int, offset: int, data) -> None:
         pos = slot * self.block_size + offset
         if self.mm is not None:

@@ -281,6 +281,13 @@ class Cache:
     def write(self, ref: BlockRef, offset: int, data) -> None:
         self.tiers[ref[0]].write(ref[1], offset, data)
 
+    def prepare_write(self, ref: BlockRef, offset: int, length: int) -> None:
+        self.tiers[ref[0]].prepare(ref[1], offset, length)
+
+    def pwrite(self, ref: BlockRef, offset: int, data) -> None:
+        """A prepared write's copy, from any thread (``Tier.pwrite``)."""
+        self.tiers[ref[0]].pwrite(ref[1], offset, data)
+
     def fill(self, ref: BlockRef, data) -> None:
         """``Tier.fill``: a fresh block's bytes, from a worker thread."""
         self.tiers[ref[0]].fill(ref[1], data)

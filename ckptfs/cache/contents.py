@@ -10,9 +10,20 @@ from __future__ import annotations
 import contextlib
 import errno
 from collections import Counter
+from dataclasses import dataclass
 
 from ckptfs.blocks import BlockRef, block_length, blocks_touched, n_blocks
 from ckptfs.cache.arena import RAM
+
+
+@dataclass
+class BlockCopy:
+    """Bytes of a write bound for one block of a working copy (``StagedFile.reserve``)."""
+
+    index: int
+    ref: BlockRef
+    start: int
+    data: memoryview
 
 
 class Content:
@@ -197,24 +208,59 @@ class StagedFile:
             )
 
     async def write(self, offset: int, data: bytes) -> int:
+        copies = await self.reserve(offset, data)
+        try:
+            for copy in copies:
+                self.cache.pwrite(copy.ref, copy.start, copy.data)
+        except BaseException:
+            self.abandon(copies)
+            raise
+        self.finish(copies)
+        return len(data)
+
+    async def reserve(self, offset: int, data) -> list[BlockCopy]:
+        """The first half of a write: the blocks its bytes go into, made writable (copied on
+        write, gaps zeroed) and held, the copies left to the caller (``cache.pwrite``, from any
+        thread), nothing marked written yet. One write at a time between ``reserve`` and
+        ``finish`` (or ``abandon``): the caller serialises them (``Writing.lock``)."""
         bs = self.cache.block_size
         end = offset + len(data)
         if data:
             self._check_local(offset // bs, (end - 1) // bs)
         view = memoryview(data)
+        copies: list[BlockCopy] = []
         pos = offset
-        while pos < end:
-            index, start = divmod(pos, bs)
-            take = min(bs - start, end - pos)
-            ref = await self._writable_block(index)
-            if start > self.valid[index]:  # a gap inside the block: zero it
-                self.cache.zero(ref, self.valid[index], start - self.valid[index])
-            self.cache.write(ref, start, view[pos - offset : pos - offset + take])
-            self.valid[index] = max(self.valid[index], start + take)
-            self._stamp(index)
-            pos += take
-        self.size = max(self.size, end)
-        return len(data)
+        try:
+            while pos < end:
+                index, start = divmod(pos, bs)
+                take = min(bs - start, end - pos)
+                ref = await self._writable_block(index)
+                if start > self.valid[index]:  # a gap inside the block: zero it
+                    self.cache.zero(ref, self.valid[index], start - self.valid[index])
+                self.cache.prepare_write(ref, start, take)
+                self.cache.incref(ref)  # (kept while the copy runs, whatever happens to the file)
+                copies.append(BlockCopy(index, ref, start, view[pos - offset : pos - offset + take]))
+                pos += take
+        except BaseException:
+            self.abandon(copies)
+            raise
+        return copies
+
+    def finish(self, copies: list[BlockCopy]) -> None:
+        """The second half: the copies landed; mark them written."""
+        for copy in copies:
+            if copy.index < len(self.blocks) and self.blocks[copy.index] is copy.ref:
+                end = copy.start + len(copy.data)
+                self.valid[copy.index] = max(self.valid[copy.index], end)
+                self._stamp(copy.index)
+                self.size = max(self.size, copy.index * self.cache.block_size + end)
+        self.abandon(copies)
+
+    def abandon(self, copies: list[BlockCopy]) -> None:
+        """Let go of the blocks ``reserve`` held (after ``finish``, or instead of it)."""
+        for copy in copies:
+            self.cache.decref(copy.ref)
+        copies.clear()
 
     async def _writable_block(self, index: int) -> BlockRef:
         while True:

@@ -22,6 +22,7 @@ from ckptfs.fuse.openers import Openers
 from ckptfs.fusewire.face import (
     ENOATTR,
     Ctx,
+    Deferred,
     EntryAttributes,
     FileInfo,
     Filesystem,
@@ -29,7 +30,7 @@ from ckptfs.fusewire.face import (
     SetattrFields,
     StatvfsData,
 )
-from ckptfs.model.files import direct_writes
+from ckptfs.model.files import PendingWrite, direct_writes
 from ckptfs.model.namespace import Namespace
 from ckptfs.model.tree import Attr
 from ckptfs.util.stats import STALL_BUCKETS, Histogram
@@ -92,6 +93,19 @@ def _log_failure(handler: str, exc: Exception, number: int) -> None:
             exc,
             exc_info=log.isEnabledFor(logging.DEBUG),
         )
+
+
+class _CopyInReader(Deferred):
+    """A write's copy, run by the FUSE reader thread that read it (ops.write)."""
+
+    def __init__(self, ops: Operations, fh: int, pending: PendingWrite):
+        self.ops, self.fh, self.pending = ops, fh, pending
+
+    def run(self) -> None:
+        self.pending.copy()
+
+    async def finish(self, failed: Exception | None) -> int:
+        return await self.ops.write_finished(self.fh, self.pending, failed)
 
 
 def _name(raw: bytes) -> str:
@@ -374,7 +388,15 @@ class Operations(Filesystem):
             if off >= self.max_file_size:
                 raise FsError(errno.EFBIG, "a write past the store's largest object")
             buf = buf[: self.max_file_size - off]
-        written = await self.ns.write(fh, off, buf)
+        # The copy into the cache is left to the reader thread (GIL released), so the loop
+        # serves other requests meanwhile: two writers' copies run at once.
+        return _CopyInReader(self, fh, await self.ns.write_begin(fh, off, buf))
+
+    @_errno_boundary
+    async def write_finished(self, fh: int, pending: PendingWrite, failed: Exception | None) -> int:
+        if failed is not None and not isinstance(failed, OSError):
+            failed = OSError(errno.EIO, f"{type(failed).__name__}: {failed}")
+        written = pending.finish(failed)
         self.written_bytes += written
         self._wrote.add(fh)
         return written
@@ -384,6 +406,7 @@ class Operations(Filesystem):
         # Every close of a descriptor sends FLUSH, a forked child's too: commit only at the
         # close after which the opening process holds the file no more (fuse/openers.py).
         commit = await self.openers.opener_closed(fh)
+        await self.ns.settle_writes(fh)  # (then no await until the commit: no write comes between)
         committed = self.ns.flush(fh, commit=commit)
         if committed:
             await self.ns.recorded()  # (other nodes' markers wait for what this close committed)
@@ -394,6 +417,7 @@ class Operations(Filesystem):
     async def release(self, fh):
         self.openers.released(fh)
         self.nodes.released(fh)
+        await self.ns.settle_writes(fh)
         try:
             # commits a handle still dirty (its opener's close was not seen)
             if self.ns.release(fh):

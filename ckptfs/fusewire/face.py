@@ -102,6 +102,18 @@ class StatvfsData:
     f_namemax: int = 255
 
 
+class Deferred(abc.ABC):
+    """What a handler may return to leave its copies to the reader thread that read the
+    request (``run``: no shared state, the GIL released), before it ``finish``es on the loop with
+    the answer (``run``'s exception, if any, passed in). A WRITE's payload is valid until then."""
+
+    @abc.abstractmethod
+    def run(self) -> None: ...
+
+    @abc.abstractmethod
+    async def finish(self, failed: Exception | None) -> int: ...
+
+
 DirEntry = tuple[bytes, EntryAttributes, int]  # name, attributes, the offset of the entry after it
 
 
@@ -163,8 +175,8 @@ class Filesystem(abc.ABC):  # noqa: B024 (an interface whose every method has a 
         """Fill ``out`` (the request's size) from ``offset``; the bytes filled (short at EOF)."""
         raise FuseError(errno.ENOSYS)
 
-    async def write(self, fh: int, offset: int, data: memoryview) -> int:
-        """``data`` lives only until this returns."""
+    async def write(self, fh: int, offset: int, data: memoryview) -> int | Deferred:
+        """``data`` lives only until this returns (or its Deferred finishes): bytes written."""
         raise FuseError(errno.ENOSYS)
 
     async def flush(self, fh: int, ctx: Ctx) -> None:

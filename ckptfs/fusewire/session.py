@@ -28,7 +28,15 @@ import trio
 from ckptfs.fusewire import abi, wire
 from ckptfs.fusewire import mount as mounting
 from ckptfs.fusewire.device import Device, Disconnected
-from ckptfs.fusewire.face import Ctx, EntryAttributes, FileInfo, Filesystem, FuseError, SetattrFields
+from ckptfs.fusewire.face import (
+    Ctx,
+    Deferred,
+    EntryAttributes,
+    FileInfo,
+    Filesystem,
+    FuseError,
+    SetattrFields,
+)
 from ckptfs.fusewire.wire import ProtocolError, Request
 
 log = logging.getLogger(__name__)
@@ -72,6 +80,7 @@ class Flight:
     out: memoryview | None = None
     scope: trio.CancelScope | None = None
     interrupted: bool = False
+    deferred: Deferred | None = None  # work the handler left to the reader thread
 
 
 class InFlight:
@@ -369,6 +378,10 @@ class Session:
                     self.inflight.add(req.unique, flight)
                     try:
                         iov = trio.from_thread.run(self._handle, req, flight, trio_token=token)
+                        if flight.deferred is not None:
+                            iov = trio.from_thread.run(
+                                self._finish, req, flight, self._run(flight), trio_token=token
+                            )
                     except (trio.RunFinishedError, trio.Cancelled):
                         break
                     try:
@@ -424,6 +437,27 @@ class Session:
                 token.run_sync_soon(scope.cancel)
             except trio.RunFinishedError:
                 pass
+
+    @staticmethod
+    def _run(flight: Flight) -> Exception | None:
+        """A handler's deferred copies, here on the reader thread."""
+        assert flight.deferred is not None
+        try:
+            flight.deferred.run()
+        except Exception as exc:
+            return exc
+        return None
+
+    async def _finish(self, req: Request, flight: Flight, failed: Exception | None) -> list:
+        assert flight.deferred is not None
+        try:
+            written = await flight.deferred.finish(failed)
+        except FuseError as exc:
+            return wire.error(req.unique, exc.errno)
+        except Exception:
+            log.exception("FUSE request %d failed", req.opcode)
+            return wire.error(req.unique, errno.EIO)
+        return wire.reply(req.unique, abi.WRITE_OUT.pack(written, 0))
 
     async def _handle(self, req: Request, flight: Flight) -> list:
         """The answer to one request (on the trio loop): what the handler returns, or its errno."""
@@ -578,6 +612,9 @@ class Session:
         if len(data) != size:
             raise ProtocolError(f"WRITE of {size} bytes carries {len(data)}")
         written = await self.fs.write(fh, offset, data)
+        if isinstance(written, Deferred):
+            flight.deferred = written
+            return []  # (the answer comes from _finish)
         return wire.reply(req.unique, abi.WRITE_OUT.pack(written, 0))
 
     async def _flush(self, req, ctx, flight):

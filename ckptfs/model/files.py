@@ -16,7 +16,7 @@ import trio
 
 from ckptfs.cache.arena import DISK, RAM
 from ckptfs.cache.cache import Cache
-from ckptfs.cache.contents import Content, StagedFile
+from ckptfs.cache.contents import BlockCopy, Content, StagedFile
 from ckptfs.errors import FsError
 from ckptfs.model.commits import Commits
 from ckptfs.model.tree import Attr, Handle, Node, Writing, attr_metadata
@@ -237,33 +237,64 @@ class Files:
             self.retention.maybe_clean(node)
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
+        pending = await self.write_begin(fh, offset, data)
+        try:
+            pending.copy()
+        except OSError as exc:
+            return pending.finish(exc)
+        return pending.finish()
+
+    async def write_begin(self, fh: int, offset: int, data) -> PendingWrite:
+        """A write's first half, on the loop: its blocks taken (waiting for cache space) and held;
+        the copy is ``PendingWrite.copy``, from any thread (a FUSE reader's: the GIL released),
+        then ``finish`` on the loop. The file's other writes, commits, fsyncs and truncates wait
+        for the write meanwhile (``Writing.lock``)."""
         handle = self.tree.handle(fh)
         writing = handle.writing
         if writing is None:
             raise FsError(errno.EBADF)
-        if writing.error:
-            raise FsError(writing.error)
-        if writing.frozen:
-            raise FsError(
-                errno.EIO, "this file was committed with parts evicted to the store: reopen it to write"
-            )
-        if handle.append:
-            offset = writing.staged.size
-        node = handle.node
-        if handle.drops_setid and drop_setid(node.mode) != node.mode:
-            node.mode = drop_setid(node.mode)  # (before the write, as the kernel does; the commit stores it)
-        self._note_position(writing, offset, len(data))
-        if writing.sequential:
-            self._send_full_blocks(node, writing, offset)
+        await writing.lock.acquire()
         try:
-            written = await writing.staged.write(offset, data)
-        except OSError as exc:  # the cache disk is full or failing: never commit a torn file
-            writing.error = exc.errno or errno.EIO
-            log.error("write to %s failed: %s; the file will not be committed", handle.node.key(), exc)
-            raise FsError(writing.error) from None
-        writing.dirty = True
-        handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
-        return written
+            if writing.error:
+                raise FsError(writing.error)
+            if writing.frozen:
+                raise FsError(
+                    errno.EIO, "this file was committed with parts evicted to the store: reopen it to write"
+                )
+            if handle.append:
+                offset = writing.staged.size
+            node = handle.node
+            if handle.drops_setid and drop_setid(node.mode) != node.mode:
+                node.mode = drop_setid(
+                    node.mode
+                )  # (before the write, as the kernel does; the commit stores it)
+            self._note_position(writing, offset, len(data))
+            if writing.sequential:
+                self._send_full_blocks(node, writing, offset)
+            try:
+                copies = await writing.staged.reserve(offset, data)
+            except OSError as exc:
+                raise self.failed_write(handle, exc) from None
+        except BaseException:
+            writing.lock.release()
+            raise
+        return PendingWrite(self, handle, writing, copies, len(data))
+
+    def failed_write(self, handle: Handle, exc: OSError) -> FsError:
+        """The cache disk is full or failing: the file is never committed torn."""
+        assert handle.writing is not None
+        handle.writing.error = exc.errno or errno.EIO
+        log.error("write to %s failed: %s; the file will not be committed", handle.node.key(), exc)
+        return FsError(handle.writing.error)
+
+    async def settle_writes(self, fh: int) -> None:
+        """Wait for the write of the handle's file whose copy is under way, if any (before a
+        commit: it must not take a block half copied)."""
+        handle = self.tree.handles.get(fh)
+        writing = None if handle is None else handle.writing or handle.node.writing
+        if writing is not None and writing.lock.value == 0:
+            async with writing.lock:
+                pass
 
     def _note_position(self, writing: Writing, offset: int, length: int) -> None:
         """A write of ``length`` bytes at ``offset``: the copy stops being sequential when it
@@ -384,6 +415,7 @@ class Files:
         tier, the disk arena is synced, then a put op naming those blocks is journaled and synced.
         The op is not uploaded (the commit or the version it shadows is); it only matters to a
         restart that lost the RAM tier."""
+        await self.settle_writes(fh)
         handle = self.tree.handle(fh)
         node = handle.node
         writing = handle.writing or node.writing  # (a reader's fsync flushes the file's data too)
@@ -475,6 +507,10 @@ class Files:
         staged.discard()
 
     async def _truncate_working_copy(self, writing: Writing, size: int) -> None:
+        async with writing.lock:  # (no write half done: its bytes would land in a dropped block)
+            await self._truncate_locked(writing, size)
+
+    async def _truncate_locked(self, writing: Writing, size: int) -> None:
         staged, bs = writing.staged, self.cache.block_size
         if (
             self.uploader.codec is not None
@@ -506,3 +542,35 @@ class Files:
             writing.sequential, writing.high_water = True, 0
         elif size < writing.high_water:  # cut back behind its writes: it may go back there
             writing.sequential = False
+
+
+class PendingWrite:
+    """A write between its halves (``Files.write_begin``): the copies to make, from any thread,
+    and the marks to set once they are made, on the loop."""
+
+    def __init__(self, files: Files, handle: Handle, writing: Writing, copies: list[BlockCopy], length: int):
+        self.files = files
+        self.handle = handle
+        self.writing = writing
+        self.copies = copies
+        self.length = length
+
+    def copy(self) -> None:
+        """The bytes into the cache (``pwrite``: the GIL released). Any thread; no state touched."""
+        cache = self.files.cache
+        for block in self.copies:
+            cache.pwrite(block.ref, block.start, block.data)
+
+    def finish(self, failed: OSError | None = None) -> int:
+        """On the loop, after ``copy``: the bytes count as written (or the write failed)."""
+        writing, staged = self.writing, self.writing.staged
+        try:
+            if failed is not None:
+                staged.abandon(self.copies)
+                raise self.files.failed_write(self.handle, failed)
+            staged.finish(self.copies)
+            writing.dirty = True
+            self.handle.node.mtime_ns = self.handle.node.ctime_ns = time.time_ns()
+            return self.length
+        finally:
+            writing.lock.release()

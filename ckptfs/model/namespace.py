@@ -29,7 +29,7 @@ from ckptfs.errors import FsError
 from ckptfs.model import startup
 from ckptfs.model.commits import Commits
 from ckptfs.model.dirs import Dirs
-from ckptfs.model.files import Files
+from ckptfs.model.files import Files, PendingWrite
 from ckptfs.model.prefill import KernelCache
 from ckptfs.model.refresh import Refresher
 from ckptfs.model.tree import (
@@ -302,6 +302,14 @@ class Namespace:
     def passthrough_off(self) -> None:
         if self.prefill.files is not None:
             self.prefill.files.off()
+
+    async def write_begin(self, fh: int, offset: int, data) -> PendingWrite:
+        """``write`` in two halves: the copy in between runs in any thread (files.PendingWrite)."""
+        return await self.files.write_begin(fh, offset, data)
+
+    async def settle_writes(self, fh: int) -> None:
+        """Before a close commits: the file's write under way, if any, has finished."""
+        await self.files.settle_writes(fh)
 
     async def read_into(self, fh: int, offset: int, out: memoryview) -> int:
         """A read into ``out`` (its length is the size asked): the bytes filled."""

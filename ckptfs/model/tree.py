@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
+import trio
+
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content, StagedFile
 from ckptfs.cache.journal import Op
@@ -144,6 +146,10 @@ class Writing:
         # Committed with parts evicted to the store: no more writes (they belong to that upload).
         self.frozen = False
         self.handles: set[Handle] = set()  # its open writer handles
+        # Held from a write's first half to its second (files.PendingWrite: the copy between
+        # runs in another thread), and by what must see no write half done: a commit, an fsync,
+        # a truncate (Files.settle_writes).
+        self.lock = trio.Semaphore(1)  # (not a Lock: the halves run in different tasks)
         self.closed: set[Handle] = set()  # ... whose opener has closed them (flush with commit)
 
 
