@@ -227,7 +227,7 @@ class Daemon:
             raise MountError(f"cannot mount at {self.mountpoint}: {exc}") from exc
         kernel.notifier = self.session.notifier
         files = self.namespace.prefill.files
-        if self.session.conn is not None and self.session.conn.passthrough and files is not None and files.on:
+        if files is not None and files.on and self._probe_passthrough(files.directory):
             self.ops.passthrough_on = True
             self.ops.passthrough_off_reason = ""
             log.info("passthrough reads on: the kernel reads complete cached files itself")
@@ -244,6 +244,17 @@ class Daemon:
             self.store.close()
             log.info("unmounted %s", self.mountpoint)
         self._drop_ram_tier()  # a clean stop only: after a crash the next mount needs it
+
+    def _probe_passthrough(self, directory: Path) -> bool:
+        """A backing file in ``directory`` is taken by the kernel (checked once, at mount)."""
+        probe = directory / ".probe"
+        probe.unlink(missing_ok=True)
+        fd = private_files.open_file(probe, os.O_RDWR, new=True)
+        try:
+            return self.session.probe_passthrough(fd)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
 
     def passthrough_off_reason(self) -> str:
         if self.config.passthrough_cache == 0:

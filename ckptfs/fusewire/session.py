@@ -268,6 +268,19 @@ class Session:
             )
             return Conn(minor, want, MAX_WRITE, passthrough)
 
+    def probe_passthrough(self, fd: int) -> bool:
+        """Whether the kernel takes ``fd`` (a file where backing files will live) as a backing
+        file: it refuses one on overlayfs (ELOOP) and a daemon without CAP_SYS_ADMIN in the
+        initial user namespace (EPERM). Refused: passthrough is off for the mount."""
+        if self.conn is None or not self.conn.passthrough or self.backing.refused or self.device is None:
+            return False
+        try:
+            self.device.backing_close(self.device.backing_open(fd))
+        except OSError as exc:
+            self.backing.refused = f"the kernel refuses a backing file there ({os.strerror(exc.errno or 0)})"
+            return False
+        return True
+
     # -- serving -------------------------------------------------------------------------------
     async def serve(self) -> None:
         """Serve until unmounted (or ``terminate``)."""
