@@ -1,7 +1,7 @@
 """ckptfs: a FUSE filesystem for AI training checkpoints.
 
 The Python API for training scripts (see docs/admin.md, "Python API"); importing ckptfs loads
-none of the daemon's libraries (no boto3, no pyfuse3).
+none of the daemon's libraries (no boto3, no trio).
 """
 
 from ckptfs.api import NotACkptfsMount, SyncResult, mount_of, state, sync, wait_durable

@@ -2,10 +2,11 @@
 
 The kernel sends FLUSH at every close of a descriptor of an open file, and a fork copies every
 descriptor: when the child closes its copies (exec with O_CLOEXEC, exit), the parent's open
-writers are flushed while the parent is still writing. pyfuse3's ``flush`` carries no pid, so
-we cannot ask who closed; we ask instead whether the process that opened the handle (its
-opener) still holds it. The kernel takes the closing descriptor out of the table before it
-sends FLUSH, so the opener's own last close finds none left.
+writers are flushed while the parent is still writing. FLUSH names the closing thread, not the
+descriptor, and a thread may close the opener's descriptor for it; so we ask instead whether the
+process that opened the handle (its opener) still holds it. The kernel takes the closing
+descriptor out of the table before it sends FLUSH, so the opener's own last close finds none
+left.
 
 At open we note the opener's thread-group id (``ctx.pid`` is a thread id). At a writer's
 flush we count the opener's writable descriptors on this inode of our filesystem

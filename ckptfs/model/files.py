@@ -56,7 +56,7 @@ def drop_setid(mode: int) -> int:
 def drops_setid(flags: int, keeps_setid: bool) -> bool:
     """Whether a handle's writes must clear set-id bits here. Through the page cache the kernel
     does it itself (file_remove_privs: a SETATTR of the mode before the write); a direct write
-    only flags the WRITE (FUSE_WRITE_KILL_SUIDGID), which pyfuse3 does not pass on, so the
+    only flags the WRITE (FUSE_WRITE_KILL_SUIDGID), which the transport does not pass on, so the
     daemon clears them for an opener without the privilege (``keeps_setid``: CAP_FSETID, which
     the FUSE request does not carry: taken as uid 0)."""
     return direct_writes(flags) and not keeps_setid

@@ -33,8 +33,8 @@ IDLE_POLL_S = 0.2  # how often a waiting push looks again whether the machine is
 
 
 class KernelCache(Protocol):
-    """What the daemon can tell the kernel about its caches (pyfuse3's notify and invalidate
-    calls: daemon/run.py ``FuseKernelCache``, as only the FUSE glue imports pyfuse3). Called from
+    """What the daemon can tell the kernel about its caches (the FUSE session's notifications:
+    daemon/run.py ``FuseKernelCache``, as only the daemon knows the session). Called from
     threads (the page calls) and the trio loop (``forget_name``), only while the mount serves."""
 
     def store_pages(self, ino: int, offset: int, data) -> None:
