@@ -135,3 +135,23 @@ def test_the_files_stay_within_their_budget(mount_factory):
     assert len(os.listdir(m.cache_dir / "passthrough")) == 2
     (m.path / "f0").unlink()
     m.stop()
+
+
+def test_a_warmed_checkpoint_is_read_by_the_kernel_after_a_remount(mount_factory):
+    """`ckptfs warmup` after a remount (the files are made fresh at each mount) gives the
+    warmed files their passthrough copies: the restart's load reaches no READ of the daemon."""
+    m = mount_factory().start()
+    data = random.Random(4).randbytes(8 * MiB + 99)
+    path = m.path / "step-2" / "model.pt"
+    path.parent.mkdir()
+    path.write_bytes(data)
+    m.sync()
+    m.stop()
+    m.start()
+    assert passthrough(m)["files"] == 0
+    ckptfs("warmup", str(m.path / "step-2"))
+    wait_copied(m)
+    reads = passthrough(m)["daemon_reads"]
+    assert path.read_bytes() == data
+    assert passthrough(m)["daemon_reads"] == reads
+    m.stop()

@@ -395,9 +395,12 @@ class Namespace:
             content = version.content.hold()
             self.retention.keep(node)
 
-            def done(node: Node = node, content: Content = content) -> None:
+            def done(node: Node = node, content: Content = content, version=version) -> None:
                 content.release()
                 self.retention.maybe_clean(node)
+                files = self.prefill.files
+                if files is not None and files.on:
+                    files.want(node, version)  # warmed: the kernel may read it itself (passthrough)
 
             out.append((content, done))
         return out
