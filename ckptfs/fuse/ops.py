@@ -30,7 +30,7 @@ from ckptfs.fusewire.face import (
     SetattrFields,
     StatvfsData,
 )
-from ckptfs.model.files import PendingWrite, direct_writes
+from ckptfs.model.files import PendingRead, PendingWrite, direct_writes
 from ckptfs.model.namespace import Namespace
 from ckptfs.model.tree import Attr
 from ckptfs.util.stats import STALL_BUCKETS, Histogram
@@ -93,6 +93,19 @@ def _log_failure(handler: str, exc: Exception, number: int) -> None:
             exc,
             exc_info=log.isEnabledFor(logging.DEBUG),
         )
+
+
+class _CopyOutInReader(Deferred):
+    """A read's copy out of the cache, run by the FUSE reader thread that read it (ops.read)."""
+
+    def __init__(self, ops: Operations, pending: PendingRead):
+        self.ops, self.pending = ops, pending
+
+    def run(self) -> None:
+        self.pending.copy()
+
+    async def finish(self, failed: Exception | None) -> int:
+        return await self.ops.read_finished(self.pending, failed)
 
 
 class _CopyInReader(Deferred):
@@ -376,11 +389,19 @@ class Operations(Filesystem):
             self.ns.passthrough_off()
 
     @_errno_boundary
-    async def read(self, fh, off, out: memoryview) -> int:
-        # Into the reader thread's own reply buffer: the bytes cannot change or go away before
-        # its reply is written, and the copy runs with the GIL released where it can.
+    async def read(self, fh, off, out: memoryview) -> int | Deferred:
+        # Into the reader thread's own reply buffer, by that thread (the GIL released): the
+        # bytes cannot change or go away before its reply is written.
         self.read_requests += 1
-        return await self.ns.read_into(fh, off, out)
+        pending = await self.ns.read_begin(fh, off, out)
+        return pending if isinstance(pending, int) else _CopyOutInReader(self, pending)
+
+    @_errno_boundary
+    async def read_finished(self, pending: PendingRead, failed: Exception | None) -> int:
+        filled = pending.finish()
+        if failed is not None:
+            raise failed
+        return filled
 
     @_errno_boundary
     async def write(self, fh, off, buf):

@@ -171,7 +171,7 @@ class Filesystem(abc.ABC):  # noqa: B024 (an interface whose every method has a 
     ) -> tuple[FileInfo, EntryAttributes]:
         raise FuseError(errno.ENOSYS)
 
-    async def read(self, fh: int, offset: int, out: memoryview) -> int:
+    async def read(self, fh: int, offset: int, out: memoryview) -> int | Deferred:
         """Fill ``out`` (the request's size) from ``offset``; the bytes filled (short at EOF)."""
         raise FuseError(errno.ENOSYS)
 

@@ -81,6 +81,7 @@ class Flight:
     scope: trio.CancelScope | None = None
     interrupted: bool = False
     deferred: Deferred | None = None  # work the handler left to the reader thread
+    reply_to: memoryview | None = None  # a deferred READ's buffer
 
 
 class InFlight:
@@ -470,6 +471,9 @@ class Session:
         except Exception:
             log.exception("FUSE request %d failed", req.opcode)
             return wire.error(req.unique, errno.EIO)
+        if req.opcode == abi.READ:
+            assert flight.reply_to is not None
+            return wire.reply(req.unique, flight.reply_to[:written])
         return wire.reply(req.unique, abi.WRITE_OUT.pack(written, 0))
 
     async def _handle(self, req: Request, flight: Flight) -> list:
@@ -617,6 +621,9 @@ class Session:
             flight.out if flight.out is not None and size <= len(flight.out) else memoryview(bytearray(size))
         )
         n = await self.fs.read(fh, offset, out[:size])
+        if isinstance(n, Deferred):
+            flight.deferred, flight.reply_to = n, out
+            return []  # (the answer comes from _finish)
         return wire.reply(req.unique, out[:n])
 
     async def _write(self, req, ctx, flight):

@@ -187,6 +187,22 @@ class Files:
 
         return await self._read_cached(handle, offset, len(out), fill)
 
+    async def read_begin(self, fh: int, offset: int, out: memoryview) -> int | PendingRead:
+        """``read_into`` in two halves: the blocks fetched and held on the loop, the copy
+        (``PendingRead.copy``, GIL released) in any thread, ``finish`` on the loop. A working
+        copy's bytes are copied at once (the bytes filled come back)."""
+        handle = self.tree.handle(fh)
+        if handle.writing or handle.node.writing:
+            return await self.read_into(fh, offset, out)
+
+        def hold(content: Content) -> PendingRead:
+            n = max(0, min(len(out), content.size - offset))
+            guard = content.reading(offset, n)  # (eviction passes the blocks by until finish)
+            guard.__enter__()
+            return PendingRead(content.hold(), guard, offset, out[:n])
+
+        return await self._read_cached(handle, offset, len(out), hold)
+
     @staticmethod
     def _read_working_copy(writing: Writing, offset: int, size: int) -> bytes:
         try:
@@ -542,6 +558,23 @@ class Files:
             writing.sequential, writing.high_water = True, 0
         elif size < writing.high_water:  # cut back behind its writes: it may go back there
             writing.sequential = False
+
+
+class PendingRead:
+    """A read between its halves (``Files.read_begin``): the content held, its blocks kept."""
+
+    def __init__(self, content: Content, guard, offset: int, out: memoryview):
+        self.content, self.guard, self.offset, self.out = content, guard, offset, out
+
+    def copy(self) -> None:
+        """The bytes into the caller's buffer (``preadv``: the GIL released). Any thread."""
+        self.content.read_into(self.offset, self.out)
+
+    def finish(self) -> int:
+        """On the loop, after ``copy`` (or instead of it): the bytes filled."""
+        self.guard.__exit__(None, None, None)
+        self.content.release()
+        return len(self.out)
 
 
 class PendingWrite:

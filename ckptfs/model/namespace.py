@@ -29,7 +29,7 @@ from ckptfs.errors import FsError
 from ckptfs.model import startup
 from ckptfs.model.commits import Commits
 from ckptfs.model.dirs import Dirs
-from ckptfs.model.files import Files, PendingWrite
+from ckptfs.model.files import Files, PendingRead, PendingWrite
 from ckptfs.model.prefill import KernelCache
 from ckptfs.model.refresh import Refresher
 from ckptfs.model.tree import (
@@ -306,6 +306,10 @@ class Namespace:
     async def write_begin(self, fh: int, offset: int, data) -> PendingWrite:
         """``write`` in two halves: the copy in between runs in any thread (files.PendingWrite)."""
         return await self.files.write_begin(fh, offset, data)
+
+    async def read_begin(self, fh: int, offset: int, out: memoryview) -> int | PendingRead:
+        """``read_into`` in two halves: the copy in between runs in any thread (files.PendingRead)."""
+        return await self.files.read_begin(fh, offset, out)
 
     async def settle_writes(self, fh: int) -> None:
         """Before a close commits: the file's write under way, if any, has finished."""
