@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ckptfs.cache import clean_index
-from ckptfs.cache.arena import RAM
+from ckptfs.cache.arena import DISK, RAM
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.clean_index import CleanEntry
 from ckptfs.cache.journal import Journal, Op
@@ -363,7 +363,15 @@ def build_core(
     retention = Retention(tree, cache, uploader, policy)
     # Passthrough reads need the kernel's channel; the files live beside the disk tier.
     budget = config.cache_size if config.passthrough_cache < 0 else config.passthrough_cache
-    files = PassthroughFiles(cache_dir / PASSTHROUGH_DIR, budget if kernel is not None else 0, retention.busy)
+    disk = cache.tiers[DISK]
+
+    def spare() -> int:
+        st = os.statvfs(cache_dir)
+        return st.f_bavail * st.f_frsize - max(0, disk.budget - disk.charged_bytes)
+
+    files = PassthroughFiles(
+        cache_dir / PASSTHROUGH_DIR, budget if kernel is not None else 0, retention.busy, spare
+    )
     files.start()
     prefill = Prefill(retention.busy, kernel, files)
     commits = Commits(tree, cache, journal, uploader, retention, prefill, shadows, records, replicator)

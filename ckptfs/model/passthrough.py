@@ -10,8 +10,9 @@ next read-only open of that version is answered with the file; until then opens 
 daemon, as before.
 
 Bound: ``budget`` bytes of such files (``--passthrough-cache``), the least recently opened
-dropped first. A file dropped while the kernel still reads it lives on, unlinked, until that
-reader closes. The files are made fresh at each mount (the directory is emptied at start).
+dropped first, and never the space the disk tier may still claim (``spare``). A file dropped
+while the kernel still reads it lives on, unlinked, until that reader closes. The files are
+made fresh at each mount (the directory is emptied at start).
 """
 
 from __future__ import annotations
@@ -52,9 +53,18 @@ def complete(content) -> bool:
 
 
 class PassthroughFiles:
-    def __init__(self, directory: Path, budget: int, busy: Callable[[], bool]):
+    def __init__(
+        self,
+        directory: Path,
+        budget: int,
+        busy: Callable[[], bool],
+        spare: Callable[[], int] = lambda: 1 << 62,
+    ):
         self.directory = directory
         self.budget = budget
+        # Bytes the cache dir's filesystem can give these files: its free space less what the
+        # disk tier may still claim (the files never take the space writers will need).
+        self.spare = spare
         self.busy = busy  # a save or an upload is running: copying would compete with it
         self.files: OrderedDict[int, ReadyFile] = (
             OrderedDict()
@@ -153,9 +163,12 @@ class PassthroughFiles:
         old = self.files.pop(node.ino, None)
         if old is not None:
             self._remove(old)
-        while self.used + content.size > self.budget and self.files:
+        while (self.used + content.size > self.budget or self.spare() < content.size) and self.files:
             _, oldest = self.files.popitem(last=False)
             self._remove(oldest)
+        if self.spare() < content.size:
+            log.info("no passthrough file for %s: the cache disk has no room to spare for it", node.key())
+            return
         path = self.directory / f"{node.ino}-{secrets.token_hex(6)}"
         fd = private_files.open_file(path, os.O_RDWR, new=True)
         ready = ReadyFile(node, version, fd, path, content.size)
