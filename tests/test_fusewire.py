@@ -23,7 +23,7 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.fusewire import abi, session, wire
+from ckptfs.fusewire import abi, device, session, wire
 from ckptfs.fusewire.device import Disconnected
 from ckptfs.fusewire.face import (
     EntryAttributes,
@@ -1265,3 +1265,55 @@ def test_entry_notifications_queue_is_bounded_and_a_gone_connection_is_quiet():
     gone = Notifier(Gone(), Conn(45, WANTED, 1 << 20, False))
     gone.inval_inode(1)  # the mount went away: nothing raised
     gone.store(1, 0, b"x")
+
+
+# =============================================================================================
+# The device's view of the connection, and unmounting
+# =============================================================================================
+
+
+def test_device_gone_is_poll_error_and_leaves_a_polling_reader_alone():
+    read_end, write_end = os.pipe()
+    reader_dev, writer_dev = device.Device(read_end), device.Device(write_end)
+    try:
+        assert not writer_dev.gone()
+        # a reader polls the device's own poll object meanwhile (POLL_MS at a time)
+        failures: list[BaseException] = []
+
+        def read():
+            try:
+                reader_dev.read(bytearray(16))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        time.sleep(0.05)
+        assert not reader_dev.gone()  # (no concurrent use of the reader's poll object)
+        thread.join(GUARD_S)
+        assert failures == []
+        os.close(read_end)
+        assert writer_dev.gone()  # a pipe with no reader: POLLERR, as a FUSE connection that ended
+    finally:
+        os.close(write_end)
+        if not reader_dev.gone():
+            os.close(read_end)
+
+
+@pytest.mark.parametrize("connection_gone", [False, True])
+def test_a_session_unmounts_only_a_connection_still_there(connection_gone, monkeypatch):
+    class Dev(FakeDevice):
+        def gone(self):
+            return connection_gone
+
+        def close(self):
+            pass
+
+    unmounted = []
+    monkeypatch.setattr(session.mounting, "unmount", unmounted.append)
+    s = Session(Tiny(), "/nonexistent/mnt", fsname="test")
+    s.device, s.mounted = Dev(), True
+    s._devices.append(s.device)
+    s.close()
+    s.close()  # (once only)
+    assert unmounted == ([] if connection_gone else ["/nonexistent/mnt"])
