@@ -70,6 +70,13 @@ class Device:
             raise
         return True
 
+    def gone(self) -> bool:
+        """Whether the kernel has ended the connection (unmounted or aborted): poll says POLLERR.
+        (A poll object of its own: a reader may be polling on the shared one.)"""
+        poller = select.poll()
+        poller.register(self.fd, 0)  # (POLLERR and POLLNVAL are always reported)
+        return any(mask & (select.POLLERR | select.POLLNVAL) for _, mask in poller.poll(0))
+
     def backing_open(self, fd: int) -> int:
         """Register ``fd`` as a backing file (needs CAP_SYS_ADMIN): its id for an open reply."""
         # (a mutable argument: ioctl then returns the call's own result, the id)

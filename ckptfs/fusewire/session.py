@@ -325,6 +325,10 @@ class Session:
         if not self.mounted:
             return
         self.mounted = False
+        if self.device is not None and self.device.gone():
+            # Unmounted from outside (umount(8)) or aborted: the path is not ours to unmount, and
+            # may hold another mount by now (libfuse checks for POLLERR too).
+            return
         try:
             mounting.unmount(self.mountpoint)
         except OSError as exc:
