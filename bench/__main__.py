@@ -3,6 +3,7 @@
     scripts/bench [--size MiB] [--runs N] [--targets LIST] [--scenarios LIST] ...
     scripts/bench --scenarios cluster [--cluster-size MiB] [--cluster-rate RATE] ...
     scripts/bench --scenarios replicas [--replicas-size MiB] [--runs N]
+    scripts/bench --scenarios node [--size MiB] [--runs N]
 
 Starts OpenStack Swift (s3api) on 127.0.0.1, mounts every filesystem target, runs the scenarios
 (run 1 of every target, then run 2, ...), prints a table, writes docs/benchmarks/results.json,
@@ -10,7 +11,9 @@ one PNG per scenario and the generated part of docs/benchmarks.md. The cluster s
 30; only when named) restores one checkpoint on 1, 2 and 4 nodes in network namespaces
 (bench/cluster.py) and writes cluster.json, cluster.png and its own part of the doc. The replicas
 scenario (only when named) times a save with --replicas 1 against --replicas 0 on two --cluster
-mounts (bench/replicas.py) and writes replicas.json, replicas.png and its own part. Unmounts,
+mounts (bench/replicas.py) and writes replicas.json, replicas.png and its own part. The node
+scenario (bench/node_path.py) measures one node's warm reads, torch.load and writers on a mount
+of its own (a file:// store) against the cache disk; run alone it needs no Swift. Unmounts,
 stops what it started (by PID), removes its network namespaces and its work directory on the
 way out, also after an error or Ctrl-C. See docs/benchmarks.md for the method.
 """
@@ -30,7 +33,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import cluster, replicas, report, sysinfo, workloads
+from bench import cluster, node_path, replicas, report, sysinfo, workloads
 from bench.durable import POLL_INTERVAL
 from bench.figures import CLUSTER_NODES, Results
 from bench.goals import check, check_cluster, check_issue32
@@ -39,9 +42,10 @@ from bench.netnodes import rate_bytes
 from bench.targets import TARGETS, Context
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("save", "cold", "write", "scale", "ram4x", "dcp", "small")  # the default: all of these
+SCENARIOS = ("save", "cold", "write", "scale", "ram4x", "dcp", "small", "node")  # the default: all of these
 # only when named: several nodes each, minutes of their own (cluster: network namespaces, root)
 OPT_IN = ("cluster", "replicas")
+NO_STORE = ("node",)  # its own mount on a file:// store: no Swift, none of the targets
 SLOW_PEERS = ("s3fs", "rclone")  # 15-30 s per 1 GiB save here, twice the others
 MiB = 1 << 20
 
@@ -98,7 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=_at_least(16),
         default=1024,
         metavar="MiB",
-        help="checkpoint size in MiB (default 1024); each of the 4 DCP ranks saves size/4",
+        help="checkpoint size in MiB (default 1024); each of the 4 DCP ranks saves size/4; the node "
+        "scenario's file (its 2 writers: size/2 each)",
     )
     p.add_argument(
         "--runs", type=_at_least(1), default=3, metavar="N", help="runs per figure and target (default 3)"
@@ -145,7 +150,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=list(SCENARIOS),
         metavar="LIST",
         help=f"comma-separated (default all but {','.join(OPT_IN)}: {','.join(SCENARIOS)}); cold loads "
-        "read what save wrote",
+        "read what save wrote; node uses a mount of its own on a file:// store (alone: no Swift)",
     )
     p.add_argument(
         "--cluster-size",
@@ -258,6 +263,8 @@ def budget(opts) -> dict[str, str]:
         out["cluster"] = runs(opts.runs)
     if "replicas" in opts.scenarios:
         out["replicas"] = runs(opts.runs)
+    if "node" in opts.scenarios:
+        out["node"] = runs(opts.runs)
     if "small" in opts.scenarios:
         out["small"] = runs(opts.small_runs)
         slow = [t for t in workloads.SLOW_SMALL if t in opts.targets]
@@ -302,15 +309,18 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     from tests.support.swift import SwiftServer
 
     main_scenarios = [s for s in opts.scenarios if s not in OPT_IN]
+    target_scenarios = [s for s in main_scenarios if s not in NO_STORE]  # (those use the targets)
     machine = sysinfo.describe()  # before the bench loads the machine
-    server = SwiftServer(work / "swift")
-    stack.callback(_safely, "stopping Swift", server.stop)
-    server.start()
-    os.environ.update(server.env())
-    progress(f"Swift (s3api) healthy at {server.endpoint}")
+    server = None
+    if [s for s in opts.scenarios if s not in NO_STORE]:
+        server = SwiftServer(work / "swift")
+        stack.callback(_safely, "stopping Swift", server.stop)
+        server.start()
+        os.environ.update(server.env())
+        progress(f"Swift (s3api) healthy at {server.endpoint}")
 
     state, nbytes = None, 0
-    if main_scenarios:
+    if target_scenarios:
         state = make_checkpoint(opts.size)
         buf = io.BytesIO()
         torch.save(state, buf)
@@ -318,9 +328,17 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
         del buf
         progress(f"checkpoint: {nbytes / MiB:.0f} MiB (bf16 + fp32 weights, Adam-like state, python objects)")
 
-    ctx = Context(work, server.endpoint, server.access_key, server.secret_key, server.region, nbytes)
+    ctx = Context(
+        work,
+        *(
+            (server.endpoint, server.access_key, server.secret_key, server.region)
+            if server
+            else ("", "", "", "")
+        ),
+        nbytes,
+    )
     targets = {}
-    for name in opts.targets if main_scenarios else ():
+    for name in opts.targets if target_scenarios else ():
         target = TARGETS[name](ctx)
         stack.callback(_safely, f"stopping {name}", target.stop)
         target.start()
@@ -351,6 +369,8 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
 
     for target in reversed(list(targets.values())):  # unmount before reporting: counts in the run time
         target.stop()
+    if "node" in opts.scenarios:  # (its own mount, once the targets' daemons are gone)
+        node_path.measure(bench, opts, work, stack)
     restores = cluster.restores(bench, ctx, opts, work, stack) if "cluster" in opts.scenarios else None
     replicated = replicas.measure(bench, ctx, opts, work, stack) if "replicas" in opts.scenarios else None
     meta = {
@@ -382,13 +402,13 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
         "duration_s": time.monotonic() - progress.start,
         **bench.meta,
     }
-    goals = check(results, ram_budget) if main_scenarios else []
-    issue32_goals = check_issue32(results) if main_scenarios else []
+    goals = check(results, ram_budget) if target_scenarios else []
+    issue32_goals = check_issue32(results) if target_scenarios else []
     cluster_goals = check_cluster(results, restores.wrong()) if restores else []
     replica_goals = (
         replicas.check(results, replicated.not_replicated(), runs("replicas", "")) if replicated else []
     )
-    print("\n" + report.table(results, goals, cluster_goals, replica_goals, issue32_goals), flush=True)
+    print("\n" + report.table(results, goals, cluster_goals, replica_goals, issue32_goals, meta), flush=True)
     opts.out.mkdir(parents=True, exist_ok=True)
     if restores:
         cluster.write(restores, results, cluster_goals, meta, opts.out, opts.doc)
@@ -400,7 +420,9 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
         opts.out / "results.json", report.to_json(results, goals, meta, issue32_goals=issue32_goals)
     )
     limit = (ram_budget + 200e6) / MiB
-    pngs = report.plots(results, opts.out, {"ram_4x_rss": (limit, f"budget + 200 MB = {limit:.0f} MiB")})
+    lines = {"ram_4x_rss": (limit, f"budget + 200 MB = {limit:.0f} MiB")}
+    lines.update({f: (node_path.PYFUSE3_WRITE_CPU, node_path.BEFORE_LINE) for f in node_path.CPU_FIGURES})
+    pngs = report.plots(results, opts.out, lines)
     progress(f"wrote {opts.out / 'results.json'} and {len(pngs)} plots in {opts.out}")
     if opts.doc != "none":
         doc = Path(opts.doc)

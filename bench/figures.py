@@ -18,6 +18,8 @@ class Figure:
     unit: str
     higher_is_better: bool = False
     floor: str | None = None  # the target that ratios "to the floor" divide by
+    # measured side by side in each run: the ratio to the floor is the median of the runs' ratios
+    paired: bool = False
 
 
 def _cluster_figures() -> list[Figure]:
@@ -121,6 +123,50 @@ FIGURES = [
     Figure("dcp_durable", "dcp", "4 ranks: time to durable of all shards", "s"),
     Figure("small_stall", "small", "many small files: save time", "s", floor="cache-disk"),
     Figure("small_durable", "small", "many small files: time to durable", "s"),
+    # the node scenario (bench/node_path.py): ckptfs on a file:// store vs the cache disk, warm
+    Figure(
+        "node_read",
+        "node",
+        "warm read of a cached file: fresh open, 8 MiB readinto",
+        "GiB/s",
+        True,
+        floor="cache-disk",
+        paired=True,
+    ),
+    Figure(
+        "node_load", "node", "warm torch.load of that checkpoint (fp32)", "s", floor="cache-disk", paired=True
+    ),
+    Figure(
+        "node_write_2",
+        "node",
+        "2 writer processes, size/2 each (8 MiB os.write): aggregate",
+        "GiB/s",
+        True,
+        floor="cache-disk",
+        paired=True,
+    ),
+    Figure(
+        "node_write_1",
+        "node",
+        "1 writer process (8 MiB os.write)",
+        "GiB/s",
+        True,
+        floor="cache-disk",
+        paired=True,
+    ),
+    Figure("node_read_cpu", "node_cpu", "warm read: daemon CPU per GiB (all threads)", "CPU s/GiB"),
+    Figure(
+        "node_write_cpu_trio",
+        "node_cpu",
+        "1 writer: the trio thread's CPU per GiB written",
+        "CPU s/GiB",
+    ),
+    Figure(
+        "node_write_cpu_fuse",
+        "node_cpu",
+        "1 writer: ckptfs-fuse-N threads' CPU per GiB written",
+        "CPU s/GiB",
+    ),
     *_cluster_figures(),
     # the replicas scenario (bench/replicas.py): --replicas 1 vs 0 on two --cluster mounts
     Figure("replicas_stall", "replicas", "save stall: torch.save until it returns", "s"),
@@ -147,6 +193,8 @@ SCENARIO_TITLES = {
     "scale_cpu": "Scaling: daemon CPU per GiB as the work grows",
     "dcp": "DCP-like: 4 ranks save at once",
     "small": "Many small files",
+    "node": "One node, warm: ckptfs (file:// store) vs the same work on the cache disk",
+    "node_cpu": "One node: the ckptfs daemon's CPU per GiB",
 }
 
 
@@ -183,6 +231,15 @@ class Results:
         s = self.summary(figure, target)
         return s.median if s else None
 
+    def paired_ratios(self, figure: str, target: str) -> list[float] | None:
+        """A paired figure's value / the floor's, run by run (None: not paired, or the runs differ)."""
+        fig = BY_ID[figure]
+        mine = self.values.get(figure, {}).get(target)
+        floor = self.values.get(figure, {}).get(fig.floor or "")
+        if not (fig.paired and mine and floor) or len(mine) != len(floor) or not all(floor):
+            return None
+        return [m / f for m, f in zip(mine, floor)]
+
     def best_peer(self, figure: str) -> str | None:
         fig = BY_ID[figure]
         peers = [(self.median(figure, p), p) for p in PEERS if self.median(figure, p) is not None]
@@ -199,6 +256,10 @@ class Results:
         if fig.floor and self.median(figure, fig.floor):
             out["floor"] = fig.floor
             out["vs_floor"] = mine / self.median(figure, fig.floor)
+            per_run = self.paired_ratios(figure, target)
+            if per_run:
+                out["vs_floor"] = statistics.median(per_run)
+                out["vs_floor_runs"] = per_run
         peer = self.best_peer(figure)
         if peer and self.median(figure, peer):
             out["best_peer"] = peer

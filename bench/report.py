@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from bench import node_path
 from bench.figures import CKPTFS, FIGURES, SCENARIO_TITLES, Figure, Results
 from bench.goals import Goal
 
@@ -43,7 +44,11 @@ def _num(x: float | None) -> str:
 
 
 def _ratio(r: dict, key: str, other: str) -> str:
-    return f"{r[key]:.2f}x {r[other]}" if key in r else ""
+    if key not in r:
+        return ""
+    runs = r.get(f"{key}_runs") or []
+    by_run = f" (median of runs {', '.join(f'{x:.2f}' for x in runs)})" if len(runs) > 1 else ""
+    return f"{r[key]:.2f}x {r[other]}{by_run}"
 
 
 def _notes(results: Results) -> list[str]:
@@ -80,6 +85,7 @@ def table(
     cluster_goals: list[Goal] = (),
     replica_goals: list[Goal] = (),
     issue32_goals: list[Goal] = (),
+    meta: dict | None = None,
 ) -> str:
     rows = []
     for fig in FIGURES:
@@ -106,9 +112,11 @@ def table(
         disable_numparse=True,
     )
     notes = "".join(f"\n  * {line}" for line in _notes(results))
+    node = "".join(f"\n\n{line.replace('**', '')}" for line in node_path.report_lines(results, meta or {}))
     return (
         text
         + notes
+        + node
         + _goal_lines("Design section 5 targets (ckptfs-s3)", goals)
         + _goal_lines("Issue 32 targets, bytes off the GIL (ckptfs-s3)", list(issue32_goals))
         + _goal_lines("Issue 30 targets (ckptfs-cluster)", list(cluster_goals))
@@ -228,6 +236,7 @@ def plots(results: Results, out: Path, limits: dict[str, tuple[float, str]]) -> 
                 value, label = limits[f.id]
                 ax.axhline(value, color="#d95f02", linestyle="--", linewidth=1)
                 ax.text(-0.5, value, label, ha="left", va="bottom", fontsize=8, color="#d95f02")
+            ax.set_ylim(bottom=0)  # (a panel of zeros would centre on 0)
         starred = any(_star(results, f.id, n) for f in figs for n in results.targets(f.id))
         fig.suptitle(
             f"{title}  (median of the runs; whiskers: min and max{'; *: see the notes' if starred else ''})",
@@ -296,7 +305,11 @@ def markdown(
     lines = [
         BEGIN,
         *header(meta),
-        f"Checkpoint: {m['checkpoint_mib']:.0f} MiB (`--size {m['options']['size']}`); runs per target: {runs}.",
+        (
+            f"Checkpoint: {m['checkpoint_mib']:.0f} MiB (`--size {m['options']['size']}`); runs per target: {runs}."
+            if m["checkpoint_mib"]
+            else f"Runs per target: {runs}."
+        ),
         "",
         "Medians (min–max) per target; ckptfs in bold.",
         "",
@@ -308,10 +321,10 @@ def markdown(
         "",
         ratios,
         "",
-        "Design section 5 targets, for ckptfs-s3:",
-        "",
+        *(line for text in node_path.report_lines(results, meta) for line in (text, "")),
+        *(["Design section 5 targets, for ckptfs-s3:", ""] if goals else []),
         *(f"- **{_goal_mark(g)}**: {g.text}: {g.detail}" for g in goals),
-        "",
+        *([""] if goals else []),
         *(["Issue 32 targets (bytes off the GIL), for ckptfs-s3:", ""] if issue32_goals else []),
         *(f"- **{_goal_mark(g)}**: {g.text}: {g.detail}" for g in issue32_goals),
         *([""] if issue32_goals else []),
