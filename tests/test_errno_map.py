@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from ckptfs.errors import STORE_ERRNOS_KEPT, FsError, NotFound, StoreError, to_errno
+from ckptfs.fuse.nodeids import NodeIds
 from ckptfs.fuse.ops import Operations, _errno_boundary, _no_reply_boundary
 from ckptfs.fusewire.face import ENOATTR, Filesystem, FuseError
 from tests.support.harness import trio_test
@@ -186,6 +187,7 @@ def test_forget_never_raises(caplog):
 
     ops = Operations.__new__(Operations)
     ops.ns = Namespace()
+    ops.nodes = NodeIds()
     with caplog.at_level(logging.ERROR, logger="ckptfs.fuse.ops"):
         assert ops.forget([(1, 1), (2, 1)]) is None
         assert ops.forget([(3, 1)]) is None

@@ -87,6 +87,7 @@ ALLOWED_BASES: dict[tuple[str, str], str] = {
     ("cache.cache", "EvictionPolicy"): "what the cache asks of the model (a Protocol)",
     ("model.prefill", "KernelCache"): "what prefill asks of the kernel, through the FUSE glue (a Protocol)",
     ("fusewire.face", "Filesystem"): "what the FUSE transport asks of a filesystem (its defaults: ENOSYS)",
+    ("fusewire.face", "Deferred"): "a handler's copy left to the FUSE reader thread (an ABC)",
     **{
         ("errors", name): "an exception"
         for name in (
