@@ -391,12 +391,6 @@ def test_a_reader_killed_in_a_stalled_read_goes_at_once_and_the_mount_serves_on(
 
 @pytest.mark.e2e
 @pytest.mark.store
-@pytest.mark.xfail(
-    strict=True,
-    reason="the kernel never interrupts a READ ckptfs gets: buffered reads wait for pages that "
-    "background readahead fills (FUSE_ASYNC_READ), killable only; O_DIRECT reads wait "
-    "uninterruptibly for FUSE_ASYNC_DIO requests; and no readable handle is FOPEN_DIRECT_IO",
-)
 def test_a_signal_handler_cuts_a_stalled_read_short(stalled):
     """What the transport's READ interrupts are for (Session._handle, InFlight): a signal whose
     handler raises ends a read the store is slow to answer, with the handler's exception."""

@@ -42,13 +42,15 @@ from ckptfs.fusewire.wire import ProtocolError, Request
 
 log = logging.getLogger(__name__)
 
+# Not ASYNC_READ: with it the kernel reads ahead in background requests that only SIGKILL can
+# end, so a read waiting on a slow store could not be interrupted; without it, a read's requests
+# are the reader's own, and a signal interrupts them (Session._interrupt). Nor ASYNC_DIO, for
+# the same reason with O_DIRECT reads.
 WANTED = (
-    abi.ASYNC_READ
-    | abi.ATOMIC_O_TRUNC  # O_TRUNC comes with the OPEN, not as a separate SETATTR
+    abi.ATOMIC_O_TRUNC  # O_TRUNC comes with the OPEN, not as a separate SETATTR
     | abi.BIG_WRITES
     | abi.AUTO_INVAL_DATA  # a changed size or mtime drops a file's cached pages
     | abi.DO_READDIRPLUS  # listings carry attributes (always: the kernel then never asks READDIR)
-    | abi.ASYNC_DIO
     | abi.PARALLEL_DIROPS
     | abi.MAX_PAGES
 )
