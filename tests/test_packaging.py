@@ -18,6 +18,7 @@ on the real S3 server (behind the fault proxy, so uploads can be held back).
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import re
 import shlex
@@ -360,7 +361,7 @@ def test_the_systemd_unit_starts_drains_on_stop_and_resumes_after_a_crash(
     (place.mountpoint / "step-1").mkdir()
     for name, data in files.items():
         (place.mountpoint / name).write_bytes(data)
-    pending = int(re.search(r'"files": (\d+)', ckptfs("status", str(place.mountpoint), "--json").stdout)[1])
+    pending = json.loads(ckptfs("status", str(place.mountpoint), "--json").stdout)["pending"]["files"]
     assert pending >= 1
     stopped = unit.run("ExecStop")
     assert stopped.returncode == 0, stopped.stderr
