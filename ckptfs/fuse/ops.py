@@ -38,6 +38,10 @@ from ckptfs.util.stats import STALL_BUCKETS, Histogram
 log = logging.getLogger(__name__)
 
 ENTRY_TIMEOUT = 1.0  # seconds the kernel may cache names and attributes
+# Reads and writes of at least this many bytes are copied by the FUSE reader thread (GIL
+# released, beside the loop); smaller ones on the loop: a trip between the threads and back
+# (a wakeup each way, tens of microseconds on these VMs) costs more than their copy.
+COPY_IN_READER = 256 << 10
 NEGATIVE_TIMEOUT_MAX = 3600.0  # seconds the kernel may remember a name as absent, at most
 STATE_XATTR = b"user.ckptfs.state"
 VERIFIED_XATTR = b"user.ckptfs.verified"  # yes / no / pending: are reads from the store checked
@@ -393,6 +397,8 @@ class Operations(Filesystem):
         # Into the reader thread's own reply buffer, by that thread (the GIL released): the
         # bytes cannot change or go away before its reply is written.
         self.read_requests += 1
+        if len(out) < COPY_IN_READER:
+            return await self.ns.read_into(fh, off, out)
         pending = await self.ns.read_begin(fh, off, out)
         return pending if isinstance(pending, int) else _CopyOutInReader(self, pending)
 
@@ -410,8 +416,17 @@ class Operations(Filesystem):
                 raise FsError(errno.EFBIG, "a write past the store's largest object")
             buf = buf[: self.max_file_size - off]
         # The copy into the cache is left to the reader thread (GIL released), so the loop
-        # serves other requests meanwhile: two writers' copies run at once.
-        return _CopyInReader(self, fh, await self.ns.write_begin(fh, off, buf))
+        # serves other requests meanwhile: two writers' copies run at once. A small one is
+        # made here: a second trip to the loop would cost more than the copy.
+        pending = await self.ns.write_begin(fh, off, buf)
+        if len(buf) >= COPY_IN_READER:
+            return _CopyInReader(self, fh, pending)
+        failed = None
+        try:
+            pending.copy()
+        except OSError as exc:
+            failed = exc
+        return await self.write_finished(fh, pending, failed)
 
     @_errno_boundary
     async def write_finished(self, fh: int, pending: PendingWrite, failed: Exception | None) -> int:

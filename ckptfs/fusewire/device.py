@@ -17,6 +17,7 @@ import struct
 from ckptfs.fusewire import abi
 
 POLL_MS = 250
+IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
 class Disconnected(Exception):
@@ -60,6 +61,8 @@ class Device:
     def write(self, iov) -> bool:
         """Send one reply or notification; False when the kernel no longer waits for it (the
         request was interrupted, or a notification's node is gone)."""
+        if len(iov) > IOV_MAX:  # (writev refuses more pieces: EINVAL)
+            iov = [b"".join(iov)]
         try:
             os.writev(self.fd, iov)
         except OSError as exc:
