@@ -58,6 +58,10 @@ class MountConfig:
     # Bytes of complete cached versions kept as plain files in the cache dir, which the kernel
     # reads itself (FUSE passthrough: model/passthrough.py); -1: as much as --cache-size; 0: off.
     passthrough_cache: int = -1
+    # New contents of write-only opens (torch.save, any checkpoint writer) go into files of
+    # their own that the kernel writes itself (FUSE passthrough: cache/backing.py); False: every
+    # write goes through the daemon's arenas. Off with --replicas (their stream sees the writes).
+    passthrough_writes: bool = True
     # Seconds a directory listing from the store is trusted before the next use lists it again
     # (what other mounts made durable shows up), and a name found absent is not asked again.
     # 0: ask the store every time.

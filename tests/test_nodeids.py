@@ -40,12 +40,12 @@ def test_a_bound_node_id_refuses_every_other_open(two_files):
     ids = NodeIds()
     assert ids.may_bind(5)
     ids.opened_with(10, 5, "passthrough", v1)
-    assert not ids.open_refused(5, read_only=True, passthrough_fd=v1)  # the same file: shared
-    assert ids.open_refused(5, read_only=True, passthrough_fd=v2)  # a newer version's file
-    assert ids.open_refused(5, read_only=True, passthrough_fd=None)  # through the page cache
-    assert ids.open_refused(5, read_only=False, passthrough_fd=None)  # a writer
+    assert not ids.open_refused(5, passthrough_fd=v1)  # the same file: shared
+    assert ids.open_refused(5, passthrough_fd=v2)  # a newer version's file
+    assert ids.open_refused(5, passthrough_fd=None)  # through the page cache
+    assert ids.open_refused(5, passthrough_fd=None)  # a writer
     ids.released(10)
-    assert not ids.open_refused(5, read_only=False, passthrough_fd=None)
+    assert not ids.open_refused(5, passthrough_fd=None)
 
 
 def test_a_retired_node_id_takes_only_passthrough_opens(two_files):
@@ -54,9 +54,9 @@ def test_a_retired_node_id_takes_only_passthrough_opens(two_files):
     ids.opened_with(10, 5, "passthrough", v1)
     ids.retire(5)
     ids.released(10)
-    assert ids.open_refused(5, read_only=True, passthrough_fd=None)  # its page cache may be stale
-    assert not ids.open_refused(5, read_only=True, passthrough_fd=v1)
-    assert not ids.open_refused(ids.for_ino(5), read_only=False, passthrough_fd=None)
+    assert ids.open_refused(5, passthrough_fd=None)  # its page cache may be stale
+    assert not ids.open_refused(5, passthrough_fd=v1)
+    assert not ids.open_refused(ids.for_ino(5), passthrough_fd=None)
 
 
 def test_cached_opens_forbid_binding_until_released():

@@ -21,6 +21,9 @@ from tests.support.mounting import Mount, ckptfs
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
+# The read copies of versions the daemon wrote (passthrough writes make a file of each new one,
+# which the kernel reads without a copy: tests/test_passthrough_writes.py).
+NO_WRITES = ("--no-passthrough-writes",)
 
 
 def passthrough(m: Mount) -> dict:
@@ -36,7 +39,7 @@ def wait_copied(m: Mount, files: int = 1) -> None:
 
 
 def test_a_durable_checkpoint_is_read_by_the_kernel_from_its_file(mount_factory):
-    m = mount_factory().start()
+    m = mount_factory(extra=NO_WRITES).start()
     assert passthrough(m)["on"], passthrough(m)
     data = random.Random(1).randbytes(3 * 8 * MiB + 12345)
     path = m.path / "step-1" / "model.pt"
@@ -61,9 +64,8 @@ def test_a_reader_keeps_its_version_while_a_writer_commits_a_new_one(mount_facto
     m = mount_factory().start()
     path = m.path / "latest.pt"
     old = random.Random(2).randbytes(2 * 8 * MiB)
-    path.write_bytes(old)
+    path.write_bytes(old)  # (a working file the kernel wrote: the version is that file)
     m.sync()
-    wait_copied(m)
     opens = passthrough(m)["opens"]
     with open(path, "rb") as reader, mmap.mmap(reader.fileno(), 0, prot=mmap.PROT_READ) as mm:
         assert passthrough(m)["opens"] == opens + 1
@@ -80,7 +82,6 @@ def test_a_reader_keeps_its_version_while_a_writer_commits_a_new_one(mount_facto
         assert reader.read() == old
         assert mm[: len(old)] == old
     m.sync()
-    wait_copied(m)
     assert path.read_bytes() == new
     m.stop()
 
@@ -88,7 +89,7 @@ def test_a_reader_keeps_its_version_while_a_writer_commits_a_new_one(mount_facto
 def test_a_newer_version_is_never_served_from_an_older_file(mount_factory):
     """Replace a file again and again (same size, other bytes), reading between and while the
     copy of an older version is being made."""
-    m = mount_factory().start()
+    m = mount_factory(extra=NO_WRITES).start()
     path = m.path / "ckpt" / "model.pt"
     path.parent.mkdir()
     size = 2 * 8 * MiB
@@ -108,9 +109,9 @@ def test_a_newer_version_is_never_served_from_an_older_file(mount_factory):
 
 
 def test_with_passthrough_off_the_daemon_serves_the_reads(mount_factory):
-    m = mount_factory(extra=("--passthrough-cache", "0")).start()
+    m = mount_factory(extra=("--passthrough-cache", "0", *NO_WRITES)).start()
     figures = passthrough(m)
-    assert not figures["on"] and figures["off_because"] == "--passthrough-cache 0"
+    assert not figures["on"] and figures["off_because"] == "--passthrough-cache 0, --no-passthrough-writes"
     data = os.urandom(4 * MiB + 1)  # (under a block: no page-cache prefill either)
     (m.path / "a").write_bytes(data)
     m.sync()
@@ -119,12 +120,12 @@ def test_with_passthrough_off_the_daemon_serves_the_reads(mount_factory):
     assert passthrough(m)["daemon_reads"] > reads
     assert passthrough(m)["opens"] == 0
     assert "passthrough reads:" in (shown := ckptfs("status", str(m.path)).stdout)
-    assert "off (--passthrough-cache 0)" in shown
+    assert "off (--passthrough-cache 0, --no-passthrough-writes)" in shown
     m.stop()
 
 
 def test_the_files_stay_within_their_budget(mount_factory):
-    m = mount_factory(extra=("--passthrough-cache", "24MiB")).start()
+    m = mount_factory(extra=("--passthrough-cache", "24MiB", *NO_WRITES)).start()
     for i in range(3):
         (m.path / f"f{i}").write_bytes(os.urandom(10 * MiB))
         m.sync()
@@ -140,7 +141,7 @@ def test_the_files_stay_within_their_budget(mount_factory):
 def test_a_warmed_checkpoint_is_read_by_the_kernel_after_a_remount(mount_factory):
     """`ckptfs warmup` after a remount (the files are made fresh at each mount) gives the
     warmed files their passthrough copies: the restart's load reaches no READ of the daemon."""
-    m = mount_factory().start()
+    m = mount_factory(extra=NO_WRITES).start()
     data = random.Random(4).randbytes(8 * MiB + 99)
     path = m.path / "step-2" / "model.pt"
     path.parent.mkdir()

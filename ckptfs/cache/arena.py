@@ -65,6 +65,7 @@ class Tier:
         self.free: list[int] = []
         self.charged: dict[int, int] = {}  # slot -> bytes it costs the budget
         self.charged_bytes = 0
+        self.outside = 0  # budget bytes taken outside the arena (disk: working copies' files)
         self.fd = private_files.open_file(path, os.O_RDWR | os.O_CREAT)  # the caller checked its directory
         # Never shrink: slots beyond a smaller new budget may still hold committed data.
         self.file_size = max(os.fstat(self.fd).st_size, self.n_slots * block_size)
@@ -148,7 +149,7 @@ class Tier:
     def take(self) -> int | None:
         """A free slot, charged a whole block (its final length is not known yet); None when
         the budget has no room for one."""
-        if self.charged_bytes + self.block_size > self.budget:
+        if self.charged_bytes + self.outside + self.block_size > self.budget:
             return None
         if not self.free:
             if self.mm is not None or (self.n_slots + 1) * self.block_size > MAX_DISK_ARENA:
@@ -160,6 +161,9 @@ class Tier:
         slot = self.free.pop()
         self.charge(slot, self.block_size)
         return slot
+
+    def slot_bytes(self, slot: int) -> int:
+        return self.charged.get(slot, 0)
 
     def charge(self, slot: int, nbytes: int) -> None:
         self.charged_bytes += nbytes - self.charged.get(slot, 0)

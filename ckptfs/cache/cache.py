@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -37,7 +38,9 @@ import humanfriendly
 import trio
 
 from ckptfs.blocks import BlockRef, block_length, n_blocks
+from ckptfs.cache import backing
 from ckptfs.cache.arena import DISK, RAM, TIER_NAMES, Tier, in_pages
+from ckptfs.cache.backing import BackingTier
 from ckptfs.cache.contents import Content
 from ckptfs.util import private_files
 
@@ -99,6 +102,15 @@ class Cache:
             Tier(DISK, cache_dir / "disk.arena", block_size, disk_budget, mapped=False),
         )
         self.ram_arena_id = _arena_id(ram_dir / "ram.arena.id")
+        # Working copies in files of their own (cache/backing.py), by tier number; their files'
+        # disk use counts against the disk tier's budget (``Tier.outside``).
+        self.working_dir = cache_dir / backing.WORKING_DIR
+        private_files.ensure_dir(self.working_dir, "working copies directory")
+        self.backing: dict[int, BackingTier] = {}
+        self._next_backing = backing.FIRST_TIER + max(
+            (int(p.name) - backing.FIRST_TIER + 1 for p in self.working_dir.iterdir() if p.name.isdigit()),
+            default=0,
+        )
         self.refcounts: dict[BlockRef, int] = {}
         # Clean (durable, unopened) contents that may be dropped to make room, oldest first.
         self.clean: OrderedDict[object, tuple[Content, Callable[[], None], bool]] = OrderedDict()
@@ -125,6 +137,9 @@ class Cache:
             for index, ref in enumerate(blocks):
                 if ref is not None:
                     self.refcounts[ref] = self.refcounts.get(ref, 0) + 1
+                    if ref[0] >= backing.FIRST_TIER:
+                        self.backing[ref[0]].slots.add(ref[1])
+                        continue
                     tier, slot = self.tiers[ref[0]], ref[1]
                     length = (
                         block_length(size, index, self.block_size) if tier.mm is None else self.block_size
@@ -135,7 +150,93 @@ class Cache:
 
     def valid_ref(self, ref: BlockRef) -> bool:
         tier, slot = ref
+        if tier >= backing.FIRST_TIER:  # a working copy's file the last run committed
+            found = self._backing_file(tier)
+            return found is not None and 0 <= slot < max(1, n_blocks(found.size(), self.block_size))
         return tier in (RAM, DISK) and 0 <= slot < self.tiers[tier].file_size // self.block_size
+
+    def tier(self, index: int) -> Tier | BackingTier:
+        return self.tiers[index] if index < backing.FIRST_TIER else self.backing[index]
+
+    # -- working copies in files of their own (cache/backing.py) ----------------------------------
+    def new_backing(self) -> BackingTier:
+        index = self._next_backing
+        self._next_backing += 1
+        path, fd = backing.new_file(self.working_dir, index)
+        tier = self.backing[index] = BackingTier(index, path, fd, self.block_size)
+        return tier
+
+    def _backing_file(self, index: int) -> BackingTier | None:
+        """The backing file ``index`` a journal or index record names, opened once."""
+        if index not in self.backing:
+            path = self.working_dir / str(index)
+            try:
+                fd = private_files.open_file(path, os.O_RDWR)
+            except FileNotFoundError:
+                return None
+            self.backing[index] = BackingTier(index, path, fd, self.block_size)
+        return self.backing[index]
+
+    def sweep_backing(self) -> None:
+        """After start-up: files no record holds (working copies a crash left uncommitted) go."""
+        for tier in list(self.backing.values()):
+            if tier.unused():
+                self._drop_backing(tier)
+            else:
+                self.tiers[DISK].outside += tier.measure()
+        for path in self.working_dir.iterdir():
+            if not (path.name.isdigit() and int(path.name) in self.backing):
+                path.unlink(missing_ok=True)
+
+    def hold_backing(self, tier: BackingTier, index: int) -> BlockRef:
+        """Block ``index`` of a backing file, one more reference."""
+        ref = (tier.index, index)
+        self.refcounts[ref] = self.refcounts.get(ref, 0) + 1
+        tier.slots.add(index)
+        return ref
+
+    def measure_backing(self, tier: BackingTier) -> None:
+        """Count what the file takes on disk now against the disk tier's budget."""
+        self.tiers[DISK].outside += tier.measure()
+
+    def drop_backing_if_unused(self, tier: BackingTier) -> None:
+        if tier.unused() and tier.index in self.backing:
+            self._drop_backing(tier)
+
+    def _drop_backing(self, tier: BackingTier) -> None:
+        del self.backing[tier.index]
+        self.tiers[DISK].outside -= tier.charged_bytes
+        tier.close(remove=True)
+        self._freed_at = time.monotonic()
+        self.notify_space()
+
+    def backing_of(self, content: Content) -> BackingTier | None:
+        """The backing file that is ``content`` whole (every block in place), if there is one."""
+        blocks = content.blocks
+        if not blocks or content.remote or blocks[0] is None or blocks[0][0] < backing.FIRST_TIER:
+            return None
+        tier = self.backing.get(blocks[0][0])
+        if tier is None or any(ref != (tier.index, i) for i, ref in enumerate(blocks)):
+            return None
+        return tier if tier.size() == content.size else None
+
+    def room_for_file(self, nbytes: int) -> bool:
+        """Whether a working copy of about ``nbytes`` fits in the disk budget now (clean data
+        evicted to make room), and on the cache dir's filesystem."""
+        disk = self.tiers[DISK]
+        while disk.charged_bytes + disk.outside + nbytes > disk.budget:
+            if not self._evict(prefer_tier=DISK):
+                return False
+        st = os.statvfs(self.working_dir)
+        return st.f_bavail * st.f_frsize >= nbytes
+
+    def sync_blocks(self, content: Content) -> None:
+        """fsync what holds ``content``'s disk blocks: the disk arena and its backing files."""
+        self.tiers[DISK].sync()
+        for index in {ref[0] for ref in content.blocks if ref is not None and ref[0] >= backing.FIRST_TIER}:
+            tier = self.backing.get(index)
+            if tier is not None:
+                tier.sync()
 
     # -- allocation -----------------------------------------------------------------
     def try_alloc(self, only: int | None = None) -> BlockRef | None:
@@ -202,7 +303,10 @@ class Cache:
             self.refcounts[ref] = n
             return
         del self.refcounts[ref]
-        self.tiers[ref[0]].release(ref[1])
+        tier = self.tier(ref[0])
+        tier.release(ref[1])
+        if isinstance(tier, BackingTier) and tier.unused():
+            self._drop_backing(tier)
         self._freed_at = time.monotonic()
         self._space.set()
         self._space = trio.Event()
@@ -210,7 +314,7 @@ class Cache:
     def fit(self, ref: BlockRef, length: int) -> None:
         """Block ``ref`` holds ``length`` bytes for good (see Tier.fit)."""
         if length < self.block_size:
-            self.tiers[ref[0]].fit(ref[1], length)
+            self.tier(ref[0]).fit(ref[1], length)
             self.notify_space()
 
     def fit_last(self, content: Content) -> None:
@@ -250,7 +354,7 @@ class Cache:
             held = [
                 i
                 for i, r in enumerate(content.blocks)
-                if r is not None and prefer_tier in (None, r[0]) and i not in content.in_use
+                if r is not None and prefer_tier in (None, min(r[0], DISK)) and i not in content.in_use
             ]
             if not held:
                 continue
@@ -279,35 +383,35 @@ class Cache:
 
     # -- block I/O ----------------------------------------------------------------------
     def write(self, ref: BlockRef, offset: int, data) -> None:
-        self.tiers[ref[0]].write(ref[1], offset, data)
+        self.tier(ref[0]).write(ref[1], offset, data)
 
     def prepare_write(self, ref: BlockRef, offset: int, length: int) -> None:
-        self.tiers[ref[0]].prepare(ref[1], offset, length)
+        self.tier(ref[0]).prepare(ref[1], offset, length)
 
     def pwrite(self, ref: BlockRef, offset: int, data) -> None:
         """A prepared write's copy, from any thread (``Tier.pwrite``)."""
-        self.tiers[ref[0]].pwrite(ref[1], offset, data)
+        self.tier(ref[0]).pwrite(ref[1], offset, data)
 
     def fill(self, ref: BlockRef, data) -> None:
         """``Tier.fill``: a fresh block's bytes, from a worker thread."""
-        self.tiers[ref[0]].fill(ref[1], data)
+        self.tier(ref[0]).fill(ref[1], data)
 
     def read(self, ref: BlockRef, offset: int, length: int) -> bytes:
-        return self.tiers[ref[0]].read(ref[1], offset, length)
+        return self.tier(ref[0]).read(ref[1], offset, length)
 
     def read_into(self, ref: BlockRef, offset: int, out: memoryview) -> None:
-        self.tiers[ref[0]].read_into(ref[1], offset, out)
+        self.tier(ref[0]).read_into(ref[1], offset, out)
 
     def send_to(self, ref: BlockRef, length: int, out_fd: int, out_pos: int) -> None:
         """``Tier.send_to``: a block's bytes into another file, from a worker thread."""
-        self.tiers[ref[0]].send_to(ref[1], length, out_fd, out_pos)
+        self.tier(ref[0]).send_to(ref[1], length, out_fd, out_pos)
 
     def view(self, ref: BlockRef, length: int):
-        return self.tiers[ref[0]].view(ref[1], length)
+        return self.tier(ref[0]).view(ref[1], length)
 
     def view_range(self, ref: BlockRef, offset: int, length: int) -> memoryview:
         """A view of part of a RAM block (no copy)."""
-        tier = self.tiers[ref[0]]
+        tier = self.tier(ref[0])
         assert tier.mm is not None  # only called for RAM blocks: the RAM tier is mapped
         pos = ref[1] * self.block_size + offset
         return memoryview(tier.mm)[pos : pos + length]
@@ -324,13 +428,14 @@ class Cache:
         for tier in self.tiers:
             tier.sync()
 
-    async def on_disk(self, content: Content) -> Content:
+    async def on_disk(self, content: Content, copy_files: bool = False) -> Content:
         """The same bytes with every block on the disk tier (RAM blocks copied), for fsync.
+        ``copy_files``: blocks of backing files too (a working file still written).
         The caller holds ``content`` until this returns."""
         blocks: list[BlockRef | None] = []
         copies: list[tuple[BlockRef, BlockRef, int]] = []
         for i, ref in enumerate(content.blocks):
-            if ref is None or ref[0] == DISK:
+            if ref is None or ref[0] == DISK or (ref[0] != RAM and not copy_files):
                 if ref is not None:
                     self.incref(ref)
                 blocks.append(ref)
@@ -394,12 +499,13 @@ class Cache:
                     self._ram_full()
 
     def charged(self, ref: BlockRef) -> int:
-        return self.tiers[ref[0]].charged.get(ref[1], 0)
+        return self.tier(ref[0]).slot_bytes(ref[1])
 
     def usage(self) -> dict:
         out: dict[str, object] = {}
         for tier in self.tiers:
-            out[TIER_NAMES[tier.index]] = {"used": tier.charged_bytes, "budget": tier.budget}
+            out[TIER_NAMES[tier.index]] = {"used": tier.charged_bytes + tier.outside, "budget": tier.budget}
+        out["working_files"] = {"files": len(self.backing), "bytes": self.tiers[DISK].outside}
         out["clean_bytes"] = sum(self.charged(r) for c, *_ in self.clean.values() for r in c.refs())
         out["writers_waiting"] = self.waiters
         out["space_waits"] = self.space_waits
@@ -408,6 +514,9 @@ class Cache:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+        for file in self.backing.values():
+            file.close(remove=False)  # (the journal or the clean index may name them)
+        self.backing.clear()
 
 
 def _fmt(nbytes: int) -> str:

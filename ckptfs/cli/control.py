@@ -301,9 +301,10 @@ def _passthrough(figures) -> str | None:
         return None
     if not figures.get("on"):
         return f"off ({figures.get('off_because', 'unknown')})"
+    writes = f"writes: {figures.get('working_files', 0)} files" if figures.get("writes") else "writes off"
     return (
-        f"on: {figures.get('opens', 0)} opens, {figures.get('files', 0)} files "
-        f"({format_bytes(figures.get('bytes', 0))} of {format_bytes(figures.get('budget', 0))})"
+        f"on: {figures.get('opens', 0)} opens, {figures.get('files', 0)} read copies "
+        f"({format_bytes(figures.get('bytes', 0))} of {format_bytes(figures.get('budget', 0))}); {writes}"
     )
 
 

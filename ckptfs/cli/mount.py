@@ -252,6 +252,15 @@ def add_parser(sub) -> None:
         f"this, owned by the mounting user (default {MountConfig.umask:04o}: only you)",
     )
     p.add_argument(
+        "--no-passthrough-writes",
+        dest="passthrough_writes",
+        action="store_false",
+        default=None,
+        help="write every file through the daemon's RAM and disk arenas; default: a new file or a "
+        "truncating rewrite opened write-only goes into a file of its own in the cache dir, which "
+        "the kernel writes itself (FUSE passthrough: Linux 6.9+, as root)",
+    )
+    p.add_argument(
         "--keep-ram-cache",
         action="store_true",
         help="leave the RAM tier in the shm dir at a clean umount (default: removed; the disk tier is kept)",
@@ -332,6 +341,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "upload_concurrency": args.upload_concurrency,
         "fuse_threads": args.fuse_threads,
         "passthrough_cache": args.passthrough_cache,
+        "passthrough_writes": args.passthrough_writes,
         "compress": args.compress,
         "list_ttl": args.list_ttl,
         "write_timeout": args.write_timeout,
@@ -451,6 +461,7 @@ def daemon_argv(config: MountConfig) -> list[str]:
     ]
     argv += ["--umask", f"{config.umask:04o}"]
     argv += ["--passthrough-cache", str(config.passthrough_cache)] * (config.passthrough_cache >= 0)
+    argv += ["--no-passthrough-writes"] * (not config.passthrough_writes)
     for glob in config.no_marker:
         argv += [f"--no-marker={glob}"]
     if config.cluster:

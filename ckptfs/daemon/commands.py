@@ -169,6 +169,13 @@ class Commands:
             **({} if self.ops.passthrough_on else {"off_because": self.ops.passthrough_off_reason}),
             "opens": self.ops.passthrough_opens,  # opens the kernel served from a file, since the mount
             "daemon_reads": self.ops.read_requests,  # READ requests the daemon served, since the mount
+            "writes": self.namespace.files.passthrough_writes,  # new files written by the kernel itself
+            "working_files": self.namespace.files.working_files,  # such files made, since the mount
+            # their streamed parts read again at the commit: bytes, seconds, parts found changed
+            "streamed_bytes": self.uploader.sender.streamed_bytes,  # parts sent before a close (all files)
+            "verified_bytes": self.uploader.sender.verified_bytes,
+            "verify_seconds": round(self.uploader.sender.verify_seconds, 3),
+            "changed_parts": self.uploader.sender.changed_parts,
             **(files.status() if files is not None else {}),
         }
 

@@ -216,7 +216,7 @@ class Daemon:
             fsname=self.store.url,
             options=options,
             max_threads=self.config.fuse_threads,
-            passthrough=self.config.passthrough_cache != 0,
+            passthrough=self.config.passthrough_cache != 0 or self._wants_passthrough_writes(),
             on_refused=self.ops.passthrough_refused,
         )
         try:
@@ -227,14 +227,24 @@ class Daemon:
             raise MountError(f"cannot mount at {self.mountpoint}: {exc}") from exc
         kernel.notifier = self.session.notifier
         files = self.namespace.prefill.files
-        if files is not None and files.on and self._probe_passthrough(files.directory):
+        reads = files is not None and files.on
+        writes = self._wants_passthrough_writes()
+        if (reads or writes) and self._probe_passthrough(self.cache.working_dir):
             self.ops.passthrough_on = True
             self.ops.passthrough_off_reason = ""
-            log.info("passthrough reads on: the kernel reads complete cached files itself")
+            self.namespace.passthrough_on(reads, writes)
+            log.info(
+                "passthrough: reads of cached files %s, writes %s",
+                "on" if reads else "off (--passthrough-cache 0)",
+                "on" if writes else f"off ({self._writes_off_reason()})",
+            )
         else:
             self.namespace.passthrough_off()
             self.ops.passthrough_off_reason = self.passthrough_off_reason()
-            log.info("passthrough reads off: %s", self.ops.passthrough_off_reason)
+            log.info(
+                "passthrough off: %s; every read and write goes through the daemon",
+                self.ops.passthrough_off_reason,
+            )
         try:
             trio.run(self._serve, listing, on_ready)
             self._save_clean_index()
@@ -256,9 +266,17 @@ class Daemon:
             os.close(fd)
             probe.unlink(missing_ok=True)
 
+    def _wants_passthrough_writes(self) -> bool:
+        return self.config.passthrough_writes and not self.config.replicas
+
+    def _writes_off_reason(self) -> str:
+        return (
+            "--replicas: their stream sees every write" if self.config.replicas else "--no-passthrough-writes"
+        )
+
     def passthrough_off_reason(self) -> str:
-        if self.config.passthrough_cache == 0:
-            return "--passthrough-cache 0"
+        if self.config.passthrough_cache == 0 and not self._wants_passthrough_writes():
+            return f"--passthrough-cache 0, {self._writes_off_reason()}"
         return self.session.backing.refused or "no FUSE channel"
 
     # -- start-up helpers ---------------------------------------------------------------
@@ -359,6 +377,7 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             await self.core.start(nursery)
             await nursery.start(self.namespace.prefill.run)
+            await nursery.start(self.namespace.tailer.run)
             files = self.namespace.prefill.files
             if files is not None and files.on:
                 await nursery.start(files.run)

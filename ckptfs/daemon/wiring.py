@@ -227,6 +227,7 @@ def build_core(
     in_use = {ref for op in pending for ref in op.blocks if ref is not None}
     in_use |= {ref for r in held.values() for op in r.ops.values() for ref in op.blocks if ref is not None}
     clean = clean_index.load(cache_dir / CLEAN_INDEX, cache, in_use)
+    cache.sweep_backing()  # (working copies a crash left uncommitted go)
     if pending:
         log.info("journal: %d operations still pending from the last run; resuming", len(pending))
     shadows = Shadows()  # (the cycle uploader <-> commits: see the module doc)
@@ -367,7 +368,7 @@ def build_core(
 
     def spare() -> int:
         st = os.statvfs(cache_dir)
-        return st.f_bavail * st.f_frsize - max(0, disk.budget - disk.charged_bytes)
+        return st.f_bavail * st.f_frsize - max(0, disk.budget - disk.charged_bytes - disk.outside)
 
     files = PassthroughFiles(
         cache_dir / PASSTHROUGH_DIR, budget if kernel is not None else 0, retention.busy, spare

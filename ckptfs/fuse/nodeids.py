@@ -76,13 +76,13 @@ class NodeIds:
         if old is not None and self.alias_lookups[old] <= 0:
             del self.alias_ino[old], self.alias_lookups[old]
 
-    def open_refused(self, nodeid: int, read_only: bool, passthrough_fd: int | None) -> bool:
+    def open_refused(self, nodeid: int, passthrough_fd: int | None) -> bool:
         """Whether the kernel could not serve this open on ``nodeid`` (answer ESTALE and retire
-        it): the node id is bound to another file, or is no longer current and the open would
-        go through its page cache."""
+        it): the node id is bound to another file (a reader's version, a writer's working file),
+        or is no longer current and the open would go through its page cache."""
         bound = self.bound.get(nodeid)
         if bound is not None:
-            return not read_only or passthrough_fd is None or identity(passthrough_fd) != bound.identity
+            return passthrough_fd is None or identity(passthrough_fd) != bound.identity
         return nodeid != self.for_ino(self.ino(nodeid)) and passthrough_fd is None
 
     def may_bind(self, nodeid: int) -> bool:

@@ -344,39 +344,48 @@ class Operations(Filesystem):
         # direct_io for write-only handles: the kernel hands large writes straight to us
         # (1 MiB requests) instead of splitting them through its page cache (files.direct_writes).
         entry = self._handed_out(self._entry(attr))
-        direct_io = direct_writes(flags)
-        self.nodes.opened_with(handle.fh, entry.nodeid, "direct" if direct_io else "cached")
+        backing = self._passthrough_fd(entry.nodeid, attr.ino, flags)
+        direct_io = backing is None and direct_writes(flags)
+        kind = "passthrough" if backing is not None else "direct" if direct_io else "cached"
+        self.passthrough_opens += kind == "passthrough"
+        self.nodes.opened_with(handle.fh, entry.nodeid, kind, backing)
         # The new file's attributes may be cached although it is open for writing: the kernel
         # drops its cached size, times and blocks itself at every write and truncate through
         # it, and nothing else changes them. Saves the GETATTR that the open's permission
         # check would send next: a small file takes six requests instead of seven
         # (docs/benchmarks.md, "What one small file costs").
         entry.attr_timeout = self.entry_timeout
-        return FileInfo(fh=handle.fh, direct_io=direct_io), entry
+        return FileInfo(fh=handle.fh, direct_io=direct_io, backing_fd=backing), entry
 
-    def _passthrough_fd(self, nodeid: int, ino: int, read_only: bool) -> int | None:
-        """The file a read-only open of ``ino`` may be served from by the kernel itself."""
-        if not (read_only and self.passthrough_on and self.nodes.may_bind(nodeid)):
+    def _passthrough_fd(self, nodeid: int, ino: int, flags: int) -> int | None:
+        """The file an open of ``ino`` may be served from by the kernel itself."""
+        if not (self.passthrough_on and self.nodes.may_bind(nodeid)):
             return None
-        return self.ns.passthrough_fd(ino)
+        return self.ns.passthrough_fd(ino, flags)
 
     @_errno_boundary
     async def open(self, inode, flags, ctx):
         ino = self.nodes.ino(inode)
         read_only = flags & os.O_ACCMODE == os.O_RDONLY
-        if self.nodes.open_refused(inode, read_only, self._passthrough_fd(inode, ino, read_only)):
-            self.nodes.retire(inode)  # (the kernel looks the name up again: fuse/nodeids.py)
+        if self.nodes.open_refused(inode, self._passthrough_fd(inode, ino, flags)) or (
+            self.passthrough_on and not self.nodes.may_bind(inode) and self.ns.writes_to_file(ino, flags)
+        ):
+            # (the kernel looks the name up again: fuse/nodeids.py. A writer the kernel could
+            # serve itself but for other opens of this node id also gets a fresh one.)
+            self.nodes.retire(inode)
             raise FsError(errno.ESTALE, "this node id is bound to another version's file")
         # (root keeps set-id bits when writing, as with CAP_FSETID: model/files.drops_setid)
         handle, keep_cache, direct_io = await self.ns.open(ino, flags, keeps_setid=ctx.uid == 0)
-        backing = self._passthrough_fd(inode, ino, read_only)  # (again: a commit may have come meanwhile)
-        if self.nodes.open_refused(inode, read_only, backing):
-            self.ns.release(handle.fh)
+        backing = self._passthrough_fd(inode, ino, flags)  # (again: a commit may have come meanwhile)
+        if self.nodes.open_refused(inode, backing):
+            self.ns.release(handle.fh, commit=False)
             self.nodes.retire(inode)
             raise FsError(errno.ESTALE, "this node id is bound to another version's file")
         self.openers.opened(handle.fh, ino, ctx.pid, flags)
         if not read_only:
             self._opened_at[handle.fh] = time.monotonic()
+        if backing is not None:
+            direct_io = keep_cache = False  # (the kernel's page cache is the backing file's)
         kind = "passthrough" if backing is not None else "direct" if direct_io else "cached"
         self.passthrough_opens += kind == "passthrough"
         self.nodes.opened_with(handle.fh, inode, kind, backing)

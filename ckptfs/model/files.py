@@ -15,6 +15,7 @@ from typing import TypeVar, cast
 import trio
 
 from ckptfs.cache.arena import DISK, RAM
+from ckptfs.cache.backing import WorkingFile
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import BlockCopy, Content, StagedFile
 from ckptfs.errors import FsError
@@ -53,6 +54,13 @@ def drop_setid(mode: int) -> int:
     return mode & ~kill
 
 
+def passes_through(flags: int) -> bool:
+    """Whether a writer's open may be handed to the kernel with its working copy's file
+    (passthrough writes): write-only, so it cannot map the file shared and change a version after
+    its commit; a new content (created or truncated), so nothing is copied at open."""
+    return flags & os.O_ACCMODE == os.O_WRONLY and bool(flags & (os.O_TRUNC | os.O_CREAT))
+
+
 def drops_setid(flags: int, keeps_setid: bool) -> bool:
     """Whether a handle's writes must clear set-id bits here. Through the page cache the kernel
     does it itself (file_remove_privs: a SETATTR of the mode before the write); a direct write
@@ -71,6 +79,44 @@ class Files:
         self.uploader = commits.uploader
         self.prefill = commits.prefill
         self.fetcher = fetcher
+        # New contents of write-only opens go into files of their own that the kernel writes
+        # itself (cache/backing.py), when the mount has passthrough (set by the namespace).
+        self.passthrough_writes = False
+        self.working_files = 0  # working copies made as files (status)
+        self.largest_file = 0  # the largest file such a working copy committed (room kept at open)
+        self.tailed: dict[Writing, Node] = {}  # working files being written (model/tailing.py)
+
+    def _new_working_copy(self, node: Node, flags: int, setid_ok: bool) -> StagedFile | WorkingFile:
+        """A new, empty working copy: a file of its own where the kernel can write it and the
+        disk budget has room for one like the last (else blocks in the arenas, whose writes wait
+        for room: backpressure, then ENOSPC, as documented)."""
+        expected = max(self.cache.block_size, self.largest_file, node.size())
+        if (
+            self.passthrough_writes
+            and passes_through(flags)
+            and setid_ok
+            and self.cache.room_for_file(expected)
+        ):
+            self.working_files += 1
+            return WorkingFile(self.cache, self.cache.new_backing())
+        return StagedFile(self.cache)
+
+    def writes_to_file(self, node: Node, flags: int) -> bool:
+        """Whether a write-only open with ``flags`` would write ``node``'s working copy as a file
+        the kernel may write itself (the file open already, or a new content)."""
+        if not self.passthrough_writes or flags & os.O_ACCMODE != os.O_WRONLY:
+            return False
+        writing = node.writing
+        if writing is not None and not (writing.frozen or writing.error):
+            return isinstance(writing.staged, WorkingFile)
+        return passes_through(flags)
+
+    def _writing(self, node: Node, staged: StagedFile | WorkingFile) -> Writing:
+        writing = Writing(staged)
+        if isinstance(staged, WorkingFile):
+            writing.seen_ns = staged.written_ns()
+            self.tailed[writing] = node
+        return writing
 
     def create(
         self, parent_ino: int, name: str, mode: int, flags: int, uid: int, gid: int, keeps_setid: bool = True
@@ -85,7 +131,8 @@ class Files:
             parent, name, is_dir=False, mode=stat.S_IFREG | (mode & 0o7777), uid=uid, gid=gid
         )
         node.nlookup += 1
-        node.writing = Writing(StagedFile(self.cache))
+        setid_ok = not drops_setid(flags, keeps_setid) or drop_setid(node.mode) == node.mode
+        node.writing = self._writing(node, self._new_working_copy(node, flags, setid_ok))
         node.writing.dirty = True  # a created file exists once closed, even empty
         self.commits.writing(node.key())
         handle = self._open_handle(node, node.writing, None, appends_here(flags))
@@ -120,11 +167,12 @@ class Files:
         # A frozen copy's parts belong to its upload, a poisoned one (a failed write) will never
         # commit: a new writer starts anew from the committed version.
         if writing is None or writing.frozen or writing.error:
-            staged = await self._working_copy(node, flags)
+            setid_ok = not drops_setid(flags, keeps_setid) or drop_setid(node.mode) == node.mode
+            staged = await self._working_copy(node, flags, setid_ok)
             if node.writing is not None and not (node.writing.frozen or node.writing.error):  # made meanwhile
                 staged.discard()
             else:
-                node.writing = Writing(staged)
+                node.writing = self._writing(node, staged)
             writing = node.writing
         if flags & os.O_TRUNC:
             if writing.staged.size:
@@ -137,9 +185,9 @@ class Files:
         handle.drops_setid = drops_setid(flags, keeps_setid)
         return handle, False, direct_writes(flags)
 
-    async def _working_copy(self, node: Node, flags: int) -> StagedFile:
+    async def _working_copy(self, node: Node, flags: int, setid_ok: bool) -> StagedFile | WorkingFile:
         if flags & os.O_TRUNC or node.version is None:
-            return StagedFile(self.cache)
+            return self._new_working_copy(node, flags, setid_ok)
         base = node.version.content
         base.hold()  # keep it while we fetch what is not cached
         try:
@@ -361,6 +409,7 @@ class Files:
         return writing.handles <= writing.closed and self._commit(handle.node, writing)
 
     def _commit(self, node: Node, writing: Writing) -> bool:
+        node.note_writes()  # (the kernel's own writes to a working file)
         if not writing.dirty or writing.error:
             return False  # (never commit a torn file)
         writing.dirty = False
@@ -370,6 +419,8 @@ class Files:
         if content.remote:
             assert writing.stream is not None  # evicted blocks are parts of its streamed upload
             content.upload = writing.stream.upload
+        if isinstance(writing.staged, WorkingFile):
+            self.largest_file = max(self.largest_file, content.size)
         self.commits.commit(node, content, writing)
         if writing.staged.remote:
             writing.frozen = True
@@ -389,8 +440,9 @@ class Files:
                 assert old is not None  # no working copy: a reader, opened with a version
                 old.release()
 
-    def release(self, fh: int) -> bool:
-        """The last close of a handle; True if it committed a version."""
+    def release(self, fh: int, commit: bool = True) -> bool:
+        """The last close of a handle; True if it committed a version. ``commit=False``: an
+        open taken back (the kernel never saw it), nothing committed."""
         handles = self.tree.handles
         handle = handles.pop(fh, None)
         if handle is None:
@@ -405,10 +457,11 @@ class Files:
                 writing.closed.discard(handle)
                 # Every writer left has been closed by its opener (or none is left): commit
                 # what no close did (an opener's close not seen, a writer closed before another).
-                if writing.handles <= writing.closed:
+                if commit and writing.handles <= writing.closed:
                     committed = self._commit(node, writing)
         finally:
             if writing is not None and not writing.handles:
+                self.tailed.pop(writing, None)
                 if writing.stream is not None:  # no commit took its parts
                     self.uploader.abandon(writing.stream)
                 if self.commits.replicator is not None:
@@ -435,6 +488,8 @@ class Files:
         handle = self.tree.handle(fh)
         node = handle.node
         writing = handle.writing or node.writing  # (a reader's fsync flushes the file's data too)
+        if writing is not None:
+            node.note_writes()
         if writing is not None and writing.dirty:
             content, covers = writing.staged.snapshot(), None
             if content.remote:
@@ -443,20 +498,26 @@ class Files:
         elif node.version is not None and node.version.seq is not None:
             content, covers = node.version.content, node.version.seq
             if not any(ref is not None and ref[0] == RAM for ref in content.blocks):
-                content = None  # already on disk: its commit's journal record names those blocks
+                # Already on disk (the disk arena, a backing file): its commit's journal record
+                # names those blocks; they were written, not necessarily synced.
+                content.hold()
+                try:
+                    await trio.to_thread.run_sync(self.cache.sync_blocks, content)
+                finally:
+                    content.release()
+                content = None
         else:
             return  # durable in the store already, or nothing committed
-        if content is None:  # its disk blocks were written, not necessarily synced
-            await trio.to_thread.run_sync(self.cache.tiers[DISK].sync)
-        else:
+        if content is not None:
             content.hold()
             try:
-                disk = await self.cache.on_disk(content)
+                # (a working file goes on changing after the fsync: its shadow gets a copy)
+                disk = await self.cache.on_disk(content, copy_files=covers is None)
             finally:
                 content.release()
             disk.hold()
             try:
-                await trio.to_thread.run_sync(self.cache.tiers[DISK].sync)
+                await trio.to_thread.run_sync(self.cache.sync_blocks, disk)
                 if not node.unlinked and fh in self.tree.handles:
                     self.commits.add_shadow(node, disk, writing if covers is None else None, covers)
             finally:
@@ -554,6 +615,7 @@ class Files:
                     "(cache full): the file cannot end there before it is closed",
                 )
         await staged.truncate(size)
+        writing.tailed = min(writing.tailed, size // bs)
         if size == 0:  # empty again (O_TRUNC): a sequential writer may start over
             writing.sequential, writing.high_water = True, 0
         elif size < writing.high_water:  # cut back behind its writes: it may go back there

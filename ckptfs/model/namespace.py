@@ -22,6 +22,7 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 
+from ckptfs.cache.backing import WorkingFile
 from ckptfs.cache.clean_index import CleanEntry
 from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import Op
@@ -32,6 +33,7 @@ from ckptfs.model.dirs import Dirs
 from ckptfs.model.files import Files, PendingRead, PendingWrite
 from ckptfs.model.prefill import KernelCache
 from ckptfs.model.refresh import Refresher
+from ckptfs.model.tailing import Tailer
 from ckptfs.model.tree import (
     LINK_MODE,
     MAX_LINK_TARGET,
@@ -75,6 +77,7 @@ class Namespace:
         self.store = fetcher.store
         self.health = health
         self.files = Files(commits, fetcher)
+        self.tailer = Tailer(self.files)
         self.dirs = Dirs(commits)
         forget_name = kernel.forget_name if kernel is not None else forget_nothing
         self.refresher = Refresher(tree, commits, self.cache, fetcher.store, health, list_ttl, forget_name)
@@ -286,22 +289,48 @@ class Namespace:
         before anything else runs: fuse_ops)."""
         return await self.files.read(fh, offset, size, view)
 
-    def passthrough_fd(self, ino: int) -> int | None:
-        """A plain file holding the current version of ``ino`` for the kernel to read itself
-        (model/passthrough.py); None when there is none yet (a copy is then asked for, made
-        when idle if the version is complete in the cache) or the file is being written."""
-        files = self.prefill.files
+    def passthrough_fd(self, ino: int, flags: int) -> int | None:
+        """A plain file the kernel may serve an open of ``ino`` with ``flags`` from itself (FUSE
+        passthrough), or None (the open goes through the daemon):
+        - a file open for writing: its working file (cache/backing.py), for write-only opens and,
+          with passthrough reads, read-only ones (every descriptor sees the working copy);
+        - a read-only open of a committed version: the working file it was committed from, else
+          its copy (model/passthrough.py: asked for when there is none, made when idle if the
+          version is complete in the cache)."""
         node = self.tree.node(ino)
-        if files is None or not files.on or node.writing is not None or node.version is None:
+        files = self.prefill.files
+        reads = files is not None and files.on
+        access = flags & os.O_ACCMODE
+        if node.writing is not None:
+            staged = node.writing.staged
+            if not isinstance(staged, WorkingFile) or not self.files.passthrough_writes:
+                return None
+            return staged.fd if access == os.O_WRONLY or (access == os.O_RDONLY and reads) else None
+        if access != os.O_RDONLY or node.version is None or files is None or not reads:
             return None
+        whole = self.cache.backing_of(node.version.content)
+        if whole is not None:
+            return whole.fd
         fd = files.fd_for(node)
         if fd is None:
             files.want(node, node.version)
         return fd
 
+    def writes_to_file(self, ino: int, flags: int) -> bool:
+        """Whether an open of ``ino`` with ``flags`` would write a working file (model/files.py)."""
+        return self.files.writes_to_file(self.tree.node(ino), flags)
+
+    def passthrough_on(self, reads: bool, writes: bool) -> None:
+        """The kernel takes backing files: reads of cached files (else their copies are off) and
+        writes into working files, as asked."""
+        if not reads and self.prefill.files is not None:
+            self.prefill.files.off()
+        self.files.passthrough_writes = writes
+
     def passthrough_off(self) -> None:
         if self.prefill.files is not None:
             self.prefill.files.off()
+        self.files.passthrough_writes = False
 
     async def write_begin(self, fh: int, offset: int, data) -> PendingWrite:
         """``write`` in two halves: the copy in between runs in any thread (files.PendingWrite)."""
@@ -331,8 +360,8 @@ class Namespace:
         every directory it writes in (other nodes' markers then wait for these files)."""
         await self.commits.recorded()
 
-    def release(self, fh: int) -> bool:
-        return self.files.release(fh)
+    def release(self, fh: int, commit: bool = True) -> bool:
+        return self.files.release(fh, commit)
 
     async def fsync(self, fh: int) -> None:
         await self.files.fsync(fh)

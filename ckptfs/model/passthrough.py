@@ -101,8 +101,11 @@ class PassthroughFiles:
         return ready.fd
 
     def want(self, node, version) -> None:
-        """Copy ``version`` of ``node`` into a file when idle (if it is complete by then)."""
+        """Copy ``version`` of ``node`` into a file when idle (if it is complete by then). Not a
+        version that is a working file already (cache/backing.py): the kernel reads that one."""
         if not self.on or version is None or version.content.size > self.budget:
+            return
+        if version.content.cache.backing_of(version.content) is not None:
             return
         ready = self.files.get(node.ino)
         if ready is not None and ready.version is version:
@@ -158,7 +161,7 @@ class PassthroughFiles:
     async def _copy(self, node, version) -> None:
         content = version.content
         self.prune()
-        if not self._current(node, version) or not complete(content):
+        if not self._current(node, version) or not complete(content) or content.cache.backing_of(content):
             return
         old = self.files.pop(node.ino, None)
         if old is not None:

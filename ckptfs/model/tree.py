@@ -16,6 +16,7 @@ from decimal import Decimal
 
 import trio
 
+from ckptfs.cache.backing import WorkingFile
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content, StagedFile
 from ckptfs.cache.journal import Op
@@ -117,6 +118,18 @@ class Node:
             return self.version.content.size
         return self.unlinked_size if self.unlinked else 0
 
+    def note_writes(self) -> None:
+        """The kernel writes a working file itself (passthrough): its writes show here as the
+        file's mtime moving, which makes the node's mtime and the working copy dirty."""
+        writing = self.writing
+        if writing is None:
+            return
+        written = writing.staged.written_ns()
+        if written > writing.seen_ns:
+            writing.seen_ns = written
+            self.mtime_ns = self.ctime_ns = written
+            writing.dirty = True
+
     def walk(self) -> Iterable[Node]:
         yield self
         for child in list(self.children.values()):
@@ -131,7 +144,7 @@ class Writing:
     descriptor on the mount sees its bytes and size as they are written (POSIX on the node).
     It is committed when its last writer closes (atomic in the store)."""
 
-    def __init__(self, staged: StagedFile):
+    def __init__(self, staged: StagedFile | WorkingFile):
         self.staged = staged
         self.serial = next(_writing_serials)  # names it in the replica stream (--replicas)
         self.dirty = False  # changed since the last commit
@@ -151,6 +164,8 @@ class Writing:
         # a truncate (Files.settle_writes).
         self.lock = trio.Semaphore(1)  # (not a Lock: the halves run in different tasks)
         self.closed: set[Handle] = set()  # ... whose opener has closed them (flush with commit)
+        self.seen_ns = 0  # a working file's last write seen (Node.note_writes)
+        self.tailed = 0  # a working file's blocks handed to its stream so far (model/tailing.py)
 
 
 class Handle:
@@ -166,7 +181,7 @@ class Handle:
         self.read_end = 0  # where the last read stopped (sequential reads trigger read-ahead)
 
     @property
-    def staged(self) -> StagedFile | None:
+    def staged(self) -> StagedFile | WorkingFile | None:
         return self.writing.staged if self.writing is not None else None
 
     @property
@@ -252,6 +267,7 @@ class Tree:
         mode, uid, gid = (
             (node.mode, node.uid, node.gid) if node.attrs_known else (stat.S_IFMT(node.mode), 0, 0)
         )
+        node.note_writes()
         return Attr(
             node.ino,
             node.is_dir,

@@ -78,6 +78,11 @@ class PartSender:
         self._uploaded_bytes = 0
         self.upload_rate = RateMeter()  # recent bytes/s, fed by uploaded_bytes
         self.streamed_bytes = 0
+        # Streamed parts of passthrough writes read and hashed again at their commit (and how
+        # long that took), and those found changed and sent again.
+        self.verified_bytes = 0
+        self.verify_seconds = 0.0
+        self.changed_parts = 0
         self.nursery: trio.Nursery | None = None  # the uploader's (Uploader.run)
 
     @property
@@ -170,13 +175,33 @@ class PartSender:
             if all(
                 entry is not None
                 and entry[1].number == index + 1
-                and block < len(task.stamps)
-                and task.stamps[block] == entry[0]
+                and (stream.verify or (block < len(task.stamps) and task.stamps[block] == entry[0]))
                 and content.block_length(block) == bs
                 for block, entry in zip(blocks, sent)
             ):
+                if stream.verify and not await self._unchanged(
+                    content, start, length, stream.digests.get(index)
+                ):
+                    self.changed_parts += 1
+                    continue  # (written again since it was sent: sent again with the others)
                 task.parts[index] = sent[0][1]  # type: ignore[index]
                 task.bytes_sent += length
+
+    async def _unchanged(self, content: Content, start: int, length: int, digest: str | None) -> bool:
+        """Whether bytes [start, start + length) of ``content`` hash as ``digest`` still."""
+        if digest is None:
+            return False
+
+        def check() -> bool:
+            with self.part_buffers.body(length, lambda out: content.read_into(start, out)) as body:
+                return integrity.part_hash(body) == digest
+
+        began = trio.current_time()
+        async with self.body_bytes.take(length):
+            same = await trio.to_thread.run_sync(check, limiter=self.hash_threads)
+        self.verified_bytes += length
+        self.verify_seconds += trio.current_time() - began
+        return same
 
     async def _upload_parts(self, task: Task) -> None:
         if task.upload is None:
@@ -349,23 +374,22 @@ class PartSender:
                                 self.cache.read_into, filling[block][0], 0, out[k * bs : (k + 1) * bs]
                             )
 
-                    def send() -> PartInfo:
+                    def send() -> tuple[PartInfo, str]:
                         with self.part_buffers.body(size, fill) as body:
                             digest = integrity.part_hash(body)  # sealed: what the manifest records
                             if compressed:
-                                return self.encoder.send_frame(upload, part + 1, body, digest, None)
-                            return replace(
-                                self.store.upload_part(upload.key, upload.upload_id, part + 1, body),
-                                xxh3=digest,
-                            )
+                                return self.encoder.send_frame(upload, part + 1, body, digest, None), digest
+                            info = self.store.upload_part(upload.key, upload.upload_id, part + 1, body)
+                            return replace(info, xxh3=digest), digest
 
                     try:
                         async with self.body_bytes.take(size):
-                            info = await self.calls.call(upload.key, send)
+                            info, digest = await self.calls.call(upload.key, send)
                     except NotFound:
                         return  # the upload vanished: the commit sends this part again
                     for block in blocks:
                         stream.sent[block] = (filling[block][1], info)
+                    stream.digests[part] = digest
                     self.uploaded_bytes += size
                     if not compressed:
                         self.encoder.count_stored(size)

@@ -94,6 +94,11 @@ class Stream:
         self.scopes: set[trio.CancelScope] = set()  # one per part on its way
         self.closed = False  # adopted by a commit or abandoned: no new parts
         self.abandoned = False
+        # A file the kernel writes itself (passthrough): no change stamps. Each part sent keeps
+        # the xxh3 of the bytes it carried, and the commit keeps only the parts whose bytes are
+        # still those (read and hashed again: ``PartSender._adopt_stream``).
+        self.verify = False
+        self.digests: dict[int, str] = {}  # part index -> part_hash of what was sent
 
     def cancel(self) -> None:
         self.abandoned = True
