@@ -230,12 +230,12 @@ class Cache:
         st = os.statvfs(self.working_dir)
         return st.f_bavail * st.f_frsize >= nbytes
 
-    def sync_blocks(self, content: Content) -> None:
-        """fsync what holds ``content``'s disk blocks: the disk arena and its backing files."""
+    def sync_disk(self) -> None:
+        """fsync the disk arena and the committed backing files: whatever a journal record names
+        on disk, before the journal itself is synced."""
         self.tiers[DISK].sync()
-        for index in {ref[0] for ref in content.blocks if ref is not None and ref[0] >= backing.FIRST_TIER}:
-            tier = self.backing.get(index)
-            if tier is not None:
+        for tier in list(self.backing.values()):
+            if tier.slots:
                 tier.sync()
 
     # -- allocation -----------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import TypeVar, cast
 
 import trio
 
-from ckptfs.cache.arena import DISK, RAM
+from ckptfs.cache.arena import RAM
 from ckptfs.cache.backing import WorkingFile
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import BlockCopy, Content, StagedFile
@@ -500,15 +500,12 @@ class Files:
             if not any(ref is not None and ref[0] == RAM for ref in content.blocks):
                 # Already on disk (the disk arena, a backing file): its commit's journal record
                 # names those blocks; they were written, not necessarily synced.
-                content.hold()
-                try:
-                    await trio.to_thread.run_sync(self.cache.sync_blocks, content)
-                finally:
-                    content.release()
                 content = None
         else:
             return  # durable in the store already, or nothing committed
-        if content is not None:
+        if content is None:
+            await trio.to_thread.run_sync(self.cache.sync_disk)
+        else:
             content.hold()
             try:
                 # (a working file goes on changing after the fsync: its shadow gets a copy)
@@ -517,7 +514,7 @@ class Files:
                 content.release()
             disk.hold()
             try:
-                await trio.to_thread.run_sync(self.cache.sync_blocks, disk)
+                await trio.to_thread.run_sync(self.cache.sync_disk)
                 if not node.unlinked and fh in self.tree.handles:
                     self.commits.add_shadow(node, disk, writing if covers is None else None, covers)
             finally:
@@ -527,10 +524,10 @@ class Files:
     async def fsyncdir(self) -> None:
         """fsync of a directory: every name change made so far (create, mkdir, rename, unlink,
         rmdir; here or anywhere on the mount) survives a node reboot, as do the versions the
-        journal names on the disk tier. The disk arena is synced first, then the journal: a
+        journal names on the disk tier. The disk arena (and backing files) first, then the journal: a
         synced record never names blocks that were not (versions in the RAM tier are still
         dropped at a reboot: only a file's fsync copies them to disk)."""
-        await trio.to_thread.run_sync(self.cache.tiers[DISK].sync)
+        await trio.to_thread.run_sync(self.cache.sync_disk)
         await trio.to_thread.run_sync(self.commits.journal.sync)
 
     async def setattr(
