@@ -137,6 +137,14 @@ FIGURES = [
         "node_load", "node", "warm torch.load of that checkpoint (fp32)", "s", floor="cache-disk", paired=True
     ),
     Figure(
+        "node_save",
+        "node",
+        "torch.save of that state dict into a new file",
+        "s",
+        floor="cache-disk",
+        paired=True,
+    ),
+    Figure(
         "node_write_2",
         "node",
         "2 writer processes, size/2 each (8 MiB os.write): aggregate",

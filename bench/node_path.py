@@ -8,8 +8,9 @@ GiB; disk tier 16x, at least 4 GiB); the floor, "cache-disk", is a directory of 
 directory, so on the filesystem of the mount's cache dir. Nothing drops the page cache: both
 sides read warm. Once, untimed: a state dict of fp32 tensors of --size MiB is torch.save'd on the
 cache disk and copied into the mount with 8 MiB writes; `ckptfs sync`; then the bench waits
-until the daemon has made the file's passthrough copy (`status["passthrough"]`: `queued_files`
-0, `files` >= 1; where passthrough is off it says so and measures anyway) and reads both files
+until an open of the file is a passthrough one (the kernel reads the file the writes went into,
+or the daemon's passthrough copy of it; where passthrough is off it says so and measures
+anyway) and reads both files
 once, comparing them (so the cache disk's copy is in the page cache, as the mount's is). Then per
 run, cache-disk first and ckptfs second in each pair:
 
@@ -22,7 +23,8 @@ run, cache-disk first and ckptfs second in each pair:
 4. one writer process, --size MiB likewise: GiB/s, and for ckptfs the CPU seconds per GiB
    written of the daemon's trio thread (its main thread, /proc/PID/task/PID/stat) and of its FUSE
    reader threads together (`ckptfs-fuse-N` in /proc/PID/task/*/comm), beside what the single
-   pyfuse3 thread cost before ckptfs spoke FUSE itself (BEFORE).
+   pyfuse3 thread cost before ckptfs spoke FUSE itself (BEFORE);
+5. `torch.save` of the state dict (held in this process) into a new file, to its close: seconds.
 
 Between measurements, untimed: `ckptfs sync`, the files removed, the daemon's idle work (page
 cache pushes, passthrough copies) waited for, os.sync(). Ratios to the cache disk are taken in
@@ -199,6 +201,7 @@ class Node:
             max(4096 * MiB, 16 * size),
         )
         self.writers: Writers | None = None
+        self.state: dict | None = None  # the state dict torch.save writes (setup)
         stack.callback(self._cleanup)
         self.meta: dict = {
             "size_mib": opts.size,
@@ -243,24 +246,29 @@ class Node:
             time.sleep(0.1)
 
     def passthrough_ready(self, path: Path) -> dict:
-        """Wait for the passthrough copy of `path` (the only file of the mount); say what was found."""
+        """Wait until an open of `path` (the only file of the mount) is a passthrough one (an open
+        of a complete version with no file asks for its copy); say what was found."""
         status = self.settle()
         pt = status["passthrough"]
         if not pt["on"]:
             return {"on": False, "why": pt.get("off_because", "?")}
         deadline = time.monotonic() + PASSTHROUGH_WAIT_S
-        asked = False
-        while not pt.get("files"):
+        while True:
+            with open(path, "rb"):
+                pass
+            after = self.mount.status()["passthrough"]
+            if after["opens"] > pt["opens"]:
+                return {
+                    "on": True,
+                    "file": True,
+                    "copy": bool(after.get("files")),
+                    "writes": after.get("writes"),
+                }
             if time.monotonic() > deadline:
                 return {"on": True, "file": False}
-            if not asked and not pt.get("queued_files"):
-                # (not asked for at the commit: an open of a complete version asks for it)
-                with open(path, "rb"):
-                    pass
-                asked = True
+            pt = after
+            self.settle()
             time.sleep(0.2)
-            pt = self.mount.status()["passthrough"]
-        return {"on": True, "file": True, "bytes": pt.get("bytes")}
 
     def forget(self, paths: list[Path]) -> None:
         """After a measurement, untimed: what was written made durable, removed, settled."""
@@ -279,11 +287,10 @@ class Node:
         self.mount.start()
         self.pid = self.mount.pid
         self.writers = Writers(2)
-        state = fp32_state_dict(self.size_mib)
+        self.state = fp32_state_dict(self.size_mib)  # (kept: torch.save, each run)
         self.name = "node-model.pt"
         disk_file, mount_file = self.disk / self.name, self.mount.mountpoint / self.name
-        torch.save(state, disk_file)
-        del state
+        torch.save(self.state, disk_file)
         buf = bytearray(CHUNK)
         with open(disk_file, "rb", buffering=0) as src:
             fd = os.open(mount_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -403,16 +410,28 @@ class Node:
                 )
             line[name].append(text)
             self.forget(paths)
+        # 5. torch.save into a new file
+        import torch
+
+        for name, root in roots.items():
+            path = root / f"node-save-{i}.pt"
+            start = time.monotonic()
+            torch.save(self.state, path)
+            seconds = time.monotonic() - start
+            r.add("node_save", name, seconds)
+            line[name].append(f"torch.save {seconds:5.2f} s")
+            self.forget([path])
         for name in roots:
             self.progress(f"node      {name:17} run {i + 1}/{self.runs}: " + ", ".join(line[name]))
         ratios = [
             f"{fig} {r.values[fig][CKPTFS][-1] / r.values[fig][FLOOR][-1]:.2f}x"
-            for fig in ("node_read", "node_load", "node_write_2", "node_write_1")
+            for fig in ("node_read", "node_load", "node_write_2", "node_write_1", "node_save")
         ]
         self.progress(f"node      {CKPTFS} / {FLOOR} run {i + 1}/{self.runs}: " + ", ".join(ratios))
 
     def finish(self) -> None:
         self._close_writers()
+        self.state = None
         self.meta["daemon_status"] = {
             k: v for k, v in self.mount.status().items() if k in ("passthrough", "written_bytes")
         }
