@@ -105,7 +105,7 @@ class Commits:
             # those shadows retire once it is durable (until then they guard a node reboot).
             if shadow.covers is None:
                 shadow.covers, shadow.writing = op.seq, None
-        self.retention.note_commit(node, content.size)
+        self.retention.note_commit(node, content.size, in_arenas=self.cache.backing_of(content) is None)
         stream, stamps = None, None
         if writing is not None and writing.stream is not None:
             stream, stamps, writing.stream = writing.stream, list(writing.staged.stamps), None

@@ -137,9 +137,12 @@ class Retention:
         """``node``'s cached bytes must stay (being written, changed, or needed whole)."""
         self.cache.unmark_clean(node)
 
-    def note_commit(self, node: Node, size: int) -> None:
+    def note_commit(self, node: Node, size: int, in_arenas: bool = True) -> None:
+        """``in_arenas``: the version's bytes went through the arenas (not a working file the
+        kernel wrote: the next such save takes no RAM slot, so none is made ready for it)."""
         self.policy.note_shard(node, size)
-        self._note_save(size)
+        if in_arenas:
+            self._note_save(size)
 
     def _note_save(self, size: int) -> None:
         """Bytes committed in this burst of saves: the cache keeps as much RAM ready for the next."""

@@ -162,6 +162,7 @@ class PartSender:
         # A streamed part is kept where the commit's layout has a part of the same bytes, full,
         # and none of its blocks changed since it was sent (past the parts the grown layout
         # shares with the uniform one, a file that took the uniform layout sends them again).
+        kept: list[tuple[int, int, PartInfo]] = []  # (index, length, the part sent)
         for index in sorted({part.number - 1 for _, part in stream.sent.values()}):
             if index >= len(task.parts) or task.parts[index] is not None:
                 continue
@@ -179,29 +180,38 @@ class PartSender:
                 and content.block_length(block) == bs
                 for block, entry in zip(blocks, sent)
             ):
-                if stream.verify and not await self._unchanged(
-                    content, start, length, stream.digests.get(index)
-                ):
-                    self.changed_parts += 1
-                    continue  # (written again since it was sent: sent again with the others)
-                task.parts[index] = sent[0][1]  # type: ignore[index]
-                task.bytes_sent += length
+                kept.append((index, length, sent[0][1]))  # type: ignore[index]
+        if stream.verify:  # (no stamps: each part's bytes read and hashed again, in parallel)
+            same: dict[int, bool] = {}
+            began = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for index, length, _ in kept:
+                    start = task.part_bounds(index)[0]
+                    digest = stream.digests.get(index)
+                    nursery.start_soon(self._unchanged, content, start, length, digest, same, index)
+            self.verify_seconds += trio.current_time() - began  # (the commit's wall time for it)
+            self.changed_parts += sum(1 for index, *_ in kept if not same[index])
+            kept = [k for k in kept if same[k[0]]]  # (one written again since: sent again with the others)
+        for index, length, part in kept:
+            task.parts[index] = part
+            task.bytes_sent += length
 
-    async def _unchanged(self, content: Content, start: int, length: int, digest: str | None) -> bool:
-        """Whether bytes [start, start + length) of ``content`` hash as ``digest`` still."""
+    async def _unchanged(
+        self, content: Content, start: int, length: int, digest: str | None, out: dict[int, bool], index: int
+    ) -> None:
+        """``out[index]``: whether bytes [start, start + length) of ``content`` hash as ``digest`` still."""
+        out[index] = False
         if digest is None:
-            return False
+            return
 
         def check() -> bool:
             with self.part_buffers.body(length, lambda out: content.read_into(start, out)) as body:
                 return integrity.part_hash(body) == digest
 
-        began = trio.current_time()
         async with self.body_bytes.take(length):
             same = await trio.to_thread.run_sync(check, limiter=self.hash_threads)
         self.verified_bytes += length
-        self.verify_seconds += trio.current_time() - began
-        return same
+        out[index] = same
 
     async def _upload_parts(self, task: Task) -> None:
         if task.upload is None:
