@@ -26,7 +26,7 @@ from tests.support.mounting import Mount
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
-NO_PASSTHROUGH = ("--passthrough-cache", "0")
+NO_PASSTHROUGH = ("--passthrough-cache", "0", "--no-passthrough-writes")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 
