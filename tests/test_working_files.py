@@ -141,3 +141,16 @@ async def test_an_fsync_of_a_writer_keeps_a_copy_the_later_writes_do_not_change(
         close(m, handle)
         await sync(m)
         assert store_files(local) == {"f.bin": b"b" * BS}
+
+
+@trio_test
+async def test_a_sparse_working_file_commits_its_holes_as_holes(tmp_path, local):
+    async with mounted(tmp_path, local) as m:
+        handle, attr = new_file(m, "sparse.bin")
+        await m.ns.setattr(attr.ino, handle.fh, size=200 * BS)  # (ftruncate: a SETATTR)
+        os.pwrite(handle.staged.fd, b"end", 200 * BS - 3)
+        close(m, handle)
+        blocks = m.ns.node(attr.ino).version.content.blocks
+        assert len(blocks) == 200 and sum(ref is not None for ref in blocks) == 1
+        await sync(m)
+        assert store_files(local) == {"sparse.bin": bytes(200 * BS - 3) + b"end"}

@@ -159,13 +159,34 @@ class WorkingFile:
         os.ftruncate(self.fd, size)
 
     def snapshot(self) -> Content:
-        """The committed version: this file's blocks, every one held (holes read as zeros)."""
+        """The committed version: this file's blocks, each held; a block that is all hole in the
+        file is None, a hole of the version (never read nor sent: a sparse file stays cheap)."""
         size = self.size
         blocks: list[BlockRef | None] = [
-            self.cache.hold_backing(self.tier, i) for i in range(n_blocks(size, self.cache.block_size))
+            self.cache.hold_backing(self.tier, i) if data else None for i, data in enumerate(self._data(size))
         ]
         self.cache.measure_backing(self.tier)
         return Content(self.cache, size, blocks)
+
+    def _data(self, size: int) -> list[bool]:
+        """Which blocks of the file hold data (SEEK_DATA/SEEK_HOLE; all, where unsupported)."""
+        bs = self.cache.block_size
+        present = [False] * n_blocks(size, bs)
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(self.fd, pos, os.SEEK_DATA)
+                end = min(os.lseek(self.fd, start, os.SEEK_HOLE), size)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data past pos
+                    break
+                return [True] * len(present)  # (a filesystem that cannot tell)
+            if start >= size:
+                break
+            for i in range(start // bs, (end - 1) // bs + 1):
+                present[i] = True
+            pos = end
+        return present
 
     def block_ref(self, index: int) -> BlockRef:
         """Block ``index``, held (the caller lets go of it): for streaming it as a part."""

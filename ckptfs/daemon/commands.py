@@ -59,7 +59,8 @@ class Commands:
         up, usage, health = self.uploader, self.cache.usage(), self.health.status()
         files, size = up.pending_files_and_size()
         return {
-            "written_bytes": self.ops.written_bytes,
+            # (through the daemon's WRITEs, and the files the kernel wrote itself, as committed)
+            "written_bytes": self.ops.written_bytes + self.namespace.files.kernel_written,
             "committed_bytes": up.committed_bytes,
             "uploaded_bytes": up.uploaded_bytes,
             "stored_bytes": up.stored_bytes,
@@ -170,6 +171,7 @@ class Commands:
             "opens": self.ops.passthrough_opens,  # opens the kernel served from a file, since the mount
             "daemon_reads": self.ops.read_requests,  # READ requests the daemon served, since the mount
             "writes": self.namespace.files.passthrough_writes,  # new files written by the kernel itself
+            "daemon_writes": self.ops.write_requests,  # WRITE requests the daemon served, since the mount
             "working_files": self.namespace.files.working_files,  # such files made, since the mount
             # their streamed parts read again at the commit: bytes, seconds, parts found changed
             "streamed_bytes": self.uploader.sender.streamed_bytes,  # parts sent before a close (all files)

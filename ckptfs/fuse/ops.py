@@ -145,6 +145,7 @@ class Operations(Filesystem):
         self.passthrough_off_reason = "not mounted yet"
         self.passthrough_opens = 0  # opens answered with a file the kernel reads itself
         self.read_requests = 0  # READ requests served here (passthrough opens send none)
+        self.write_requests = 0  # WRITE requests served here (passthrough writers send none)
         self._dir_listings: dict[int, list] = {}
         self._next_dir_fh = 1 << 40
         # Names are cached by the kernel no longer than the namespace trusts a listing, so a
@@ -349,6 +350,8 @@ class Operations(Filesystem):
         kind = "passthrough" if backing is not None else "direct" if direct_io else "cached"
         self.passthrough_opens += kind == "passthrough"
         self.nodes.opened_with(handle.fh, entry.nodeid, kind, backing)
+        if backing is not None:
+            self._wrote.add(handle.fh)  # (the kernel writes it: its save stall is counted at close)
         # The new file's attributes may be cached although it is open for writing: the kernel
         # drops its cached size, times and blocks itself at every write and truncate through
         # it, and nothing else changes them. Saves the GETATTR that the open's permission
@@ -386,6 +389,8 @@ class Operations(Filesystem):
             self._opened_at[handle.fh] = time.monotonic()
         if backing is not None:
             direct_io = keep_cache = False  # (the kernel's page cache is the backing file's)
+            if not read_only:
+                self._wrote.add(handle.fh)  # (the kernel writes it: its save stall is counted at close)
         kind = "passthrough" if backing is not None else "direct" if direct_io else "cached"
         self.passthrough_opens += kind == "passthrough"
         self.nodes.opened_with(handle.fh, inode, kind, backing)
@@ -427,6 +432,7 @@ class Operations(Filesystem):
         # The copy into the cache is left to the reader thread (GIL released), so the loop
         # serves other requests meanwhile: two writers' copies run at once. A small one is
         # made here: a second trip to the loop would cost more than the copy.
+        self.write_requests += 1
         pending = await self.ns.write_begin(fh, off, buf)
         if len(buf) >= COPY_IN_READER:
             return _CopyInReader(self, fh, pending)

@@ -83,6 +83,7 @@ class Files:
         # itself (cache/backing.py), when the mount has passthrough (set by the namespace).
         self.passthrough_writes = False
         self.working_files = 0  # working copies made as files (status)
+        self.kernel_written = 0  # bytes of the versions committed from them (the writes are not seen)
         self.largest_file = 0  # the largest file such a working copy committed (room kept at open)
         self.tailed: dict[Writing, Node] = {}  # working files being written (model/tailing.py)
 
@@ -421,6 +422,7 @@ class Files:
             content.upload = writing.stream.upload
         if isinstance(writing.staged, WorkingFile):
             self.largest_file = max(self.largest_file, content.size)
+            self.kernel_written += content.size
         self.commits.commit(node, content, writing)
         if writing.staged.remote:
             writing.frozen = True
