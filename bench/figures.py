@@ -175,6 +175,12 @@ FIGURES = [
         "1 writer: ckptfs-fuse-N threads' CPU per GiB written",
         "CPU s/GiB",
     ),
+    Figure(
+        "node_upload_cpu",
+        "node_cpu",
+        "1 writer: the daemon's CPU per GiB from the close to durable (upload, checks)",
+        "CPU s/GiB",
+    ),
     *_cluster_figures(),
     # the replicas scenario (bench/replicas.py): --replicas 1 vs 0 on two --cluster mounts
     Figure("replicas_stall", "replicas", "save stall: torch.save until it returns", "s"),

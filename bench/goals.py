@@ -209,3 +209,26 @@ def check_cluster(results: Results, wrong: list[str]) -> list[Goal]:
         )
     )
     return goals
+
+
+def _node_goal(results: Results, text: str, figure: str, limit: float) -> Goal:
+    """Issue 41: the node scenario's paired ratio to the cache disk (speed: ckptfs / disk)."""
+    from statistics import median
+
+    ratios = results.paired_ratios(figure, "ckptfs-local")
+    if not ratios:
+        return Goal(text, "not measured (the node scenario did not run)", None)
+    speed = median(ratios) if BY_ID[figure].higher_is_better else median(1 / r for r in ratios)
+    return Goal(
+        text, f"{speed:.2f}x the cache disk's speed (median of {len(ratios)} paired runs)", speed >= limit
+    )
+
+
+def check_node(results: Results) -> list[Goal]:
+    """Issue 41's targets on a file:// store: the node's data path at the cache disk's speed."""
+    return [
+        _node_goal(results, "1 writer >= 0.9x the cache disk", "node_write_1", 0.9),
+        _node_goal(results, "2 writers >= 0.9x the cache disk", "node_write_2", 0.9),
+        _node_goal(results, "torch.save >= 0.9x the cache disk", "node_save", 0.9),
+        _node_goal(results, "warm read >= 0.9x the cache disk", "node_read", 0.9),
+    ]

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from bench import sysinfo
 from bench.figures import Results
+from bench.goals import check_node
 from bench.mounts import CkptfsMount
 
 GiB = 1 << 30
@@ -60,7 +61,7 @@ FUSE_THREAD = re.compile(r"ckptfs-fuse-\d+")
 PYFUSE3_WRITE_CPU = 0.62
 BEFORE = f"before: {PYFUSE3_WRITE_CPU} CPU s/GiB, pyfuse3, measured at 5471979"
 BEFORE_LINE = f"before: {PYFUSE3_WRITE_CPU} (pyfuse3's one thread, 5471979)"  # (on the plots)
-CPU_FIGURES = ("node_write_cpu_trio", "node_write_cpu_fuse")
+CPU_FIGURES = ("node_write_cpu_trio", "node_write_cpu_fuse")  # (beside the pyfuse3 line)
 
 # A writer process: its 8 MiB buffer touched before it says "ready"; then one order a line
 # ([path, bytes]) on stdin, and [start, end] on the shared CLOCK_MONOTONIC (time.monotonic is
@@ -408,6 +409,12 @@ class Node:
                     f" (CPU s/GiB: trio thread {trio / written:.2f}, {split}, daemon "
                     f"{cpu / written:.2f}; {BEFORE})"
                 )
+            if name == CKPTFS:  # the rest of the daemon's work on it: the upload (file://)
+                cpu0 = sysinfo.cpu_seconds(self.pid)
+                self.sync()
+                upload = (sysinfo.cpu_seconds(self.pid) - cpu0) / written
+                r.add("node_upload_cpu", name, upload)
+                text += f"; upload after the close {upload:.2f} CPU s/GiB"
             line[name].append(text)
             self.forget(paths)
         # 5. torch.save into a new file
@@ -477,4 +484,12 @@ def report_lines(results: Results, meta: dict) -> list[str]:
         lines.append(
             f"CPU per GiB written by 1 writer: trio thread {trio:.2f}{readers} CPU s/GiB{missing}; {BEFORE}."
         )
+    upload = results.median("node_upload_cpu", CKPTFS)
+    if upload is not None:
+        lines.append(
+            f"CPU per GiB after the close, to durable (the upload to file://): {upload:.2f} CPU s/GiB."
+        )
+    for goal in check_node(results):
+        verdict = {True: "met", False: "**not met**", None: "not measured"}[goal.met]
+        lines.append(f"Issue 41 target, {goal.text}: {verdict}, {goal.detail}.")
     return lines
