@@ -355,6 +355,9 @@ def test_remount_keeps_the_clean_cache_and_checks_it(store, mount_factory):
     arena = m.ram_dir() / "ram.arena"
     with open(arena, "r+b") as f:  # every RAM slot the files used now holds other bytes
         f.write(os.urandom(32 << 20))
+    for working in (m.cache_dir / "working").iterdir():  # so do the files the kernel wrote
+        with open(working, "r+b") as f:
+            f.write(os.urandom(1 << 20))
     m.start()
     assert (m.path / "run" / "model.pt").read_bytes() == ckpt
     assert (m.path / "run" / "optim.pt").read_bytes() == ckpt2

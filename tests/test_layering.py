@@ -63,6 +63,7 @@ SUBLAYERS: dict[str, list[set[str]]] = {
         {"model.prefill", "model.policy", "model.gate"},
         {"model.commits"},
         {"model.startup", "model.refresh", "model.files", "model.dirs"},
+        {"model.tailing"},
         {"model.namespace"},
         {"model"},
     ],

@@ -103,7 +103,11 @@ def test_sigterm_with_store_calls_hanging_stops_the_daemon_within_seconds(proxy,
 
 
 def test_a_full_cache_with_the_store_down_gives_enospc_within_write_timeout(proxy, mount_factory, store):
-    m = mount_factory(ram_cache="16MiB", cache_size="32MiB", extra=("--write-timeout", "3")).start()
+    """Through the daemon's arenas (a writer the kernel serves itself is bounded at its open:
+    test_a_full_cache_sends_a_new_writer_through_the_daemon_which_waits)."""
+    m = mount_factory(
+        ram_cache="16MiB", cache_size="32MiB", extra=("--write-timeout", "3", "--no-passthrough-writes")
+    ).start()
     proxy.add_rule(Rule(blackhole()))
     committed = {"first.bin": os.urandom(16 * MiB)}
     write_files(m.path, committed)
@@ -140,6 +144,32 @@ def test_a_full_cache_with_the_store_down_gives_enospc_within_write_timeout(prox
     for name, data in committed.items():
         assert store.read(name) == data
         assert (m.path / name).read_bytes() == data
+
+
+def test_a_full_cache_sends_a_new_writer_through_the_daemon_which_waits(proxy, mount_factory, store):
+    """Passthrough writes: with the store down, files the kernel wrote fill the disk budget; the
+    next writer's open finds no room for another, so its working copy is in the arenas, where a
+    write waits for room and gets ENOSPC after --write-timeout. What was committed survives."""
+    m = mount_factory(ram_cache="0", cache_size="32MiB", extra=("--write-timeout", "3")).start()
+    if not m.status()["passthrough"]["writes"]:
+        pytest.skip("no passthrough writes here: " + m.status()["passthrough"].get("off_because", ""))
+    proxy.add_rule(Rule(blackhole()))
+    committed = {"first.bin": os.urandom(12 * MiB), "second.bin": os.urandom(20 * MiB)}
+    write_files(m.path, committed)
+    assert m.status()["passthrough"]["working_files"] == 2
+    started = time.monotonic()
+    with pytest.raises(OSError) as failed:
+        with open(m.path / "third.bin", "wb") as f:
+            for _ in range(8):
+                f.write(os.urandom(MiB))
+                f.flush()
+    assert failed.value.errno == errno.ENOSPC
+    assert 2.5 < time.monotonic() - started < 3 + 10
+    assert m.status()["passthrough"]["working_files"] == 2  # (the third went through the daemon)
+    proxy.clear()
+    m.sync(timeout=120)
+    for name, data in committed.items():
+        assert store.read(name) == data
 
 
 def test_creating_a_file_during_an_outage_answers_from_what_the_mount_knows(proxy, mount_factory):

@@ -15,12 +15,16 @@ that reader closes.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 
 from ckptfs.blocks import BlockRef, n_blocks
 from ckptfs.cache.contents import BlockCopy, Content
+from ckptfs.store.localfs import punch_hole
 from ckptfs.util import private_files
+
+log = logging.getLogger(__name__)
 
 WORKING_DIR = "working"
 FIRST_TIER = 2  # a backing file's tier number: past the two arenas (RAM 0, disk 1); its file name
@@ -38,6 +42,9 @@ class BackingTier:
         self.block_size = block_size
         self.slots: set[int] = set()  # blocks the cache counts references to
         self.writer = False  # a working copy still writes it
+        # Handed to the kernel for an open that can read it (and map it: a mapping outlives the
+        # open): no hole is ever punched in it then; before, a block no one holds is punched out.
+        self.exposed = False
         self.charged_bytes = 0  # what it takes on disk, as last measured (``measure``)
 
     def unused(self) -> bool:
@@ -95,8 +102,12 @@ class BackingTier:
         pass
 
     def release(self, slot: int) -> None:
-        # Never a hole punched: a passthrough reader may be reading the file this moment.
+        """No one holds block ``slot`` any more: its space goes back to the filesystem, unless the
+        file is still written or the kernel may read it (a hole would read as zeros there)."""
         self.slots.discard(slot)
+        if not (self.writer or self.exposed):
+            if err := punch_hole(self.fd, slot * self.block_size, self.block_size):
+                log.debug("cannot punch a hole in %s: %s", self.path, os.strerror(err))
 
     def sync(self) -> None:
         os.fsync(self.fd)

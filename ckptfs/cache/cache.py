@@ -107,6 +107,7 @@ class Cache:
         self.working_dir = cache_dir / backing.WORKING_DIR
         private_files.ensure_dir(self.working_dir, "working copies directory")
         self.backing: dict[int, BackingTier] = {}
+        self._new_names = False
         self._next_backing = backing.FIRST_TIER + max(
             (int(p.name) - backing.FIRST_TIER + 1 for p in self.working_dir.iterdir() if p.name.isdigit()),
             default=0,
@@ -164,6 +165,7 @@ class Cache:
         self._next_backing += 1
         path, fd = backing.new_file(self.working_dir, index)
         tier = self.backing[index] = BackingTier(index, path, fd, self.block_size)
+        self._new_names = True  # (its name is durable once the directory is synced: sync_disk)
         return tier
 
     def _backing_file(self, index: int) -> BackingTier | None:
@@ -174,7 +176,8 @@ class Cache:
                 fd = private_files.open_file(path, os.O_RDWR)
             except FileNotFoundError:
                 return None
-            self.backing[index] = BackingTier(index, path, fd, self.block_size)
+            tier = self.backing[index] = BackingTier(index, path, fd, self.block_size)
+            tier.exposed = True  # (a mapping of it from before the restart may still be read)
         return self.backing[index]
 
     def sweep_backing(self) -> None:
@@ -220,6 +223,12 @@ class Cache:
             return None
         return tier if tier.size() == content.size else None
 
+    def disk_nearly_full(self) -> bool:
+        """Whether the cache dir's filesystem has less than a block free (a writer the kernel
+        serves itself may have failed with ENOSPC: the daemon does not see its writes)."""
+        st = os.statvfs(self.working_dir)
+        return st.f_bfree * st.f_frsize < self.block_size
+
     def room_for_file(self, nbytes: int) -> bool:
         """Whether a working copy of about ``nbytes`` fits in the disk budget now (clean data
         evicted to make room), and on the cache dir's filesystem."""
@@ -237,6 +246,13 @@ class Cache:
         for tier in list(self.backing.values()):
             if tier.slots:
                 tier.sync()
+        if self._new_names:  # a new file's name survives a power cut once its directory is synced
+            self._new_names = False
+            fd = os.open(self.working_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     # -- allocation -----------------------------------------------------------------
     def try_alloc(self, only: int | None = None) -> BlockRef | None:
@@ -305,8 +321,11 @@ class Cache:
         del self.refcounts[ref]
         tier = self.tier(ref[0])
         tier.release(ref[1])
-        if isinstance(tier, BackingTier) and tier.unused():
-            self._drop_backing(tier)
+        if isinstance(tier, BackingTier):
+            if tier.unused():
+                self._drop_backing(tier)
+            else:
+                self.measure_backing(tier)  # (a block punched out)
         self._freed_at = time.monotonic()
         self._space.set()
         self._space = trio.Event()
@@ -330,6 +349,8 @@ class Cache:
         reading): one block at a time, lowest index first (behind a sequential reader)."""
         self.clean[owner] = (content, on_evict, whole)
         self.clean.move_to_end(owner)
+        if self.tiers[DISK].outside:  # (a file the kernel wrote may have taken the disk tier past its budget)
+            self.room_for_file(0)
         if self.waiters:
             self._space.set()
             self._space = trio.Event()

@@ -173,7 +173,13 @@ class Operations(Filesystem):
         # every read() asks for attributes when they have expired (auto_inval_data), one
         # daemon round trip per read of a torch.load. A later write through this mount
         # invalidates them in the kernel.
-        entry.attr_timeout = 0 if attr.writing else self.entry_timeout
+        # And a file the kernel reads itself (passthrough): its readers' fstat must see a newer
+        # version's size, which their node id (retired by then) is never told of.
+        entry.attr_timeout = (
+            0
+            if attr.writing or (self.passthrough_on and self.ns.read_by_kernel(attr.ino))
+            else self.entry_timeout
+        )
         entry.st_mode = attr.mode
         entry.st_nlink = attr.nlink
         entry.st_uid = attr.uid

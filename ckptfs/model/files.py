@@ -402,6 +402,7 @@ class Files:
         writing = handle.writing
         if writing is None:
             return False
+        self._check_kernel_writes(handle.node, writing)
         if writing.error:
             raise FsError(writing.error, "an earlier write failed: the file was not committed")
         if not commit:
@@ -409,8 +410,20 @@ class Files:
         writing.closed.add(handle)
         return writing.handles <= writing.closed and self._commit(handle.node, writing)
 
+    def _check_kernel_writes(self, node: Node, writing: Writing) -> None:
+        """A working file the kernel writes: had the cache disk filled meanwhile, a write may have
+        failed with ENOSPC without the daemon seeing it. Never commit it then (torn)."""
+        if isinstance(writing.staged, WorkingFile) and not writing.error:
+            if writing.disk_full or self.cache.disk_nearly_full():
+                writing.error = errno.ENOSPC
+                log.error(
+                    "the cache disk filled while %s was written: it will not be committed",
+                    writing.staged.tier.path.name,
+                )
+
     def _commit(self, node: Node, writing: Writing) -> bool:
         node.note_writes()  # (the kernel's own writes to a working file)
+        self._check_kernel_writes(node, writing)
         if not writing.dirty or writing.error:
             return False  # (never commit a torn file)
         writing.dirty = False

@@ -22,7 +22,7 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 
-from ckptfs.cache.backing import WorkingFile
+from ckptfs.cache.backing import FIRST_TIER, WorkingFile
 from ckptfs.cache.clean_index import CleanEntry
 from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import Op
@@ -305,11 +305,15 @@ class Namespace:
             staged = node.writing.staged
             if not isinstance(staged, WorkingFile) or not self.files.passthrough_writes:
                 return None
-            return staged.fd if access == os.O_WRONLY or (access == os.O_RDONLY and reads) else None
+            if access == os.O_RDONLY and reads:
+                staged.tier.exposed = True  # (the kernel may map it: cache/backing.py)
+                return staged.fd
+            return staged.fd if access == os.O_WRONLY else None
         if access != os.O_RDONLY or node.version is None or files is None or not reads:
             return None
         whole = self.cache.backing_of(node.version.content)
         if whole is not None:
+            whole.exposed = True  # (the kernel may map it: cache/backing.py)
             return whole.fd
         fd = files.fd_for(node)
         if fd is None:
@@ -319,6 +323,17 @@ class Namespace:
     def writes_to_file(self, ino: int, flags: int) -> bool:
         """Whether an open of ``ino`` with ``flags`` would write a working file (model/files.py)."""
         return self.files.writes_to_file(self.tree.node(ino), flags)
+
+    def read_by_kernel(self, ino: int) -> bool:
+        """Whether read-only opens of ``ino``'s current version may be passthrough ones (a cheap
+        guess, for attribute caching: a working file committed, or a read copy made)."""
+        node = self.inodes.get(ino)
+        files = self.prefill.files
+        if node is None or node.version is None or files is None or not files.on:
+            return False
+        blocks = node.version.content.blocks
+        first = blocks[0] if blocks else None
+        return (first is not None and first[0] >= FIRST_TIER) or files.fd_for(node, touch=False) is not None
 
     def passthrough_on(self, reads: bool, writes: bool) -> None:
         """The kernel takes backing files: reads of cached files (else their copies are off) and

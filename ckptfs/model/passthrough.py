@@ -92,12 +92,13 @@ class PassthroughFiles:
         self.queue.clear()
         self.close()
 
-    def fd_for(self, node) -> int | None:
-        """The file holding ``node``'s current version, if there is one."""
+    def fd_for(self, node, touch: bool = True) -> int | None:
+        """The file holding ``node``'s current version, if there is one (``touch``: it was opened)."""
         ready = self.files.get(node.ino)
         if ready is None or ready.version is not node.version:
             return None
-        self.files.move_to_end(node.ino)
+        if touch:
+            self.files.move_to_end(node.ino)
         return ready.fd
 
     def want(self, node, version) -> None:

@@ -9,7 +9,8 @@ part sent is read and hashed again, and one whose bytes changed since is sent ag
 (``PartSender._adopt_stream``): correct for any write pattern, at the cost of one read of the
 streamed bytes at memory speed, after the close (the close itself waits for none of it).
 It also counts what the files take on disk against the disk budget as they grow, evicting
-clean data when they pass it.
+clean data when they pass it, and notes a cache disk seen full meanwhile: the writer may have
+had ENOSPC, which the daemon never sees, so that file is not committed.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ class Tailer:
 
     def poll(self) -> None:
         over = False
+        full = bool(self.files.tailed) and self.cache.disk_nearly_full()
         for writing, node in list(self.files.tailed.items()):
+            writing.disk_full |= full  # (its writer may have had ENOSPC: never committed, Files.flush)
             staged = writing.staged
             assert isinstance(staged, WorkingFile)  # only working files are tailed (Files._writing)
             self.cache.measure_backing(staged.tier)

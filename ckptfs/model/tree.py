@@ -166,6 +166,7 @@ class Writing:
         self.closed: set[Handle] = set()  # ... whose opener has closed them (flush with commit)
         self.seen_ns = 0  # a working file's last write seen (Node.note_writes)
         self.tailed = 0  # a working file's blocks handed to its stream so far (model/tailing.py)
+        self.disk_full = False  # the cache disk was seen full while the kernel wrote it
 
 
 class Handle:
