@@ -93,3 +93,17 @@ def test_a_refused_passthrough_open_counts_as_a_cached_one(two_files):
     assert 5 not in ids.bound and not ids.may_bind(5)
     ids.released(10)
     assert ids.may_bind(5)
+
+
+def test_a_retired_node_id_shows_the_size_of_the_file_its_readers_keep(two_files):
+    v1, v2 = two_files
+    os.pwrite(v1, b"x" * 100, 0)
+    ids = NodeIds()
+    ids.opened_with(10, 5, "passthrough", v1)
+    assert ids.kept_size(5) is None  # current: the namespace's size
+    ids.retire(5)
+    assert ids.kept_size(5) == 100
+    os.pwrite(v1, b"y", 100)  # (the file as it is: a working file may still grow)
+    assert ids.kept_size(5) == 101
+    ids.released(10)
+    assert ids.kept_size(5) is None

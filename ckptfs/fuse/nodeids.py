@@ -21,10 +21,12 @@ ALIAS_BASE = 1 << 56  # aliases never meet the namespace's own inode numbers
 
 @dataclass
 class Bound:
-    """A node id bound to a backing file: its passthrough opens and the file's identity."""
+    """A node id bound to a backing file: its passthrough opens, the file's identity, and a
+    descriptor of it of our own (its size: what those opens read and map)."""
 
     opens: int
     identity: tuple[int, int]
+    fd: int = -1
 
 
 def identity(fd: int) -> tuple[int, int]:
@@ -85,6 +87,14 @@ class NodeIds:
             return passthrough_fd is None or identity(passthrough_fd) != bound.identity
         return nodeid != self.for_ino(self.ino(nodeid)) and passthrough_fd is None
 
+    def kept_size(self, nodeid: int) -> int | None:
+        """A retired node id whose passthrough readers keep an older version: that version's size
+        (what they read and map), else None."""
+        bound = self.bound.get(nodeid)
+        if bound is None or nodeid == self.for_ino(self.ino(nodeid)):
+            return None
+        return os.fstat(bound.fd).st_size
+
     def may_bind(self, nodeid: int) -> bool:
         """Passthrough needs a node id with no open through its page cache."""
         return self.cached_opens[nodeid] == 0
@@ -95,7 +105,9 @@ class NodeIds:
             self.cached_opens[nodeid] += 1
         elif kind == "passthrough":
             assert fd is not None
-            bound = self.bound.setdefault(nodeid, Bound(0, identity(fd)))
+            bound = self.bound.get(nodeid)
+            if bound is None:
+                bound = self.bound[nodeid] = Bound(0, identity(fd), os.dup(fd))
             bound.opens += 1
 
     def released(self, fh: int) -> None:
@@ -109,6 +121,7 @@ class NodeIds:
             bound.opens -= 1
             if bound.opens <= 0:
                 del self.bound[nodeid]
+                os.close(bound.fd)
 
     def passthrough_refused(self, fh: int) -> None:
         """The kernel took a passthrough answer as a cached open (passthrough was refused)."""

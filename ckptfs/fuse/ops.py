@@ -9,6 +9,7 @@ sees a failure of ours.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import logging
@@ -226,7 +227,11 @@ class Operations(Filesystem):
 
     @_errno_boundary
     async def getattr(self, inode, ctx):
-        return self._entry(self.ns.getattr(self.nodes.ino(inode)))
+        attr = self.ns.getattr(self.nodes.ino(inode))
+        kept = self.nodes.kept_size(inode)
+        if kept is not None and not attr.is_dir:  # (its readers keep the version they opened)
+            attr = dataclasses.replace(attr, size=kept)
+        return self._entry(attr)
 
     @_errno_boundary
     async def setattr(self, inode, attr: EntryAttributes, fields: SetattrFields, fh, ctx):
