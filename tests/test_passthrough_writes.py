@@ -52,7 +52,6 @@ def test_a_checkpoint_is_written_by_the_kernel_and_reaches_the_store(mount_facto
     after = m.status()
     assert after["passthrough"]["daemon_writes"] == writes, "WRITE requests reached the daemon"
     assert after["written_bytes"] == written + len(data)  # (counted at the commit)
-    assert after["save_stall"][1] >= 1  # (the histogram: buckets, count, sum)
     assert after["passthrough"]["working_files"] == figures["working_files"] + 1
     assert os.stat(path).st_size == len(data)
     m.sync()
