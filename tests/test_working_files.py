@@ -7,6 +7,7 @@ restart through the journal, and drop a file no record names."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -16,7 +17,7 @@ from ckptfs.cache.backing import FIRST_TIER, WorkingFile
 from ckptfs.model.tree import ROOT_INODE
 from tests.support.faults import FaultyStore
 from tests.support.harness import blob, trio_test
-from tests.support.inprocess import BS, GID, UID, mounted, read_all, store_files, sync
+from tests.support.inprocess import BS, GID, UID, aerr, mounted, read_all, store_files, sync
 
 pytestmark = pytest.mark.unit
 
@@ -154,3 +155,26 @@ async def test_a_sparse_working_file_commits_its_holes_as_holes(tmp_path, local)
         assert len(blocks) == 200 and sum(ref is not None for ref in blocks) == 1
         await sync(m)
         assert store_files(local) == {"sparse.bin": bytes(200 * BS - 3) + b"end"}
+
+
+@trio_test
+async def test_a_committed_file_is_sealed_before_its_writer_is_released(tmp_path, local):
+    """Between the close that commits (FLUSH) and the writer's RELEASE, a new O_TRUNC open (the
+    next save of the same name) must not truncate the file that is now the committed version."""
+    data = blob(2 * BS + 1, 6)
+    async with mounted(tmp_path, local) as m:
+        handle, attr = new_file(m, "latest.pt")
+        os.pwrite(handle.staged.fd, data, 0)
+        m.ns.flush(handle.fh)  # committed; not released yet
+        committed = m.ns.node(attr.ino).version.content.hold()
+        second, *_ = await m.ns.open(attr.ino, os.O_WRONLY | os.O_TRUNC)
+        assert isinstance(second.staged, WorkingFile) and second.staged.fd != m.cache.backing_of(committed).fd
+        assert committed.read(0, len(data)) == data
+        assert await aerr(m.ns.write, handle.fh, 0, b"late") == errno.EIO  # (committed: reopen to write)
+        assert committed.read(0, len(data)) == data
+        os.pwrite(second.staged.fd, b"next", 0)
+        m.ns.release(handle.fh)
+        close(m, second)
+        committed.release()
+        await sync(m)
+        assert store_files(local) == {"latest.pt": b"next"}

@@ -239,19 +239,26 @@ class Cache:
         st = os.statvfs(self.working_dir)
         return st.f_bavail * st.f_frsize >= nbytes
 
-    def sync_disk(self) -> None:
-        """fsync the disk arena and the committed backing files: whatever a journal record names
-        on disk, before the journal itself is synced."""
-        self.tiers[DISK].sync()
-        for tier in list(self.backing.values()):
-            if tier.slots:
-                tier.sync()
-        if self._new_names:  # a new file's name survives a power cut once its directory is synced
+    def disk_files(self) -> list[int]:
+        """On the loop: descriptors of our own (the caller passes them to ``sync_disk``, which
+        closes them) of what a journal record may name on disk besides the disk arena: the
+        committed backing files, and their directory while it has new names (a new file's name
+        survives a power cut once its directory is synced)."""
+        fds = [os.dup(tier.fd) for tier in self.backing.values() if tier.slots]
+        if self._new_names:
             self._new_names = False
-            fd = os.open(self.working_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
+            fds.append(os.open(self.working_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        return fds
+
+    def sync_disk(self, fds: list[int]) -> None:
+        """From a thread: fsync the disk arena and ``fds`` (``disk_files``), closing them; before
+        the journal is synced, so a synced record never names bytes that were not."""
+        try:
+            self.tiers[DISK].sync()
+            for fd in fds:
                 os.fsync(fd)
-            finally:
+        finally:
+            for fd in fds:
                 os.close(fd)
 
     # -- allocation -----------------------------------------------------------------
@@ -303,6 +310,11 @@ class Cache:
             finally:
                 self.waiters -= 1
         return ref
+
+    def writable_in_place(self, ref: BlockRef) -> bool:
+        """Whether a working copy may write block ``ref`` where it is: it holds the only reference,
+        and it is an arena slot (a backing file's block may be read by the kernel: copied first)."""
+        return self.refcounts[ref] == 1 and ref[0] < backing.FIRST_TIER
 
     def incref(self, ref: BlockRef) -> None:
         self.refcounts[ref] += 1

@@ -274,7 +274,7 @@ class StagedFile:
                 self.valid.append(0)
                 self.stamps.append(0)
             ref = self.blocks[index]
-            if ref is not None and self.cache.refcounts[ref] == 1:
+            if ref is not None and self.cache.writable_in_place(ref):
                 return ref
             new = await self.cache.alloc()
             if index >= len(self.blocks) or self.blocks[index] is not ref:  # raced another write/truncate

@@ -412,7 +412,7 @@ class Operations(Filesystem):
         the mount: it is off from now on)."""
         self.nodes.passthrough_refused(fh)
         self.passthrough_opens -= 1
-        if self.passthrough_on:
+        if self.passthrough_on and why:
             self.passthrough_on = False
             self.passthrough_off_reason = why
             self.ns.passthrough_off()

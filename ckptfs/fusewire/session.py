@@ -667,6 +667,10 @@ class Session:
             if backing_id:
                 self.passthrough_opens += 1
                 flags = abi.FOPEN_PASSTHROUGH | (flags & abi.FOPEN_DIRECT_IO)
+        if info.backing_fd is not None and not backing_id:
+            # Answered as a plain open: the filesystem must count it as one ("": only this open,
+            # another file backs the node; else why passthrough is off for the mount).
+            self.on_refused(info.fh, self.backing.refused or "")
         return abi.OPEN_OUT.pack(info.fh, flags, backing_id)
 
     async def _open(self, req, ctx, flight):

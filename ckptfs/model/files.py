@@ -110,7 +110,7 @@ class Files:
         writing = node.writing
         if writing is not None and not (writing.frozen or writing.error):
             return isinstance(writing.staged, WorkingFile)
-        return passes_through(flags)
+        return passes_through(flags) and bool(flags & os.O_TRUNC or node.version is None)
 
     def _writing(self, node: Node, staged: StagedFile | WorkingFile) -> Writing:
         writing = Writing(staged)
@@ -323,9 +323,7 @@ class Files:
             if writing.error:
                 raise FsError(writing.error)
             if writing.frozen:
-                raise FsError(
-                    errno.EIO, "this file was committed with parts evicted to the store: reopen it to write"
-                )
+                raise FsError(errno.EIO, "this file was committed since it was opened: reopen it to write")
             if handle.append:
                 offset = writing.staged.size
             node = handle.node
@@ -436,6 +434,13 @@ class Files:
         if isinstance(writing.staged, WorkingFile):
             self.largest_file = max(self.largest_file, content.size)
             self.kernel_written += content.size
+            # The file is the version now: never written again through this working copy. Later
+            # writes of its handles (a writer's mapped pages written back, a joining opener) go
+            # through the daemon into blocks copied on write; the next writer gets a new file.
+            sealed, writing.staged = writing.staged, StagedFile(self.cache, content)
+            sealed.discard()
+            self.tailed.pop(writing, None)
+            writing.frozen = True  # (the next open starts a new working copy: a new file)
         self.commits.commit(node, content, writing)
         if writing.staged.remote:
             writing.frozen = True
@@ -519,7 +524,7 @@ class Files:
         else:
             return  # durable in the store already, or nothing committed
         if content is None:
-            await trio.to_thread.run_sync(self.cache.sync_disk)
+            await trio.to_thread.run_sync(self.cache.sync_disk, self.cache.disk_files())
         else:
             content.hold()
             try:
@@ -529,7 +534,7 @@ class Files:
                 content.release()
             disk.hold()
             try:
-                await trio.to_thread.run_sync(self.cache.sync_disk)
+                await trio.to_thread.run_sync(self.cache.sync_disk, self.cache.disk_files())
                 if not node.unlinked and fh in self.tree.handles:
                     self.commits.add_shadow(node, disk, writing if covers is None else None, covers)
             finally:
@@ -542,13 +547,14 @@ class Files:
         journal names on the disk tier. The disk arena (and backing files) first, then the journal: a
         synced record never names blocks that were not (versions in the RAM tier are still
         dropped at a reboot: only a file's fsync copies them to disk)."""
-        await trio.to_thread.run_sync(self.cache.sync_disk)
+        await trio.to_thread.run_sync(self.cache.sync_disk, self.cache.disk_files())
         await trio.to_thread.run_sync(self.commits.journal.sync)
 
     async def setattr(
         self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None
     ) -> Attr:
         node = self.tree.node(ino)
+        node.note_writes()  # (the kernel's writes so far: an explicit mtime below comes after them)
         if size is not None:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
@@ -565,6 +571,8 @@ class Files:
             node.atime_ns = atime_ns
         if mtime_ns is not None:
             node.mtime_ns = mtime_ns
+            if node.writing is not None:  # (the file's own mtime is not a later write)
+                node.writing.seen_ns = node.writing.staged.written_ns()
         node.ctime_ns = time.time_ns()
         if mode is not None or uid is not None or gid is not None or (mtime_ns is not None and size is None):
             self.commits.set_attrs(node)

@@ -41,14 +41,17 @@ class Tailer:
         over = False
         full = bool(self.files.tailed) and self.cache.disk_nearly_full()
         for writing, node in list(self.files.tailed.items()):
-            writing.disk_full |= full  # (its writer may have had ENOSPC: never committed, Files.flush)
             staged = writing.staged
             assert isinstance(staged, WorkingFile)  # only working files are tailed (Files._writing)
             self.cache.measure_backing(staged.tier)
             over = True
+            size = staged.size
+            if full and size > writing.polled_size:
+                writing.disk_full = True  # (growing on a full disk: a write may have had ENOSPC)
+            writing.polled_size = size
             if node.unlinked or writing.error or writing.frozen:
                 continue
-            sealed = staged.size // self.cache.block_size - 1  # (the writer is in the block after)
+            sealed = size // self.cache.block_size - 1  # (the writer is in the block after)
             while writing.tailed < sealed:
                 if writing.stream is None:
                     writing.stream = self.uploader.open_stream(node.key())

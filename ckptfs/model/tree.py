@@ -167,6 +167,7 @@ class Writing:
         self.seen_ns = 0  # a working file's last write seen (Node.note_writes)
         self.tailed = 0  # a working file's blocks handed to its stream so far (model/tailing.py)
         self.disk_full = False  # the cache disk was seen full while the kernel wrote it
+        self.polled_size = 0  # a working file's size at the tailer's last look
 
 
 class Handle:
