@@ -88,7 +88,10 @@ def test_ram_cache_larger_than_free_shm_is_refused(tmp_path, small_shm, mount_fa
 
 def test_full_shm_falls_back_to_disk(tmp_path, small_shm, mount_factory):
     """/dev/shm fills up under a mounted daemon: writes go on in the disk tier, no SIGBUS."""
-    m = mount_factory("m", ram_cache="32MiB", extra=("--shm-dir", str(small_shm))).start()
+    # (through the daemon's arenas: passthrough writes would take the disk tier's files)
+    m = mount_factory(
+        "m", ram_cache="32MiB", extra=("--shm-dir", str(small_shm), "--no-passthrough-writes")
+    ).start()
     fill(small_shm / "other-users-file", leave=12 * MiB)  # room for one 8 MiB slot of the four
     data = os.urandom(3 * 32 * MiB)
     for name in ("a", "b"):  # the second save also meets the populate thread's ahead-of-time touch
