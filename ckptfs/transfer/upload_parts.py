@@ -118,9 +118,16 @@ class PartSender:
                 task.bytes_sent += task.part_bounds(index)[1]
             # (those parts say whether the upload holds frames, whatever this mount's --compress)
             task.compressed = any(compression.untag(h)[1] is not None for h in task.op.hashes.values())
-        if task.stream is not None:
-            await self._adopt_stream(task)
-        await self._hash_whole_file(task)
+        if task.stream is not None and task.stream.verify:
+            # (a file the kernel wrote: its streamed parts are read again; the whole file's hash
+            # reads it too, beside them rather than after)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._adopt_stream, task)
+                nursery.start_soon(self._hash_whole_file, task)
+        else:
+            if task.stream is not None:
+                await self._adopt_stream(task)
+            await self._hash_whole_file(task)
         if task.multipart:
             await self._upload_parts(task)
 
