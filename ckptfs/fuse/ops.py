@@ -174,12 +174,10 @@ class Operations(Filesystem):
         # every read() asks for attributes when they have expired (auto_inval_data), one
         # daemon round trip per read of a torch.load. A later write through this mount
         # invalidates them in the kernel.
-        # And a file the kernel reads itself (passthrough): its readers' fstat must see a newer
-        # version's size, which their node id (retired by then) is never told of.
+        # And any file while passthrough is on: a writer or a reader may be moved to a new node
+        # id (fuse/nodeids.py), and the old one's kernel inode is never told of the new version.
         entry.attr_timeout = (
-            0
-            if attr.writing or (self.passthrough_on and self.ns.read_by_kernel(attr.ino))
-            else self.entry_timeout
+            0 if attr.writing or (self.passthrough_on and not attr.is_dir) else self.entry_timeout
         )
         entry.st_mode = attr.mode
         entry.st_nlink = attr.nlink

@@ -438,6 +438,7 @@ class Files:
             # writes of its handles (a writer's mapped pages written back, a joining opener) go
             # through the daemon into blocks copied on write; the next writer gets a new file.
             sealed, writing.staged = writing.staged, StagedFile(self.cache, content)
+            writing.sealed, writing.sealed_ns = sealed, sealed.written_ns()
             sealed.discard()
             self.tailed.pop(writing, None)
             writing.frozen = True  # (the next open starts a new working copy: a new file)
@@ -460,6 +461,22 @@ class Files:
                 assert old is not None  # no working copy: a reader, opened with a version
                 old.release()
 
+    def _recommit_sealed(self, node: Node, writing: Writing) -> bool:
+        """A handle of a committed working file still wrote it through the kernel (a forked child
+        holding the file after its opener's close): the file as it is now is the version."""
+        sealed = writing.sealed
+        version = node.version
+        if sealed is None or node.unlinked or version is None or sealed.written_ns() <= writing.sealed_ns:
+            return False
+        first = version.content.blocks[0] if version.content.blocks else None
+        if first is None or first[0] != sealed.tier.index:
+            return False  # (a newer version replaced it meanwhile)
+        writing.sealed_ns = sealed.written_ns()
+        node.mtime_ns = node.ctime_ns = writing.sealed_ns
+        self.commits.commit(node, sealed.snapshot())
+        self._readers_follow(node)
+        return True
+
     def release(self, fh: int, commit: bool = True) -> bool:
         """The last close of a handle; True if it committed a version. ``commit=False``: an
         open taken back (the kernel never saw it), nothing committed."""
@@ -478,7 +495,7 @@ class Files:
                 # Every writer left has been closed by its opener (or none is left): commit
                 # what no close did (an opener's close not seen, a writer closed before another).
                 if commit and writing.handles <= writing.closed:
-                    committed = self._commit(node, writing)
+                    committed = self._commit(node, writing) or self._recommit_sealed(node, writing)
         finally:
             if writing is not None and not writing.handles:
                 self.tailed.pop(writing, None)

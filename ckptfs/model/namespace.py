@@ -22,7 +22,7 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 
-from ckptfs.cache.backing import FIRST_TIER, WorkingFile
+from ckptfs.cache.backing import WorkingFile
 from ckptfs.cache.clean_index import CleanEntry
 from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import Op
@@ -323,17 +323,6 @@ class Namespace:
     def writes_to_file(self, ino: int, flags: int) -> bool:
         """Whether an open of ``ino`` with ``flags`` would write a working file (model/files.py)."""
         return self.files.writes_to_file(self.tree.node(ino), flags)
-
-    def read_by_kernel(self, ino: int) -> bool:
-        """Whether read-only opens of ``ino``'s current version may be passthrough ones (a cheap
-        guess, for attribute caching: a working file committed, or a read copy made)."""
-        node = self.inodes.get(ino)
-        files = self.prefill.files
-        if node is None or node.version is None or files is None or not files.on:
-            return False
-        blocks = node.version.content.blocks
-        first = blocks[0] if blocks else None
-        return (first is not None and first[0] >= FIRST_TIER) or files.fd_for(node, touch=False) is not None
 
     def passthrough_on(self, reads: bool, writes: bool) -> None:
         """The kernel takes backing files: reads of cached files (else their copies are off) and

@@ -168,6 +168,9 @@ class Writing:
         self.tailed = 0  # a working file's blocks handed to its stream so far (model/tailing.py)
         self.disk_full = False  # the cache disk was seen full while the kernel wrote it
         self.polled_size = 0  # a working file's size at the tailer's last look
+        # The working file a commit sealed, and its mtime then (a forked child may still write it).
+        self.sealed: WorkingFile | None = None
+        self.sealed_ns = 0
 
 
 class Handle:
