@@ -41,6 +41,26 @@ def in_pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
+def pwrite_all(fd: int, data, pos: int) -> None:
+    """All of ``data`` at ``pos`` (a signal may cut a large write short)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, pos)
+        view, pos = view[written:], pos + written
+
+
+def send_range(fd: int, path: Path, pos: int, length: int, out_fd: int, out_pos: int) -> None:
+    """Bytes [pos, pos + length) of ``fd`` into ``out_fd`` at ``out_pos``, in the kernel (sendfile:
+    no bytes through Python, the GIL released; callable from a worker thread)."""
+    end = pos + length
+    os.lseek(out_fd, out_pos, os.SEEK_SET)
+    while pos < end:
+        sent = os.sendfile(out_fd, fd, pos, end - pos)
+        if sent == 0:
+            raise OSError(errno.EIO, f"short read from {path}")
+        pos += sent
+
+
 def _address_of(mm: mmap.mmap) -> int:
     """Where the map starts (the ctypes view is dropped at once: a live one would keep the map
     from closing)."""
@@ -214,10 +234,7 @@ class Tier:
         self._pwrite_all(data, slot * self.block_size)
 
     def _pwrite_all(self, data, pos: int) -> None:
-        view = memoryview(data)
-        while view:  # (a signal may cut a large write short)
-            written = os.pwrite(self.fd, view, pos)
-            view, pos = view[written:], pos + written
+        pwrite_all(self.fd, data, pos)
 
     def read(self, slot: int, offset: int, length: int) -> bytes:
         pos = slot * self.block_size + offset
@@ -233,15 +250,8 @@ class Tier:
             raise OSError(errno.EIO, f"short read from {self.path}")
 
     def send_to(self, slot: int, length: int, out_fd: int, out_pos: int) -> None:
-        """Copy a block's first ``length`` bytes into another file at ``out_pos``, in the kernel
-        (sendfile: no bytes through Python, the GIL released; callable from a worker thread)."""
-        pos, end = slot * self.block_size, slot * self.block_size + length
-        os.lseek(out_fd, out_pos, os.SEEK_SET)
-        while pos < end:
-            sent = os.sendfile(out_fd, self.fd, pos, end - pos)
-            if sent == 0:
-                raise OSError(errno.EIO, f"short read from {self.path}")
-            pos += sent
+        """Copy a block's first ``length`` bytes into another file at ``out_pos`` (``send_range``)."""
+        send_range(self.fd, self.path, slot * self.block_size, length, out_fd, out_pos)
 
     def view(self, slot: int, length: int) -> memoryview | bytes:
         """Zero-copy view for hashing and uploading (RAM tier); a read on disk."""

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from ckptfs.blocks import BlockRef, n_blocks
+from ckptfs.cache.arena import pwrite_all, send_range
 from ckptfs.cache.contents import BlockCopy, Content
 from ckptfs.store.localfs import punch_hole
 from ckptfs.util import private_files
@@ -67,10 +68,7 @@ class BackingTier:
         pass  # (nothing to charge: ``measure`` counts what the file takes)
 
     def pwrite(self, slot: int, offset: int, data) -> None:
-        view, pos = memoryview(data), slot * self.block_size + offset
-        while view:  # (a signal may cut a large write short)
-            written = os.pwrite(self.fd, view, pos)
-            view, pos = view[written:], pos + written
+        pwrite_all(self.fd, data, slot * self.block_size + offset)
 
     write = pwrite  # (cache.Cache.write: the same, here)
 
@@ -87,13 +85,7 @@ class BackingTier:
             out[got:] = bytes(len(out) - got)
 
     def send_to(self, slot: int, length: int, out_fd: int, out_pos: int) -> None:
-        pos, end = slot * self.block_size, slot * self.block_size + length
-        os.lseek(out_fd, out_pos, os.SEEK_SET)
-        while pos < end:
-            sent = os.sendfile(out_fd, self.fd, pos, end - pos)
-            if sent == 0:
-                raise OSError(errno.EIO, f"short read from {self.path}")
-            pos += sent
+        send_range(self.fd, self.path, slot * self.block_size, length, out_fd, out_pos)
 
     def view(self, slot: int, length: int) -> bytes:
         return self.read(slot, 0, length)
