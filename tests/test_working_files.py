@@ -178,3 +178,22 @@ async def test_a_committed_file_is_sealed_before_its_writer_is_released(tmp_path
         committed.release()
         await sync(m)
         assert store_files(local) == {"latest.pt": b"next"}
+
+
+@trio_test
+async def test_an_empty_committed_file_stays_the_forked_childs_until_its_release(tmp_path, local):
+    """mknod, or a create closed unwritten: an empty version, which holds no block of the file.
+    The file must still be there for a forked child's descriptor, which the kernel writes through:
+    its release commits what the child wrote (before, the file was closed at the commit, and the
+    release's look at it failed with EBADF)."""
+    async with mounted(tmp_path, local) as m:
+        handle, attr = new_file(m, "made.bin")
+        fd = handle.staged.fd
+        m.ns.flush(handle.fh)  # the opener's close: committed, empty
+        assert m.ns.getattr(attr.ino).size == 0
+        await trio.sleep(0.01)
+        os.pwrite(fd, b"child", 0)  # (the child, through the kernel)
+        m.ns.release(handle.fh)
+        assert m.ns.getattr(attr.ino).size == 5
+        await sync(m)
+        assert store_files(local) == {"made.bin": b"child"}

@@ -437,9 +437,10 @@ class Files:
             # The file is the version now: never written again through this working copy. Later
             # writes of its handles (a writer's mapped pages written back, a joining opener) go
             # through the daemon into blocks copied on write; the next writer gets a new file.
+            # The sealed file stays open as written until the last handle goes (release): a
+            # forked child's descriptor may still write it through the kernel.
             sealed, writing.staged = writing.staged, StagedFile(self.cache, content)
-            writing.sealed, writing.sealed_ns = sealed, sealed.written_ns()
-            sealed.discard()
+            writing.sealed, writing.sealed_ns, writing.sealed_content = sealed, sealed.written_ns(), content
             self.tailed.pop(writing, None)
             writing.frozen = True  # (the next open starts a new working copy: a new file)
         self.commits.commit(node, content, writing)
@@ -466,14 +467,19 @@ class Files:
         holding the file after its opener's close): the file as it is now is the version."""
         sealed = writing.sealed
         version = node.version
-        if sealed is None or node.unlinked or version is None or sealed.written_ns() <= writing.sealed_ns:
+        if (
+            sealed is None
+            or node.unlinked
+            or version is None
+            or version.content is not writing.sealed_content
+        ):
+            return False  # (none, or a newer version replaced it meanwhile)
+        if sealed.written_ns() <= writing.sealed_ns:
             return False
-        first = version.content.blocks[0] if version.content.blocks else None
-        if first is None or first[0] != sealed.tier.index:
-            return False  # (a newer version replaced it meanwhile)
         writing.sealed_ns = sealed.written_ns()
         node.mtime_ns = node.ctime_ns = writing.sealed_ns
-        self.commits.commit(node, sealed.snapshot())
+        writing.sealed_content = sealed.snapshot()
+        self.commits.commit(node, writing.sealed_content)
         self._readers_follow(node)
         return True
 
@@ -504,6 +510,8 @@ class Files:
                 if self.commits.replicator is not None:
                     self.commits.replicator.forget(writing.serial)
                 writing.staged.discard()
+                if writing.sealed is not None:
+                    writing.sealed.discard()
                 if node.writing is writing:
                     node.writing = None
             if handle.content is not None:

@@ -171,6 +171,7 @@ class Writing:
         # The working file a commit sealed, and its mtime then (a forked child may still write it).
         self.sealed: WorkingFile | None = None
         self.sealed_ns = 0
+        self.sealed_content: Content | None = None  # (the version it was committed as)
 
 
 class Handle:
