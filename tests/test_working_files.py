@@ -69,6 +69,7 @@ async def test_streamed_parts_changed_before_the_commit_are_sent_again(tmp_path,
         handle, _ = new_file(m, "s.bin")
         fd = handle.staged.fd
         os.pwrite(fd, data, 0)
+        m.ns.tailer.stream_after = 0  # (a file is streamed once open a while: at once, here)
         m.ns.tailer.poll()  # blocks 0-4 are behind the writer: streamed
         sender = m.uploader.sender
         with trio.fail_after(30):

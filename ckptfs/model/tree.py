@@ -165,6 +165,7 @@ class Writing:
         self.lock = trio.Semaphore(1)  # (not a Lock: the halves run in different tasks)
         self.closed: set[Handle] = set()  # ... whose opener has closed them (flush with commit)
         self.seen_ns = 0  # a working file's last write seen (Node.note_writes)
+        self.opened_at = time.monotonic()  # (model/tailing.py streams a file once open a while)
         self.tailed = 0  # a working file's blocks handed to its stream so far (model/tailing.py)
         self.disk_full = False  # the cache disk was seen full while the kernel wrote it
         self.polled_size = 0  # a working file's size at the tailer's last look
