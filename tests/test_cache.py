@@ -591,3 +591,21 @@ async def test_the_ram_slots_of_the_next_save_are_touched_ahead(tmp_path):
         assert {slot for _, slot in nxt} == upcoming  # what was touched is what the next save takes
         nursery.cancel_scope.cancel()
     cache.close()
+
+
+def test_a_dropped_backing_file_leaves_the_directory_at_once_and_is_closed_off_the_loop(tmp_path):
+    """Its unlink is immediate (a sweep or a listing never sees it); its last close, which frees
+    its extents, runs in the cache's own thread, and ``close`` waits for it."""
+    cache = make_cache(tmp_path)
+    tier = cache.new_backing()
+    os.pwrite(tier.fd, b"x" * 3 * BS, 0)
+    fd, before = tier.fd, os.fstat(tier.fd)
+    cache.drop_backing_if_unused(tier)  # (no writer, no block held: unused)
+    assert not tier.path.exists() and tier.index not in cache.backing
+    cache.close()
+    try:  # (closed; or the number reused by another file since)
+        after = os.fstat(fd)
+    except OSError as exc:
+        assert exc.errno == errno.EBADF
+    else:
+        assert (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)
