@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import threading
 
 import pytest
 import trio
@@ -600,6 +601,9 @@ def test_a_dropped_backing_file_leaves_the_directory_at_once_and_is_closed_off_t
     tier = cache.new_backing()
     os.pwrite(tier.fd, b"x" * 3 * BS, 0)
     fd, before = tier.fd, os.fstat(tier.fd)
+    closed_by: list[str] = []
+    close = tier.close
+    tier.close = lambda remove: (closed_by.append(threading.current_thread().name), close(remove))  # type: ignore[method-assign]
     cache.drop_backing_if_unused(tier)  # (no writer, no block held: unused)
     assert not tier.path.exists() and tier.index not in cache.backing
     cache.close()
@@ -609,3 +613,4 @@ def test_a_dropped_backing_file_leaves_the_directory_at_once_and_is_closed_off_t
         assert exc.errno == errno.EBADF
     else:
         assert (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)
+    assert len(closed_by) == 1 and closed_by[0].startswith("ckptfs-drop"), closed_by
