@@ -8,6 +8,7 @@ installs it; the test is skipped without it).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -263,6 +264,78 @@ def test_a_write_without_privilege_clears_the_set_id_bits(store, reachable, othe
     m.start()  # set-id bits are never taken from the store (the ones root kept included)
     for name, (_, _, _, after) in cases.items():
         assert stat.S_IMODE((m.path / name).stat().st_mode) == after & 0o1777, f"{name}, after a remount"
+    m.stop()
+
+
+# What the other user does in a directory (as a local disk, then through the mount): each case
+# a file root made with set-id bits (06777: group execute, so set-group-ID goes too), then one
+# way of changing it that clears them on Linux (fs/attr.c, setattr_should_drop_suidgid).
+SET_ID_CASES = r"""
+import json, os, stat, sys
+d = sys.argv[1]
+mode = lambda name: stat.S_IMODE(os.stat(os.path.join(d, name)).st_mode)
+seen = {}
+fd = os.open(os.path.join(d, "trunc-open"), os.O_WRONLY | os.O_TRUNC)  # (a passthrough write after)
+os.write(fd, b"x")
+os.close(fd)
+fd = os.open(os.path.join(d, "ftruncate"), os.O_WRONLY)
+os.ftruncate(fd, 2)
+os.close(fd)
+fd = os.open(os.path.join(d, "rdwr-write"), os.O_RDWR)  # (through the page cache)
+os.write(fd, b"x")
+os.close(fd)
+# Set-id bits given while the kernel itself writes the file (a passthrough write: the daemon
+# sees no WRITE), then a write.
+path = os.path.join(d, "chmod-while-writing")
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o777)
+os.write(fd, b"x" * 4096)
+os.chmod(path, 0o6777)
+seen["chmod-while-writing: given"] = stat.S_IMODE(os.fstat(fd).st_mode)
+os.write(fd, b"y")
+seen["chmod-while-writing: written"] = stat.S_IMODE(os.fstat(fd).st_mode)
+os.close(fd)
+for name in ("trunc-open", "ftruncate", "rdwr-write", "chmod-while-writing"):
+    seen[name] = mode(name)
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_set_id_bits_go_as_on_a_local_disk_with_no_getxattr_per_write(store, reachable, other_user):
+    """The filesystem clears set-id bits itself (FUSE_HANDLE_KILLPRIV_V2): for an O_TRUNC open,
+    a truncate, a write through the page cache and a chown, as the kernel flags them, and for a
+    write the kernel makes itself through passthrough (a SETATTR with nothing to set). The same
+    cases on a local disk give the same modes. In exchange the kernel stops asking for
+    security.capability before every write: a GETXATTR per write() before, a few per file now."""
+    root, make = reachable
+    m = make("--allow-other").start()
+    local = root / "disk"
+    outcomes = {}
+    for where in (local, m.path / "d"):
+        where.mkdir()
+        where.chmod(0o777)
+        for name in ("trunc-open", "ftruncate", "rdwr-write", "chown"):
+            (where / name).write_bytes(b"program")
+            (where / name).chmod(0o6777)
+        os.chown(where / "chown", other_user.uid, other_user.gid)  # (root's chown clears them too)
+        done = other_user.python(SET_ID_CASES, str(where))
+        assert done.returncode == 0, (where, done.stderr)
+        outcomes[where] = {**json.loads(done.stdout), "chown": stat.S_IMODE((where / "chown").stat().st_mode)}
+    assert outcomes[m.path / "d"] == outcomes[local], "as on a local disk"
+    assert set(outcomes[local].values()) == {0o777, 0o6777}
+    assert outcomes[local]["chmod-while-writing: given"] == 0o6777
+    m.sync()
+    for name in ("trunc-open", "ftruncate", "rdwr-write", "chown", "chmod-while-writing"):
+        assert stored(store, f"d/{name}").metadata["mode"] == str(stat.S_IFREG | 0o777), name
+
+    before = m.status()["passthrough"]
+    with open(m.path / "many-writes.bin", "wb") as f:  # (write-only, created: a passthrough writer)
+        for _ in range(64):
+            f.write(b"w" * 65536)
+            f.flush()
+    after = m.status()["passthrough"]
+    assert after["working_files"] == before["working_files"] + 1
+    assert after["getxattr_requests"] - before["getxattr_requests"] <= 4, "not one per write()"
     m.stop()
 
 

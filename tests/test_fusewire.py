@@ -601,7 +601,7 @@ class Tiny(Filesystem):
         out[: len(chunk)] = chunk
         return len(chunk)
 
-    async def write(self, fh, offset, data):
+    async def write(self, fh, offset, data, kill_setid=False):
         self.calls.append(("write", fh, offset, bytes(data)))
         self.entered.set()
         if self.wait:
@@ -1170,7 +1170,7 @@ class Gathering(Tiny):
         self.waiting = 0
         self.all_in = trio.Event()
 
-    async def write(self, fh, offset, data):
+    async def write(self, fh, offset, data, kill_setid=False):
         self.waiting += 1
         if self.waiting >= self.together:
             self.all_in.set()

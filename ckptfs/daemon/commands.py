@@ -172,6 +172,9 @@ class Commands:
             "daemon_reads": self.ops.read_requests,  # READ requests the daemon served, since the mount
             "writes": self.namespace.files.passthrough_writes,  # new files written by the kernel itself
             "daemon_writes": self.ops.write_requests,  # WRITE requests the daemon served, since the mount
+            # GETXATTR requests, since the mount: the kernel asks security.capability before a write
+            # only after a file's attributes were refreshed (the filesystem clears set-id bits itself)
+            "getxattr_requests": self.ops.getxattr_requests,
             "working_files": self.namespace.files.working_files,  # such files made, since the mount
             # their streamed parts read again at the commit: bytes, seconds, parts found changed
             "streamed_bytes": self.uploader.sender.streamed_bytes,  # parts sent before a close (all files)

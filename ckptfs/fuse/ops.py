@@ -147,6 +147,7 @@ class Operations(Filesystem):
         self.passthrough_opens = 0  # opens answered with a file the kernel reads itself
         self.read_requests = 0  # READ requests served here (passthrough opens send none)
         self.write_requests = 0  # WRITE requests served here (passthrough writers send none)
+        self.getxattr_requests = 0  # GETXATTR requests (the kernel's security.capability probes among them)
         self._dir_listings: dict[int, list] = {}
         self._next_dir_fh = 1 << 40
         # Names are cached by the kernel no longer than the namespace trusts a listing, so a
@@ -244,6 +245,7 @@ class Operations(Filesystem):
             gid=attr.st_gid if fields.update_gid else None,
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            kill_setid=fields.kill_setid,
         )
         return self._entry(result)
 
@@ -387,7 +389,9 @@ class Operations(Filesystem):
             self.nodes.retire(inode)
             raise FsError(errno.ESTALE, "this node id is bound to another version's file")
         # (root keeps set-id bits when writing, as with CAP_FSETID: model/files.drops_setid)
-        handle, keep_cache, direct_io = await self.ns.open(ino, flags, keeps_setid=ctx.uid == 0)
+        handle, keep_cache, direct_io = await self.ns.open(
+            ino, flags, keeps_setid=ctx.uid == 0, kill_setid=ctx.kill_setid
+        )
         backing = self._passthrough_fd(inode, ino, flags)  # (again: a commit may have come meanwhile)
         if self.nodes.open_refused(inode, backing):
             self.ns.release(handle.fh, commit=False)
@@ -433,7 +437,7 @@ class Operations(Filesystem):
         return filled
 
     @_errno_boundary
-    async def write(self, fh, off, buf):
+    async def write(self, fh, off, buf, kill_setid=False):
         if off + len(buf) > self.max_file_size:  # as a disk: short up to the limit, EFBIG at it
             if off >= self.max_file_size:
                 raise FsError(errno.EFBIG, "a write past the store's largest object")
@@ -442,7 +446,7 @@ class Operations(Filesystem):
         # serves other requests meanwhile: two writers' copies run at once. A small one is
         # made here: a second trip to the loop would cost more than the copy.
         self.write_requests += 1
-        pending = await self.ns.write_begin(fh, off, buf)
+        pending = await self.ns.write_begin(fh, off, buf, kill_setid)
         if len(buf) >= COPY_IN_READER:
             return _CopyInReader(self, fh, pending)
         failed = None
@@ -513,6 +517,7 @@ class Operations(Filesystem):
     # -- extended attributes ------------------------------------------------------------------------
     @_errno_boundary
     async def getxattr(self, inode, name, ctx):
+        self.getxattr_requests += 1
         if name == STATE_XATTR:
             return self.ns.state(self.nodes.ino(inode)).encode()
         if name in (VERIFIED_XATTR, XXH3_XATTR) and not self.ns.node(self.nodes.ino(inode)).is_dir:

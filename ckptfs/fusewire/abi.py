@@ -59,6 +59,7 @@ ASYNC_DIO = 1 << 15
 WRITEBACK_CACHE = 1 << 16
 PARALLEL_DIROPS = 1 << 18
 MAX_PAGES = 1 << 22
+HANDLE_KILLPRIV_V2 = 1 << 28
 INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37
 
@@ -66,6 +67,10 @@ PASSTHROUGH = 1 << 37
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_PASSTHROUGH = 1 << 7
+
+# -- set-id bits the filesystem clears itself (HANDLE_KILLPRIV_V2) -------------------------------
+OPEN_KILL_SUIDGID = 1 << 0  # in an OPEN's open_flags: an O_TRUNC open by a caller without CAP_FSETID
+WRITE_KILL_SUIDGID = 1 << 2  # in a WRITE's write_flags: a write by a caller without CAP_FSETID
 
 # -- setattr valid bits ---------------------------------------------------------------------------
 FATTR_MODE = 1 << 0
@@ -77,6 +82,7 @@ FATTR_MTIME = 1 << 5
 FATTR_FH = 1 << 6
 FATTR_ATIME_NOW = 1 << 7
 FATTR_MTIME_NOW = 1 << 8
+FATTR_KILL_SUIDGID = 1 << 11  # (HANDLE_KILLPRIV_V2: a truncate or chown clears set-id bits)
 
 FSYNC_FDATASYNC = 1
 

@@ -37,6 +37,7 @@ class Ctx:
     pid: int
     umask: int = 0
     unique: int = 0
+    kill_setid: bool = False  # an open that must clear the file's set-id bits (O_TRUNC, no CAP_FSETID)
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ class SetattrFields:
     update_size: bool = False
     update_atime: bool = False
     update_mtime: bool = False
+    kill_setid: bool = False  # clear set-id bits too (a truncate or chown: HANDLE_KILLPRIV_V2)
 
 
 @dataclass(slots=True)
@@ -175,8 +177,10 @@ class Filesystem(abc.ABC):  # noqa: B024 (an interface whose every method has a 
         """Fill ``out`` (the request's size) from ``offset``; the bytes filled (short at EOF)."""
         raise FuseError(errno.ENOSYS)
 
-    async def write(self, fh: int, offset: int, data: memoryview) -> int | Deferred:
-        """``data`` lives only until this returns (or its Deferred finishes): bytes written."""
+    async def write(self, fh: int, offset: int, data: memoryview, kill_setid: bool = False) -> int | Deferred:
+        """``data`` lives only until this returns (or its Deferred finishes): bytes written.
+        ``kill_setid``: the writer lacks CAP_FSETID, the file's set-id bits go (as Linux's
+        file_remove_privs; the kernel leaves it to the filesystem: HANDLE_KILLPRIV_V2)."""
         raise FuseError(errno.ENOSYS)
 
     async def flush(self, fh: int, ctx: Ctx) -> None:

@@ -141,15 +141,20 @@ class Files:
         self.tree.touch(parent)
         return handle, self.tree.attr(node)
 
-    async def open(self, ino: int, flags: int, keeps_setid: bool = True) -> tuple[Handle, bool, bool]:
+    async def open(
+        self, ino: int, flags: int, keeps_setid: bool = True, kill_setid: bool = False
+    ) -> tuple[Handle, bool, bool]:
         """A handle; whether the kernel may keep its cached pages of this file; whether the
         handle's I/O bypasses the kernel page cache (direct I/O: write-only handles).
-        ``keeps_setid``: the opener's writes leave set-id bits alone (``drops_setid``)."""
+        ``keeps_setid``: the opener's writes leave set-id bits alone (``drops_setid``);
+        ``kill_setid``: an O_TRUNC open without CAP_FSETID, which clears them now."""
         node = self.tree.node(ino)
         if node.gone:  # deleted by another mount; the kernel's entry for it has not expired yet
             raise FsError(errno.ENOENT)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        if kill_setid:
+            self._drop_setid(node)
         if node.version is not None and node.version.content.verify:
             await self.retention.verify_kept(node.version.content)
         if flags & os.O_ACCMODE == os.O_RDONLY:
@@ -309,7 +314,7 @@ class Files:
             return pending.finish(exc)
         return pending.finish()
 
-    async def write_begin(self, fh: int, offset: int, data) -> PendingWrite:
+    async def write_begin(self, fh: int, offset: int, data, kill_setid: bool = False) -> PendingWrite:
         """A write's first half, on the loop: its blocks taken (waiting for cache space) and held;
         the copy is ``PendingWrite.copy``, from any thread (a FUSE reader's: the GIL released),
         then ``finish`` on the loop. The file's other writes, commits, fsyncs and truncates wait
@@ -327,7 +332,7 @@ class Files:
             if handle.append:
                 offset = writing.staged.size
             node = handle.node
-            if handle.drops_setid and drop_setid(node.mode) != node.mode:
+            if (handle.drops_setid or kill_setid) and drop_setid(node.mode) != node.mode:
                 node.mode = drop_setid(
                     node.mode
                 )  # (before the write, as the kernel does; the commit stores it)
@@ -576,7 +581,16 @@ class Files:
         await trio.to_thread.run_sync(self.commits.journal.sync)
 
     async def setattr(
-        self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None
+        self,
+        ino: int,
+        fh: int | None,
+        size=None,
+        mode=None,
+        uid=None,
+        gid=None,
+        atime_ns=None,
+        mtime_ns=None,
+        kill_setid: bool = False,
     ) -> Attr:
         node = self.tree.node(ino)
         node.note_writes()  # (the kernel's writes so far: an explicit mtime below comes after them)
@@ -592,6 +606,10 @@ class Files:
             node.uid = uid
         if gid is not None:
             node.gid = gid
+        # A chown, or a truncate without CAP_FSETID, clears set-id bits (after the new mode).
+        killed = kill_setid and drop_setid(node.mode) != node.mode
+        if killed:
+            node.mode = drop_setid(node.mode)
         if atime_ns is not None:
             node.atime_ns = atime_ns
         if mtime_ns is not None:
@@ -599,9 +617,22 @@ class Files:
             if node.writing is not None:  # (the file's own mtime is not a later write)
                 node.writing.seen_ns = node.writing.staged.written_ns()
         node.ctime_ns = time.time_ns()
-        if mode is not None or uid is not None or gid is not None or (mtime_ns is not None and size is None):
+        if (
+            killed
+            or mode is not None
+            or uid is not None
+            or gid is not None
+            or (mtime_ns is not None and size is None)
+        ):
             self.commits.set_attrs(node)
         return self.tree.attr(node)
+
+    def _drop_setid(self, node: Node) -> None:
+        """Set-id bits cleared at the kernel's word (HANDLE_KILLPRIV_V2), stored as a chmod is."""
+        if drop_setid(node.mode) != node.mode:
+            node.mode = drop_setid(node.mode)
+            node.ctime_ns = time.time_ns()
+            self.commits.set_attrs(node)
 
     async def _truncate(self, node: Node, fh: int | None, size: int) -> None:
         handle = self.tree.handles.get(fh) if fh is not None else None

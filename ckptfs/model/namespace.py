@@ -281,8 +281,10 @@ class Namespace:
         finally:
             self.files.release(handle.fh)
 
-    async def open(self, ino: int, flags: int, keeps_setid: bool = True) -> tuple[Handle, bool, bool]:
-        return await self.files.open(ino, flags, keeps_setid)
+    async def open(
+        self, ino: int, flags: int, keeps_setid: bool = True, kill_setid: bool = False
+    ) -> tuple[Handle, bool, bool]:
+        return await self.files.open(ino, flags, keeps_setid, kill_setid)
 
     async def read(self, fh: int, offset: int, size: int, view: bool = False) -> bytes | memoryview:
         """``view``: a block's own bytes may come back as a view of the arena (for a reply sent
@@ -336,9 +338,9 @@ class Namespace:
             self.prefill.files.off()
         self.files.passthrough_writes = False
 
-    async def write_begin(self, fh: int, offset: int, data) -> PendingWrite:
+    async def write_begin(self, fh: int, offset: int, data, kill_setid: bool = False) -> PendingWrite:
         """``write`` in two halves: the copy in between runs in any thread (files.PendingWrite)."""
-        return await self.files.write_begin(fh, offset, data)
+        return await self.files.write_begin(fh, offset, data, kill_setid)
 
     async def read_begin(self, fh: int, offset: int, out: memoryview) -> int | PendingRead:
         """``read_into`` in two halves: the copy in between runs in any thread (files.PendingRead)."""
@@ -375,11 +377,20 @@ class Namespace:
         await self.files.fsyncdir()
 
     async def setattr(
-        self, ino: int, fh: int | None, size=None, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None
+        self,
+        ino: int,
+        fh: int | None,
+        size=None,
+        mode=None,
+        uid=None,
+        gid=None,
+        atime_ns=None,
+        mtime_ns=None,
+        kill_setid: bool = False,
     ) -> Attr:
         if not await self.refresher.learn_attrs([self.tree.node(ino)]):  # (a change starts from them)
             raise FsError(errno.EIO, "the store did not say this file's attributes")
-        return await self.files.setattr(ino, fh, size, mode, uid, gid, atime_ns, mtime_ns)
+        return await self.files.setattr(ino, fh, size, mode, uid, gid, atime_ns, mtime_ns, kill_setid)
 
     # -- control commands --------------------------------------------------------------------------
     def statfs(self) -> dict:
