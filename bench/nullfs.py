@@ -80,7 +80,7 @@ class NullFs(Filesystem):
             self.sizes[inode] = attr.st_size
         return self._attr(inode)
 
-    async def write(self, fh, off, data: memoryview) -> int:
+    async def write(self, fh, off, data: memoryview, kill_setid: bool = False) -> int:
         self.sizes[fh] = max(self.sizes[fh], off + len(data))
         return len(data)
 

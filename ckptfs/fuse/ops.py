@@ -134,6 +134,8 @@ def _name(raw: bytes) -> str:
 class Operations(Filesystem):
     """(No writeback cache: measured slower here, docs/machine-facts.md; the transport never asks for it.)"""
 
+    clears_setid = True  # (model/files.drop_setid, at the kernel's word: HANDLE_KILLPRIV_V2)
+
     def __init__(self, namespace: Namespace, block_size: int, mountpoint: str | None = None):
         self.ns = namespace
         self.block_size = block_size

@@ -123,7 +123,12 @@ class Filesystem(abc.ABC):  # noqa: B024 (an interface whose every method has a 
     """What a FUSE filesystem serves. Each method answers one request; the defaults refuse with
     ENOSYS (the kernel then stops asking, where it can). ``readdir`` yields entries from
     ``offset`` on; the transport takes as many as fit the reply, and ``entry_sent`` is told of
-    each one a READDIRPLUS reply hands the kernel (the kernel counts it as a lookup)."""
+    each one a READDIRPLUS reply hands the kernel (the kernel counts it as a lookup).
+    ``clears_setid``: the filesystem clears set-id bits itself where the kernel says so
+    (``kill_setid`` of write, setattr and open: FUSE_HANDLE_KILLPRIV_V2); the kernel then stops
+    asking for security.capability before every write."""
+
+    clears_setid = False
 
     def forget(self, items: Sequence[tuple[int, int]]) -> None:
         """(nodeid, count) pairs the kernel forgot. No reply; must not raise."""

@@ -53,10 +53,6 @@ WANTED = (
     | abi.DO_READDIRPLUS  # listings carry attributes (always: the kernel then never asks READDIR)
     | abi.PARALLEL_DIROPS
     | abi.MAX_PAGES
-    # The filesystem clears set-id bits itself (flagged in WRITE, SETATTR and OPEN), so the
-    # kernel need not ask for security.capability before every write: without it each write()
-    # cost a GETXATTR round trip, 0.4 ms per 8 MiB write through passthrough (docs/machine-facts.md).
-    | abi.HANDLE_KILLPRIV_V2
 )
 MAX_WRITE = 1 << 20  # the largest WRITE (and READ) request: 256 pages, the kernel's usual cap
 INIT_WAIT_S = 10.0
@@ -258,7 +254,10 @@ class Session:
             offered = flags
             if flags & abi.INIT_EXT and len(req.body) >= abi.INIT_IN.size + 4:
                 offered |= abi.INIT_IN_FLAGS2.unpack_from(req.body, abi.INIT_IN.size)[0] << 32
-            want = WANTED & offered
+            # A filesystem that clears set-id bits itself (flagged in WRITE, SETATTR and OPEN)
+            # spares the kernel asking for security.capability before every write: a GETXATTR
+            # round trip each, 0.4 ms per 8 MiB write through passthrough (docs/machine-facts.md).
+            want = (WANTED | (abi.HANDLE_KILLPRIV_V2 if self.fs.clears_setid else 0)) & offered
             passthrough = bool(self.want_passthrough and offered & abi.PASSTHROUGH and os.geteuid() == 0)
             if passthrough:
                 want |= abi.PASSTHROUGH | abi.INIT_EXT

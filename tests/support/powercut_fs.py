@@ -306,7 +306,7 @@ class PowerCutFs(Filesystem):
     async def read(self, fh, off, out: memoryview) -> int:
         return os.preadv(fh, [out], off)
 
-    async def write(self, fh, off, buf: memoryview) -> int:
+    async def write(self, fh, off, buf: memoryview, kill_setid: bool = False) -> int:
         return os.pwrite(fh, buf, off)  # (an O_APPEND descriptor appends, as the kernel asked)
 
     async def flush(self, fh, ctx):
