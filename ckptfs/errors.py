@@ -49,15 +49,21 @@ class StoreError(Exception):
     """A store call failed. ``transient`` says whether retrying may help. (Defined here, below
     the stores, so that ``to_errno`` can map it; ``ckptfs.store.base`` exports it.)"""
 
-    def __init__(self, message: str, *, transient: bool = False, errno_: int = errno.EIO):
+    def __init__(self, message: str, *, transient: bool = False, errno_: int = errno.EIO, code: str = ""):
         super().__init__(message)
         self.transient = transient
         self.errno = errno_
+        self.code = code  # the server's error code, where it gave one ("InvalidPart", ...)
 
 
 class NotFound(StoreError):
     def __init__(self, message: str):
         super().__init__(message, transient=False, errno_=errno.ENOENT)
+
+
+class PartsLeftOut(StoreError):
+    """The server refused a multipart completion that leaves some uploaded parts out (Ceph RGW
+    16 does; S3 and Swift allow it): the upload must be made again with exactly its parts."""
 
 
 # A store's errno a caller may see, where a local disk would return the same for the same cause:

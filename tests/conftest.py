@@ -29,17 +29,20 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import private_shm_dir
+from tests.support.rgw import RgwServer
 from tests.support.swift import ACCESS_KEY, REGION, SECRET_KEY, S3Endpoint, SwiftServer
 
 # =============================================================================================
 # S3 server
 # =============================================================================================
 #
-# s3_server: the real S3 server of the session (OpenStack Swift + s3api on 127.0.0.1).
-#   - CKPTFS_TEST_S3_ENDPOINT set (scripts/test does this): use that server, credentials from
-#     AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION (Swift's test defaults if unset).
-#   - otherwise: start a SwiftServer in a temporary directory for the session, stop it and
-#     remove the directory at the end.
+# s3_server: the real S3 server of the session on 127.0.0.1: OpenStack Swift + s3api, or Ceph's
+#   RADOS Gateway with CKPTFS_TEST_S3_SERVER=rgw (scripts/test runs its chosen files a second
+#   time so: tests/support/rgw.py).
+#   - CKPTFS_TEST_S3_ENDPOINT set: use that server, credentials from AWS_ACCESS_KEY_ID /
+#     AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION (the test servers' defaults if unset).
+#   - otherwise: start one in a temporary directory for the session, stop it and remove the
+#     directory at the end.
 #   Returns an S3Endpoint: .endpoint, .access_key, .secret_key, .region, .client(), .env(),
 #   .make_bucket(name). For the whole session os.environ carries CKPTFS_TEST_S3_ENDPOINT,
 #   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_REGION (so subprocesses
@@ -99,8 +102,11 @@ def s3_server():
             _check_reachable(server)
             yield server
             return
-        root = Path(tempfile.mkdtemp(prefix="ckptfs-swift-"))
-        server = SwiftServer(root)
+        kind = os.environ.get("CKPTFS_TEST_S3_SERVER", "swift")
+        if kind not in ("swift", "rgw"):
+            raise RuntimeError(f"CKPTFS_TEST_S3_SERVER={kind!r}: swift or rgw")
+        root = Path(tempfile.mkdtemp(prefix=f"ckptfs-{kind}-"))
+        server = SwiftServer(root) if kind == "swift" else RgwServer(root)
         try:
             server.start()
             _use_s3_env(mp, server)
@@ -563,12 +569,13 @@ _SLOW_TIMEOUT_S = 600
 
 
 def _reach_targets() -> dict[int, str]:
-    from tests.support import faultproxy, mounting, swift
+    from tests.support import faultproxy, mounting, rgw, swift
 
     return {
         id(mounting.Mount): "e2e",
         id(mounting.ckptfs): "e2e",
         id(swift.SwiftServer): "store",
+        id(rgw.RgwServer): "store",
         id(swift.S3Endpoint): "store",
         id(faultproxy.FaultProxy): "store",
     }

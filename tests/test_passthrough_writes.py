@@ -84,6 +84,25 @@ def test_a_part_written_again_after_it_was_streamed_is_sent_again(mount_factory,
     m.stop()
 
 
+def test_a_streamed_file_truncated_below_its_sent_parts_is_stored_as_left(mount_factory, store):
+    """Parts streamed while the file was longer are left out of its object: where the server
+    refuses a completion that leaves parts out (Ceph RGW 16: InvalidPart), the file goes again in
+    a new upload (store/s3_multipart.py, PartsLeftOut). Either way the store holds what the file
+    was left with."""
+    m = mount_factory().start()
+    data = random.Random(5).randbytes(5 * BLOCK)
+    path = m.path / "shrunk.bin"
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        wait_until(lambda: passthrough(m)["streamed_bytes"] >= 3 * BLOCK, 60, what="parts streamed")
+        f.truncate(BLOCK + BLOCK // 2)
+    m.sync()
+    assert store.read("shrunk.bin") == data[: BLOCK + BLOCK // 2]
+    assert not getattr(store, "multipart_uploads", list)(), "no upload left behind"
+    m.stop()
+
+
 def test_truncates_appends_and_a_second_writer_share_the_working_file(mount_factory, store):
     m = mount_factory().start()
     path = m.path / "shared.bin"

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ckptfs.errors import NotFound, StoreError
+from ckptfs.errors import NotFound, PartsLeftOut, StoreError
 from ckptfs.store import open_store
 from ckptfs.store.base import ObjectStore
 from ckptfs.store.local import LocalStore
@@ -354,6 +354,19 @@ def test_multipart_odd_part_sizes(object_store):
     assert object_store.get_range(key, 0, len(whole)) == whole
 
 
+def _completes_leaving_parts_out(object_store, key: str, uid: str, parts) -> bool:
+    """Complete with some of the uploaded parts. A server that refuses (Ceph RGW 16) raises
+    PartsLeftOut, publishes nothing and keeps the upload (aborted here): False."""
+    try:
+        object_store.complete_multipart(key, uid, parts)
+    except PartsLeftOut:
+        assert object_store.head(key) is None
+        assert (key, uid) in object_store.list_multipart()
+        object_store.abort_multipart(key, uid)
+        return False
+    return True
+
+
 def test_zero_parts_make_holes_and_may_replace_a_part(object_store):
     """A sparse file's holes: parts of zeros the store makes itself (a copy of its zeros object
     on S3, a punched hole locally), mixed with sent parts, re-sent over a part that held data,
@@ -382,8 +395,8 @@ def test_zero_parts_make_holes_and_may_replace_a_part(object_store):
         object_store.upload_part("sparse/gap.pt", uid, 2, blob(5 * MiB, 4)),
         object_store.upload_zero_part("sparse/gap.pt", uid, 3, 1000),
     ]
-    object_store.complete_multipart("sparse/gap.pt", uid, [parts[0], parts[2]])
-    assert object_store.get_range("sparse/gap.pt", 0, 6 * MiB) == data + bytes(1000)
+    if _completes_leaving_parts_out(object_store, "sparse/gap.pt", uid, [parts[0], parts[2]]):
+        assert object_store.get_range("sparse/gap.pt", 0, 6 * MiB) == data + bytes(1000)
 
     for reserved in [o.key for o in object_store.list(".ckptfs-zeros/")]:
         object_store.delete(reserved)
@@ -402,7 +415,8 @@ def test_multipart_parts_left_out(object_store):
     for key, chosen in (("gap.bin", [1, 3, 4]), ("short.bin", [1, 2])):
         uid = object_store.create_multipart(key)
         infos = {n: object_store.upload_part(key, uid, n, blobs[n]) for n in blobs}
-        object_store.complete_multipart(key, uid, [infos[n] for n in chosen])
+        if not _completes_leaving_parts_out(object_store, key, uid, [infos[n] for n in chosen]):
+            continue
         assert object_store.head(key).size == 5 * MiB * len(chosen)
         assert object_store.get_range(key, 0, 20 * MiB) == b"".join(blobs[n] for n in chosen)
         assert (key, uid) not in object_store.list_multipart()

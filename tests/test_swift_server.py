@@ -57,8 +57,9 @@ def test_multipart_upload(s3_server, s3_bucket):
     r = client.complete_multipart_upload(
         Bucket=s3_bucket, Key="big", UploadId=up["UploadId"], MultipartUpload={"Parts": done}
     )
-    assert r["ETag"].strip('"').endswith("-2")
     head = client.head_object(Bucket=s3_bucket, Key="big")
+    # (Ceph RGW 16 answers the completion with an empty ETag; HEAD gives it: docs/admin.md)
+    assert (r["ETag"] or head["ETag"]).strip('"').endswith("-2")
     assert head["ContentLength"] == 10 * MiB
     assert head["Metadata"] == {"xxh3": "1"}
     tail = client.get_object(Bucket=s3_bucket, Key="big", Range=f"bytes={5 * MiB - 3}-{5 * MiB + 2}")

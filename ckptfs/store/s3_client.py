@@ -318,6 +318,7 @@ class S3Client:
                 f"{op} {where}: {code or status}: {detail}",
                 transient=transient,
                 errno_=PERMANENT_ERRNO.get(code, errno.EIO),
+                code=code,
             ) from None
         if isinstance(e, (bex.NoCredentialsError, bex.PartialCredentialsError)):
             raise StoreError(

@@ -12,7 +12,7 @@ from typing import Any
 
 import botocore.exceptions as bex
 
-from ckptfs.errors import NotFound, StoreError
+from ckptfs.errors import NotFound, PartsLeftOut, StoreError
 from ckptfs.store.base import RESERVED_PREFIX, PartInfo
 from ckptfs.store.s3_client import CHECKSUM_ALGORITHM, S3Client, crc32c_b64, log, part_token
 
@@ -163,16 +163,42 @@ class S3Multipart:
             etag, _, crc = p.token.partition(" ")
             return {"PartNumber": p.number, "ETag": etag, **({"ChecksumCRC32C": crc} if crc else {})}
 
-        self.client.call(
-            "complete_multipart",
-            key,
-            "complete_multipart_upload",
-            Key=self.client.key(key),
-            UploadId=upload_id,
-            MultipartUpload={"Parts": [entry(p) for p in parts]},
-        )
+        try:
+            self.client.call(
+                "complete_multipart",
+                key,
+                "complete_multipart_upload",
+                Key=self.client.key(key),
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [entry(p) for p in parts]},
+            )
+        except StoreError as e:
+            if e.code == "InvalidPart" and self._uploaded_numbers(key, upload_id) - {p.number for p in parts}:
+                raise PartsLeftOut(
+                    f"complete_multipart s3://{self.client.bucket}/{self.client.key(key)}: the server "
+                    "refuses to leave uploaded parts out of an object: sending it again in a new upload"
+                ) from None
+            raise
         with self._checksummed_lock:
             self._checksummed.pop(upload_id, None)
+
+    def _uploaded_numbers(self, key: str, upload_id: str) -> set[int]:
+        """The part numbers an unfinished upload holds (ListParts, every page)."""
+        numbers: set[int] = set()
+        marker = 0
+        while True:
+            page = self.client.call(
+                "list_parts",
+                key,
+                "list_parts",
+                Key=self.client.key(key),
+                UploadId=upload_id,
+                PartNumberMarker=marker,
+            )
+            numbers.update(p["PartNumber"] for p in page.get("Parts", ()))
+            if not page.get("IsTruncated"):
+                return numbers
+            marker = page["NextPartNumberMarker"]
 
     def abort(self, key: str, upload_id: str) -> None:
         try:

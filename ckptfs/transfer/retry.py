@@ -22,7 +22,7 @@ from typing import TypeVar
 import tenacity
 import trio
 
-from ckptfs.errors import NotFound, StoreError
+from ckptfs.errors import NotFound, PartsLeftOut, StoreError
 
 READ_ATTEMPTS = 5
 
@@ -64,7 +64,8 @@ def publishing(
     return tenacity.AsyncRetrying(
         sleep=trio.sleep,
         retry=tenacity.retry_if_exception(
-            lambda e: isinstance(e, StoreError) and not isinstance(e, NotFound)
+            # (not NotFound, PartsLeftOut: answers the caller acts on, not failures)
+            lambda e: isinstance(e, StoreError) and not isinstance(e, (NotFound, PartsLeftOut))
         ),
         wait=tenacity.wait_random_exponential(multiplier=0.2, max=30),
         stop=tenacity.stop_after_attempt(attempts) if attempts else tenacity.stop_never,

@@ -24,7 +24,7 @@ from ckptfs.blocks import BlockRef, content_xxh3, zeros_xxh3
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
 from ckptfs.cache.journal import Journal
-from ckptfs.errors import NotFound, StoreError
+from ckptfs.errors import NotFound, PartsLeftOut, StoreError
 from ckptfs.objects import compression, integrity
 from ckptfs.parts import PartSchedule
 from ckptfs.store.base import PartInfo
@@ -479,6 +479,16 @@ class PartSender:
                     await self.encoder.drop_manifest(op.key, checksums.upload)
                 await self.publish_multipart(task)  # start over with a new upload
                 return
+        except PartsLeftOut as e:
+            # Parts sent while the file was longer (a streamed file truncated before its close),
+            # on a server that will not leave them out: the file again, in a new upload.
+            log.warning("%s", e)
+            await self.abort(upload)
+            task.upload = None
+            if checksums is not None:
+                await self.encoder.drop_manifest(op.key, checksums.upload)
+            await self.publish_multipart(task)
+            return
         self._forget(upload)
         task.upload = None
         if task.content is not None and checksums is not None:
