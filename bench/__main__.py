@@ -188,17 +188,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the checkpoint the replicas scenario saves, in MiB (default: --size)",
     )
     p.add_argument(
+        "--store",
+        choices=("swift", "rgw"),
+        default="swift",
+        help="the S3 server the store targets use: OpenStack Swift (default) or Ceph's RADOS "
+        "Gateway (tests/support/rgw.py, bluestore); its own CPU per GiB is reported either way",
+    )
+    p.add_argument(
         "--out",
         type=Path,
-        default=REPO / "docs" / "benchmarks",
+        default=None,
         metavar="DIR",
-        help="where results.json and the plots go (default docs/benchmarks)",
+        help="where results.json and the plots go (default docs/benchmarks; docs/benchmarks/rgw with --store rgw)",
     )
     p.add_argument(
         "--doc",
-        default=str(REPO / "docs" / "benchmarks.md"),
+        default=None,
         metavar="FILE",
-        help="markdown file whose bench:results block is rewritten; 'none' to skip",
+        help="markdown file whose bench:results block is rewritten; 'none' to skip (default "
+        "docs/benchmarks.md; none with --store rgw)",
     )
     p.add_argument(
         "--work-dir",
@@ -220,6 +228,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a remark stored with the results (e.g. that the machine was shared)",
     )
     opts = p.parse_args(argv)
+    rgw = opts.store == "rgw"
+    if opts.out is None:
+        opts.out = REPO / "docs" / "benchmarks" / ("rgw" if rgw else "")
+    if opts.doc is None:
+        opts.doc = "none" if rgw else str(REPO / "docs" / "benchmarks.md")
     if not opts.work_dir.is_dir():
         p.error(f"--work-dir {opts.work_dir} is not a directory")
     if "cluster" in opts.scenarios and os.geteuid() != 0:
@@ -306,6 +319,7 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     import torch
 
     from tests.support.checkpoints import make_checkpoint
+    from tests.support.rgw import RgwServer
     from tests.support.swift import SwiftServer
 
     main_scenarios = [s for s in opts.scenarios if s not in OPT_IN]
@@ -313,11 +327,17 @@ def run(opts, work: Path, stack: contextlib.ExitStack, progress: workloads.Progr
     machine = sysinfo.describe()  # before the bench loads the machine
     server = None
     if [s for s in opts.scenarios if s not in NO_STORE]:
-        server = SwiftServer(work / "swift")
-        stack.callback(_safely, "stopping Swift", server.stop)
+        name = "Swift (s3api)" if opts.store == "swift" else "Ceph RGW"
+        server = (
+            SwiftServer(work / "swift")
+            if opts.store == "swift"
+            else RgwServer(work / "rgw", objectstore="bluestore")
+        )
+        stack.callback(_safely, f"stopping {name}", server.stop)
         server.start()
         os.environ.update(server.env())
-        progress(f"Swift (s3api) healthy at {server.endpoint}")
+        sysinfo.SERVER_GROUPS[:] = server.pids().values()  # (each leads a process group of its own)
+        progress(f"{name} healthy at {server.endpoint}")
 
     state, nbytes = None, 0
     if target_scenarios:

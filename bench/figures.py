@@ -71,6 +71,9 @@ FIGURES = [
     Figure(
         "client_cpu_cold", "client_cpu", "client CPU per GiB of a cold load", "CPU s/GiB", floor="cache-disk"
     ),
+    # what the S3 server spends on the same work (save start to durable; a cold load)
+    Figure("server_cpu_save", "client_cpu", "S3 server CPU per GiB saved until durable", "CPU s/GiB"),
+    Figure("server_cpu_cold", "client_cpu", "S3 server CPU per GiB of a cold load", "CPU s/GiB"),
     Figure("gil_held", "gil", "daemon GIL-held time per GiB saved and uploaded", "s/GiB"),
     Figure(
         "projected_ceiling",

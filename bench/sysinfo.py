@@ -27,6 +27,23 @@ def cpu_seconds(pid: int) -> float:
     return times.user + times.system
 
 
+# The S3 server's process groups (each of its daemons leads one): set once it is started.
+SERVER_GROUPS: list[int] = []
+
+
+def server_cpu_seconds() -> float:
+    """User + system CPU seconds of the S3 server so far: every process of its groups."""
+    total = 0.0
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) in SERVER_GROUPS:
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except (psutil.Error, ProcessLookupError):
+            pass
+    return total
+
+
 def own_cpu_seconds() -> float:
     """User + system CPU seconds of this process, all its threads (getrusage RUSAGE_SELF: not its
     children). Precise to the microsecond, unlike /proc/PID/stat's clock ticks."""

@@ -86,6 +86,7 @@ class Measured:
     rss: int | None  # its peak RSS over the same window
     extra: dict
     app_cpu: float  # CPU seconds of this process over the same window, less the poller thread's
+    server_cpu: float  # CPU seconds of the S3 server over the same window
 
     @property
     def client_cpu(self) -> float:
@@ -102,6 +103,7 @@ def measure(
         sysinfo.reset_peak_rss(pid)
         cpu0 = sysinfo.cpu_seconds(pid)
     known = known or {}
+    server0 = sysinfo.server_cpu_seconds()
     app0 = sysinfo.own_cpu_seconds()
     start = time.monotonic()
     poller = None
@@ -120,7 +122,7 @@ def measure(
     app_cpu = sysinfo.own_cpu_seconds() - app0 - (poller.cpu if poller is not None else 0.0)
     cpu = sysinfo.cpu_seconds(pid) - cpu0 if pid else None
     rss = sysinfo.peak_rss(pid) if pid else None
-    return Measured(stall, durable, cpu, rss, extra, app_cpu)
+    return Measured(stall, durable, cpu, rss, extra, app_cpu, sysinfo.server_cpu_seconds() - server0)
 
 
 def _fmt(m: Measured) -> str:
@@ -132,6 +134,7 @@ def _fmt(m: Measured) -> str:
     return ", ".join(parts)
 
 
+S3_TARGETS = ("ckptfs-s3", "s3fs", "rclone", "boto3", "s3torchconnector")  # (those that talk to the server)
 SAVE_TARGETS = ("cache-disk", "ckptfs-local", "ckptfs-s3", "s3fs", "rclone", "boto3", "s3torchconnector")
 GIL_TARGETS = ("ckptfs-local", "ckptfs-s3")  # Python daemons py-spy can sample
 
@@ -163,6 +166,9 @@ def one_checkpoint(bench: Bench, state, nbytes: int) -> None:
         # (the floor too: what torch.save alone costs, until it returns)
         r.add("client_cpu_save", t.name, m.client_cpu / (nbytes / GiB))
         line += "; " + _client_cpu(nbytes / GiB, m.app_cpu, m.cpu)
+        if t.name in S3_TARGETS:
+            r.add("server_cpu_save", t.name, m.server_cpu / (nbytes / GiB))
+            line += f"; server {m.server_cpu / (nbytes / GiB):.2f} CPU s/GiB"
         if t.root is not None:
             t.settle()
             sysinfo.prefault_free_memory(int(LOAD_PREFAULT * nbytes))
@@ -186,10 +192,15 @@ def cold_loads(bench: Bench, nbytes: int) -> None:
         sysinfo.prefault_free_memory(int(LOAD_PREFAULT * nbytes))
 
     for i, n, t in bench.each_run("cold", [name for name in SAVE_TARGETS if name in bench.latest]):
+        server0 = sysinfo.server_cpu_seconds()
         load = t.cold_load(bench.latest[t.name], drop)
+        server = (sysinfo.server_cpu_seconds() - server0) / (nbytes / GiB)
         bench.results.add("cold_load", t.name, load.seconds)
         bench.results.add("client_cpu_cold", t.name, load.client_cpu / (nbytes / GiB))
         cpu = _client_cpu(nbytes / GiB, load.app_cpu, load.daemon_cpu)
+        if t.name in S3_TARGETS:
+            bench.results.add("server_cpu_cold", t.name, server)
+            cpu += f"; server {server:.2f} CPU s/GiB"
         bench.progress(f"cold load {t.name:17} run {i + 1}/{n}: {load.seconds:6.2f} s, {cpu}")
     if dropped and not all(dropped):
         bench.progress("  (could not drop the page cache: not root; cold loads are not cold)")

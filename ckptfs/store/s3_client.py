@@ -47,9 +47,11 @@ TRANSIENT_CODES = {
     "TooManyRequests",
     "RequestTimeTooSkewed",
     "OperationAborted",
-    # The body did not match its checksum (CRC32C, Content-MD5): damaged on the way, send it again.
+    # The body did not match its checksum (CRC32C, Content-MD5, the signed SHA-256; Swift says
+    # BadDigest for all, Ceph RGW names each): damaged on the way, send it again.
     "BadDigest",
     "XAmzContentChecksumMismatch",
+    "XAmzContentSHA256Mismatch",
 }
 DENIED_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
 NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
