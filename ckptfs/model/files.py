@@ -678,6 +678,14 @@ class Files:
                 "the file's new last block was uploaded and evicted from the cache "
                 "(cache full): a compressed file cannot end there before it is closed",
             )
+        if staged.remote and size < staged.size and self.uploader.store.refuses_parts_left_out:
+            # Parts past the new end would be left out of the object, which this server refuses
+            # (the file then goes again in a new upload), and evicted blocks cannot go again.
+            raise FsError(
+                errno.EIO,
+                "blocks of this file were uploaded and evicted from the cache (cache full), and the "
+                "store refuses objects that leave uploaded parts out: it cannot shrink before it is closed",
+            )
         stream = writing.stream
         if stream is not None and staged.remote and 0 < size < staged.size:
             # The new last part is sent again at commit, cut short: a block of it evicted to

@@ -86,6 +86,8 @@ class ObjectStore(ABC):
 
     url: str  # printable location, never with credentials
     limits: StoreLimits = S3_LIMITS  # what it accepts (keys, part count, part sizes)
+    # Learned: the server refused a completion that left uploaded parts out (PartsLeftOut).
+    refuses_parts_left_out = False
 
     def key_room(self) -> int:
         """How long (UTF-8 bytes) a key may be: the key limit less what the store puts before

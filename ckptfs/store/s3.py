@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import botocore.exceptions as bex
 
-from ckptfs.errors import NotFound, StoreError
+from ckptfs.errors import NotFound, PartsLeftOut, StoreError
 from ckptfs.store.base import DirListing, ObjectInfo, ObjectStore, PartInfo
 from ckptfs.store.s3_client import S3Client, etag_of, part_token
 from ckptfs.store.s3_multipart import S3Multipart
@@ -272,7 +272,11 @@ class S3Store(ObjectStore):
         return self.multipart.upload_zero_part(key, upload_id, number, length)
 
     def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[PartInfo]) -> None:
-        self.multipart.complete(key, upload_id, parts)
+        try:
+            self.multipart.complete(key, upload_id, parts)
+        except PartsLeftOut:
+            self.refuses_parts_left_out = True
+            raise
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         self.multipart.abort(key, upload_id)

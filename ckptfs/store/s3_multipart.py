@@ -196,9 +196,10 @@ class S3Multipart:
                 PartNumberMarker=marker,
             )
             numbers.update(p["PartNumber"] for p in page.get("Parts", ()))
-            if not page.get("IsTruncated"):
+            following = int(page.get("NextPartNumberMarker") or 0)
+            if not page.get("IsTruncated") or following <= marker:  # (a marker that does not advance: done)
                 return numbers
-            marker = page["NextPartNumberMarker"]
+            marker = following
 
     def abort(self, key: str, upload_id: str) -> None:
         try:

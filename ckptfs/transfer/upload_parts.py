@@ -456,6 +456,8 @@ class PartSender:
                 task.upload = None
             await self._hash_whole_file(task)
             await self._upload_parts(task)
+        elif None in task.parts:  # (a try that failed midway, after starting over: what it left unsent)
+            await self._upload_parts(task)
         upload = task.upload
         assert upload is not None  # _upload_parts made one if there was none (kept when found complete)
         checksums = None if task.completed else self.encoder.checksums(task)
@@ -481,7 +483,12 @@ class PartSender:
                 return
         except PartsLeftOut as e:
             # Parts sent while the file was longer (a streamed file truncated before its close),
-            # on a server that will not leave them out: the file again, in a new upload.
+            # on a server that will not leave them out: the file again, in a new upload. Not
+            # when blocks of it were evicted from the cache: their only copy is in this upload
+            # (the file stays pending, the error in status; Files refuses such truncates once
+            # the server was seen refusing).
+            if task.op.upload:
+                raise StoreError(f"{e}: not possible, parts of it live only in that upload") from None
             log.warning("%s", e)
             await self.abort(upload)
             task.upload = None

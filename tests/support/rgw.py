@@ -90,6 +90,7 @@ class RgwServer(S3Endpoint):
         super().__init__("http://127.0.0.1:0", ACCESS_KEY, SECRET_KEY, REGION)
         self.procs: dict[str, subprocess.Popen] = {}
         self.startup_seconds: float | None = None
+        self.deadline = 0.0  # when the start under way gives up (monotonic)
         self.conf = self.root / "ceph.conf"
         self.logdir = self.root / "log"
 
@@ -105,7 +106,7 @@ class RgwServer(S3Endpoint):
                 f"missing {', '.join(missing)}: install the Debian packages "
                 f"(apt-get install -y --no-install-recommends {DEBIAN_PACKAGES}; scripts/setup --with-rgw)"
             )
-        deadline = t0 + timeout
+        deadline = self.deadline = t0 + timeout  # (every step of the start within it)
         try:
             self._make_cluster()
             self._spawn("mon", [_which("ceph-mon"), "-f", "-i", "a", "-c", str(self.conf)])
@@ -260,12 +261,12 @@ rgw dns name = 127.0.0.1
 
     def _ceph(self, *args: str) -> str:
         return self._ceph_tool(
-            [_which("ceph"), "-c", str(self.conf), "--connect-timeout", "30", *args], time.monotonic() + 60
+            [_which("ceph"), "-c", str(self.conf), "--connect-timeout", "30", *args], self.deadline
         )
 
     def _admin(self, *args: str) -> str:
         return self._ceph_tool(
-            [_which("radosgw-admin"), "-c", str(self.conf), "-n", "client.rgw", *args], time.monotonic() + 60
+            [_which("radosgw-admin"), "-c", str(self.conf), "-n", "client.rgw", *args], self.deadline
         )
 
     def _wait_healthy(self, deadline: float) -> None:
