@@ -48,6 +48,7 @@ from tests.support.swift import (
     _server_env,
     _tail,
     _which,
+    cmd_stop,
     free_ports,
     terminate,
 )
@@ -301,22 +302,6 @@ def cmd_start(root: Path, port: int, objectstore: str, timeout: float) -> int:
     return 0
 
 
-def cmd_stop(root: Path, grace: float) -> int:
-    root = root.resolve()
-    pids = _read_pids(root)
-    if not pids:
-        print(f"rgw: nothing to stop ({root / 'pids'} missing or empty)")
-        return 0
-    stopped = terminate(pids, _marker(root), grace)
-    left = [p for p in pids if _alive(p) and _marker(root) in _cmdline(p)]
-    if left:
-        print(f"rgw: could not stop {left}", file=sys.stderr)
-        return 1
-    (root / "pids").unlink(missing_ok=True)
-    print(f"rgw: stopped {len(stopped)} daemon(s) under {root}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.support.rgw", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -333,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "start":
         return cmd_start(args.root, args.port, args.objectstore, args.timeout)
-    return cmd_stop(args.root, args.grace)
+    return cmd_stop(args.root, args.grace, "rgw")
 
 
 if __name__ == "__main__":

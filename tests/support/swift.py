@@ -743,19 +743,20 @@ def cmd_start(root: Path, port: int, timeout: float) -> int:
     return 0
 
 
-def cmd_stop(root: Path, grace: float) -> int:
+def cmd_stop(root: Path, grace: float, name: str = "swift") -> int:
+    """Stop the processes ROOT/pids lists (also the RGW fixture's: tests/support/rgw.py)."""
     root = root.resolve()
     pids = _read_pids(root)
     if not pids:
-        print(f"swift: nothing to stop ({root / 'pids'} missing or empty)")
+        print(f"{name}: nothing to stop ({root / 'pids'} missing or empty)")
         return 0
     stopped = terminate(pids, _marker(root), grace)
     left = [p for p in pids if _alive(p) and _marker(root) in _cmdline(p)]
     if left:
-        print(f"swift: could not stop {left}", file=sys.stderr)
+        print(f"{name}: could not stop {left}", file=sys.stderr)
         return 1
     (root / "pids").unlink(missing_ok=True)
-    print(f"swift: stopped {len(stopped)} server(s) under {root}")
+    print(f"{name}: stopped {len(stopped)} server(s) under {root}")
     return 0
 
 
