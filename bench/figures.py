@@ -57,7 +57,16 @@ FIGURES = [
     Figure("durable", "save", "time to durable, from save start", "s"),
     Figure("warm_load", "load", "warm torch.load of the latest checkpoint", "s", floor="cache-disk"),
     Figure("cold_load", "load", "cold torch.load (empty cache, page cache dropped)", "s", floor="cache-disk"),
-    Figure("daemon_cpu", "daemon", "daemon CPU per GiB saved and uploaded", "CPU s/GiB"),
+    Figure(
+        "daemon_cpu", "daemon", "daemon CPU per GiB saved and uploaded (with its store workers)", "CPU s/GiB"
+    ),
+    # issue 42: of that, the daemon's main interpreter (its GIL) and its store worker processes
+    Figure(
+        "daemon_cpu_main", "daemon", "daemon's main interpreter: CPU per GiB saved and uploaded", "CPU s/GiB"
+    ),
+    Figure(
+        "daemon_cpu_workers", "daemon", "daemon's store workers: CPU per GiB saved and uploaded", "CPU s/GiB"
+    ),
     Figure("daemon_rss", "daemon", "daemon peak RSS while saving and uploading", "MiB"),
     Figure("ram_4x_rss", "daemon", "ckptfs peak RSS saving 4x its RAM-tier budget", "MiB"),
     # issue 32: what the client side spends (daemon + application, or the client library)

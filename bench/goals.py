@@ -169,6 +169,13 @@ def check_issue32(results: Results) -> list[Goal]:
         ),
         _at_most(results, "daemon CPU <= 1.5 CPU s per GiB saved and uploaded", "daemon_cpu", 1.5),
         _gil_goal(results),
+        # issue 42: the store's byte path in worker processes
+        _at_most(
+            results,
+            "daemon's main interpreter <= 0.2 CPU s per GiB saved and uploaded (the rest in store workers)",
+            "daemon_cpu_main",
+            0.2,
+        ),
     ]
 
 

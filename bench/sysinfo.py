@@ -22,9 +22,25 @@ MADV_POPULATE_WRITE = 23  # (Linux 5.14; not in Python 3.11's mmap module)
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads) so far."""
-    times = psutil.Process(pid).cpu_times()
+    """User + system CPU seconds of a process (all its threads) and its live children (a ckptfs
+    daemon's store workers) so far."""
+    return main_cpu_seconds(pid) + sum(main_cpu_seconds(c) for c in _children(pid))
+
+
+def main_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process alone (a daemon's main interpreter, all threads)."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:  # (a child that ended meanwhile)
+        return 0.0
     return times.user + times.system
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 # The S3 server's process groups (each of its daemons leads one): set once it is started.
@@ -52,16 +68,24 @@ def own_cpu_seconds() -> float:
 
 
 def reset_peak_rss(pid: int) -> None:
-    """Start a new peak-RSS window: the kernel sets VmHWM back to the current RSS."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    """Start a new peak-RSS window (the process's and its children's): the kernel sets VmHWM
+    back to the current RSS."""
+    for p in (pid, *_children(pid)):
+        with contextlib.suppress(FileNotFoundError):
+            Path(f"/proc/{p}/clear_refs").write_text("5")
 
 
 def peak_rss(pid: int) -> int:
-    """VmHWM of a process, in bytes: its peak resident set since start or the last reset."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
+    """VmHWM of a process plus its live children's, in bytes: their peak resident sets since
+    start or the last reset, summed (a bound on their peak together)."""
+    total = 0
+    for p in (pid, *_children(pid)):
+        try:
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
+        except FileNotFoundError:
+            continue
+        total += next(int(line.split()[1]) * 1024 for line in lines if line.startswith("VmHWM:"))
+    return total
 
 
 def drop_page_cache() -> bool:

@@ -82,7 +82,8 @@ class Bench:
 class Measured:
     stall: float
     durable: float | None  # None: no store to poll (the floor)
-    cpu: float | None  # CPU seconds of the daemon, save start to durable
+    cpu: float | None  # CPU seconds of the daemon and its store workers, save start to durable
+    main_cpu: float | None  # of those, the daemon's own process (its main interpreter)
     rss: int | None  # its peak RSS over the same window
     extra: dict
     app_cpu: float  # CPU seconds of this process over the same window, less the poller thread's
@@ -101,7 +102,7 @@ def measure(
     pid = target.pid
     if pid:
         sysinfo.reset_peak_rss(pid)
-        cpu0 = sysinfo.cpu_seconds(pid)
+        cpu0, main0 = sysinfo.cpu_seconds(pid), sysinfo.main_cpu_seconds(pid)
     known = known or {}
     server0 = sysinfo.server_cpu_seconds()
     app0 = sysinfo.own_cpu_seconds()
@@ -121,8 +122,11 @@ def measure(
             poller.cancel()
     app_cpu = sysinfo.own_cpu_seconds() - app0 - (poller.cpu if poller is not None else 0.0)
     cpu = sysinfo.cpu_seconds(pid) - cpu0 if pid else None
+    main_cpu = sysinfo.main_cpu_seconds(pid) - main0 if pid else None
     rss = sysinfo.peak_rss(pid) if pid else None
-    return Measured(stall, durable, cpu, rss, extra, app_cpu, sysinfo.server_cpu_seconds() - server0)
+    return Measured(
+        stall, durable, cpu, main_cpu, rss, extra, app_cpu, sysinfo.server_cpu_seconds() - server0
+    )
 
 
 def _fmt(m: Measured) -> str:
@@ -130,7 +134,10 @@ def _fmt(m: Measured) -> str:
     if m.durable is not None:
         parts.append(f"durable {m.durable:6.2f} s")
     if m.cpu is not None:
-        parts.append(f"daemon {m.cpu:5.1f} CPU s, peak RSS {m.rss / MiB:5.0f} MiB")
+        parts.append(
+            f"daemon {m.cpu:5.1f} CPU s (main {m.main_cpu:.1f} + workers {m.cpu - m.main_cpu:.1f}), "
+            f"peak RSS {m.rss / MiB:5.0f} MiB"
+        )
     return ", ".join(parts)
 
 
@@ -162,6 +169,8 @@ def one_checkpoint(bench: Bench, state, nbytes: int) -> None:
             line += f" (serialize {m.extra['serialize']:.2f} s + upload {m.extra['upload']:.2f} s)"
         if m.cpu is not None:
             r.add("daemon_cpu", t.name, m.cpu / (nbytes / GiB))
+            r.add("daemon_cpu_main", t.name, m.main_cpu / (nbytes / GiB))
+            r.add("daemon_cpu_workers", t.name, (m.cpu - m.main_cpu) / (nbytes / GiB))
             r.add("daemon_rss", t.name, m.rss / MiB)
         # (the floor too: what torch.save alone costs, until it returns)
         r.add("client_cpu_save", t.name, m.client_cpu / (nbytes / GiB))

@@ -52,6 +52,10 @@ class MountConfig:
     cache_size: int = 16 * GiB  # NVMe tier budget (arena file in cache_dir), bytes
     part_size: int = 8 * MiB
     upload_concurrency: int = 8  # parts in flight across all files
+    # Processes that read, hash, sign and send the parts of an S3 store (transfer/workers.py), so
+    # that work holds no lock the FUSE handlers need; 0: the daemon's threads do it; -1: by the
+    # cores (``default_store_workers``).
+    store_workers: int = -1
     # Threads reading FUSE requests (fusewire/session.py), at most: a request waiting on the
     # store holds one, so this many may wait at once; each holds up to 2 MiB of buffers.
     fuse_threads: int = 16
@@ -104,6 +108,12 @@ class MountConfig:
     metrics_port: int | None = None  # Prometheus endpoint (daemon/metrics.py); None: none; 0: a free port
     metrics_addr: str = "127.0.0.1"
 
+    def store_worker_count(self) -> int:
+        """The store workers this mount runs (transfer/workers.py): an S3 store's only."""
+        if not self.store_url.lower().startswith("s3://"):
+            return 0
+        return self.store_workers if self.store_workers >= 0 else default_store_workers()
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
@@ -113,6 +123,16 @@ class MountConfig:
 
 
 MAX_REPLICAS = 8  # --replicas
+MAX_STORE_WORKERS = 16  # --store-workers
+
+
+def default_store_workers(cores: int | None = None) -> int:
+    """A worker process per two cores, one at least and 8 at most: on a small node the store's
+    server and the application need the rest."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, min(8, cores // 2))
+
+
 MIN_TAKEOVER_S = 4.0  # --takeover-after: two heartbeats (cluster/members.py BEAT_S)
 
 

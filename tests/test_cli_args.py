@@ -61,6 +61,8 @@ def empty_dir(tmp_path: Path) -> Path:
         (["mount", "{empty}", "--replicas", "1"], "--replicas, --failure-domain, --replica-timeout and"),
         (["mount", "{empty}", "--cluster", "--replicas", "9"], "give 0 to 8, not 9"),
         (["mount", "{empty}", "--cluster", "--replicas", "x"], "not a whole number"),
+        (["mount", "{empty}", "--store-workers", "17"], "give 0 to 16, not 17"),
+        (["mount", "{empty}", "--store-workers", "-1"], "give 0 to 16, not -1"),
         (["mount", "{empty}", "--cluster", "--takeover-after", "9"], "need --replicas"),
         (["mount", "{empty}", "--cluster", "--replicas", "1", "--takeover-after", "1"], "at least 4 s"),
         (

@@ -6,7 +6,8 @@ into a temp directory renamed into place) into ``trial-NNN/`` of one long-lived 
 ``latest`` pointer naming them, and logs every ``close()``/``rename`` that returned to a file
 outside the mount. The test SIGKILLs the daemon in a phase of the save that trial i takes in
 turn (i mod 4: during the writes, during the uploads, twice: during the uploads and again
-during the recovery, after everything is durable; ``PHASES``), at a random moment inside it,
+during the recovery, after everything is durable; ``PHASES``), at a random moment inside it
+(during the uploads, half the time its store worker processes first, a moment before it),
 and fails if the kill did not land in that phase; the mount reaches the store through the
 fault proxy, whose holds keep the uploads phases' window open. Then it remounts with the same
 cache dir, syncs, and checks with xxh3 of bytes read straight from the store (boto3 on the
@@ -461,6 +462,11 @@ def test_crash_torture(s3_server, s3_bucket, tmp_path, capsys, cache):
                             t.fail("the save did not become durable in 120 s")
                         time.sleep(0.05)
                     time.sleep(rng.uniform(0, 1.0))
+            if planned == "killed during uploads" and rng.random() < 0.5:
+                # Its store workers first (issue 42): the parts they held go again, or the
+                # daemon's own kill, a moment later, lands while they do.
+                stats["store workers killed"] += _kill_store_workers(m)
+                time.sleep(rng.uniform(0, 0.3))
             killed_at = time.monotonic()
             kill_daemon(m)
             _stop_writer(writer)  # it gets ENOTCONN/EIO (a stopped one once continued) and exits
@@ -553,6 +559,17 @@ def _all_durable(t: Trial, store: Store) -> bool:
 
 
 # -- minimal reproductions of bugs the torture found ----------------------------------------------
+
+
+def _kill_store_workers(m: Mount) -> int:
+    """SIGKILL the mount's store worker processes (transfer/workers.py); how many there were."""
+    pids = (m.status().get("store_workers") or {"pids": []})["pids"]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(pids)
 
 
 def test_mount_right_after_sigkill_clears_the_stale_mount(tmp_path):

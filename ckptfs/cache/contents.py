@@ -142,6 +142,20 @@ class Content:
                 self.cache.read_into(ref, start, chunk)
             done += len(chunk)
 
+    def pieces(self, offset: int, length: int) -> list[tuple[int | None, int, int]]:
+        """Where bytes [offset, offset + length) lie, as ``read_into`` would read them: (the
+        descriptor of a cache file, position, length) per block, None for a hole's zeros."""
+        bs = self.cache.block_size
+        out: list[tuple[int | None, int, int]] = []
+        done = 0
+        while done < length:
+            index, start = divmod(offset + done, bs)
+            n = min(bs - start, length - done)
+            ref = self._block_ref(index)
+            out.append((None, 0, n) if ref is None else (*self.cache.locate(ref, start), n))
+            done += n
+        return out
+
     def _block_ref(self, index: int) -> BlockRef | None:
         ref = self.blocks[index]
         if ref is None and index in self.remote:

@@ -19,10 +19,12 @@ import humanfriendly
 from ckptfs.cli.common import parse_positive_int, parse_seconds_arg, parse_size_arg
 from ckptfs.config import (
     MAX_REPLICAS,
+    MAX_STORE_WORKERS,
     MIN_TAKEOVER_S,
     MountConfig,
     default_cache_dir,
     default_store_dir,
+    default_store_workers,
     parse_peer_addr,
 )
 from ckptfs.daemon import limits, logs
@@ -47,6 +49,17 @@ def parse_replicas(text: str) -> int:
     if not 0 <= k <= MAX_REPLICAS:
         raise argparse.ArgumentTypeError(f"give 0 to {MAX_REPLICAS}, not {k}")
     return k
+
+
+def parse_store_workers(text: str) -> int:
+    """--store-workers N: 0 (the daemon's threads) to MAX_STORE_WORKERS."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= n <= MAX_STORE_WORKERS:
+        raise argparse.ArgumentTypeError(f"give 0 to {MAX_STORE_WORKERS}, not {n}")
+    return n
 
 
 def _compress(text: str) -> int:
@@ -117,6 +130,13 @@ def add_parser(sub) -> None:
         type=parse_positive_int,
         metavar="N",
         help=f"parts uploading at once (default {MountConfig.upload_concurrency})",
+    )
+    p.add_argument(
+        "--store-workers",
+        type=parse_store_workers,
+        metavar="N",
+        help="processes that read, hash, sign and send the parts of an s3:// store; 0: the daemon's "
+        f"threads do it (default: one per two cores, 1 to 8: {default_store_workers()} here)",
     )
     p.add_argument(
         "--fuse-threads",
@@ -339,6 +359,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "cache_size": args.cache_size,
         "part_size": args.part_size,
         "upload_concurrency": args.upload_concurrency,
+        "store_workers": args.store_workers,
         "fuse_threads": args.fuse_threads,
         "passthrough_cache": args.passthrough_cache,
         "passthrough_writes": args.passthrough_writes,
@@ -461,6 +482,7 @@ def daemon_argv(config: MountConfig) -> list[str]:
     ]
     argv += ["--umask", f"{config.umask:04o}"]
     argv += ["--passthrough-cache", str(config.passthrough_cache)] * (config.passthrough_cache >= 0)
+    argv += ["--store-workers", str(config.store_workers)] * (config.store_workers >= 0)
     argv += ["--no-passthrough-writes"] * (not config.passthrough_writes)
     for glob in config.no_marker:
         argv += [f"--no-marker={glob}"]

@@ -129,6 +129,8 @@ class Commands:
             "space_waits": usage["space_waits"],  # allocations that waited for room, since the mount
             "pending": {"files": up.pending_count(), "bytes": up.pending_bytes()},
             "uploading": {"parts_in_flight": self.config.upload_concurrency - up.part_slots.value},
+            # Processes sending parts (transfer/workers.py): their pids, restarts, parts sent
+            "store_workers": up.sender.workers.status() if up.sender.workers is not None else None,
             "uploaded_bytes": up.uploaded_bytes,
             "stored_bytes": up.stored_bytes,  # (compressed size where compressed)
             "durable_files": up.durable_files,

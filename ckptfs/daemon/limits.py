@@ -12,7 +12,8 @@ part-sized buffers ((3 x --upload-concurrency + 4) x --part-size: parts uploadin
 with the opt-in CRT transport, their copies in its buffers as they go out, blocks being fetched, small files and
 disk blocks being hashed or sent whole; allocated when first needed, then reused) + a fixed
 overhead (the interpreter, libraries) + 2 MiB per FUSE reader thread (--fuse-threads: its
-request and reply buffers, fusewire/session.py); with --cluster, also
+request and reply buffers, fusewire/session.py); on an s3:// store, with its store workers
+(transfer/workers.py), also ``WORKER_OVERHEAD`` per worker and a part buffer per channel; with --cluster, also
 (--upload-concurrency + 16) x --part-size (parts asked of peers; a block per replica stream held
 for another node) + 2 MiB per thread of the peer channel (--peer-connections + --replicas +
 --upload-concurrency + 16) + 128 MiB (TLS libraries, one large replica message header): see
@@ -65,16 +66,27 @@ PEER_THREAD = 2 * MiB
 # held at a time (at most cluster/peer_channel.py FRAME_HEADER_MAX, 4 MiB; its bytes twice and
 # its decoded JSON, up to 25 times).
 CLUSTER_OVERHEAD = 128 * MiB
+# A store worker process (transfer/workers.py) without its part buffers: the interpreter, boto3
+# and its clients, a thread per channel.
+WORKER_OVERHEAD = 96 * MiB
 
 
 def memory_bound(config: MountConfig) -> int:
-    """The most the daemon's RSS may reach with these flags (see the module doc). With
+    """The most the daemon's RSS, with its store workers', may reach with these flags (see the
+    module doc). A store worker: its interpreter (``WORKER_OVERHEAD``) and a part buffer per
+    channel (transfer/workers.py). With
     --cluster: the parts asked of peers take as much again as the fetches (--upload-concurrency
     x part size: ``PeerCache.threads`` holds an ask given up on until it ends), each replica
     stream this node holds for another (at most ``MAX_REPLICA_STREAMS``) a block, each thread of
     the peer channel ``PEER_THREAD``, and the TLS libraries ``CLUSTER_OVERHEAD``."""
     bound = config.ram_cache + (3 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
     bound += config.fuse_threads * FUSE_THREAD
+    workers = config.store_worker_count()
+    if (
+        workers
+    ):  # (each its interpreter; a part buffer per channel: --upload-concurrency + 2 in all, rounded up)
+        channels = -(-(config.upload_concurrency + 2) // workers) * workers
+        bound += workers * WORKER_OVERHEAD + channels * config.part_size
     if config.cluster:
         bound += (config.upload_concurrency + MAX_REPLICA_STREAMS) * config.part_size
         threads = config.peer_connections + config.replicas + config.upload_concurrency + MAX_REPLICA_STREAMS

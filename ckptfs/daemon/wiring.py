@@ -76,6 +76,7 @@ from ckptfs.store.base import ObjectInfo, ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer.fetcher import Fetcher
 from ckptfs.transfer.uploader import Uploader
+from ckptfs.transfer.workers import StoreWorkers
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,16 @@ class Core:
             files.close()  # (its copies read from the cache's arenas)
         self.journal.close()
         self.cache.close()
+
+
+def _store_workers(config: MountConfig, store: ObjectStore) -> StoreWorkers | None:
+    """The processes that send parts (transfer/workers.py), for a store whose byte path they do."""
+    inner = getattr(store, "inner", store)  # (under the LogicalStore)
+    count = config.store_worker_count()
+    if not count or not inner.sends_from_workers:
+        return None
+    # (a channel per part in flight, and two for whole files' hashes)
+    return StoreWorkers(inner, count, -(-(config.upload_concurrency + 2) // count), config.part_size)
 
 
 def build_core(
@@ -285,6 +296,7 @@ def build_core(
         retained_ops=shadows.retained_ops,
         gate=gate,
         yield_to=replicas_behind,
+        workers=_store_workers(config, store),
     )
     peers, holder, replicator = None, None, None
     if config.cluster:  # (the cycle peers -> namespace, fetcher -> peers: see the module doc)

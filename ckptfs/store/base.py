@@ -84,6 +84,9 @@ class PartInfo:
 class ObjectStore(ABC):
     """One bucket/prefix (S3) or one directory (local)."""
 
+    # Whether transfer/workers.py can send this store's parts from worker processes (S3's).
+    sends_from_workers = False
+
     url: str  # printable location, never with credentials
     limits: StoreLimits = S3_LIMITS  # what it accepts (keys, part count, part sizes)
     # Learned: the server refused a completion that left uploaded parts out (PartsLeftOut).

@@ -33,6 +33,7 @@ class S3Store(ObjectStore):
 
     # Above 5 GiB CopyObject is refused: copy in ranges instead (class attrs so tests can shrink them).
     max_single_copy = 5 * GiB
+    sends_from_workers = True
     copy_part_size = 1 * GiB
 
     def __init__(self, client: S3Client, multipart: S3Multipart):
@@ -265,8 +266,14 @@ class S3Store(ObjectStore):
     def create_multipart(self, key: str, metadata: dict[str, str] | None = None) -> str:
         return self.multipart.create(key, metadata)
 
-    def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
-        return self.multipart.upload_part(key, upload_id, number, data)
+    def upload_part(
+        self, key: str, upload_id: str, number: int, data: bytes | memoryview, checksummed: bool | None = None
+    ) -> PartInfo:
+        return self.multipart.upload_part(key, upload_id, number, data, checksummed)
+
+    def part_checksums(self, key: str, upload_id: str) -> bool:
+        """Whether the upload's parts carry their CRC32C (told to a store worker with each part)."""
+        return self.multipart.uses_checksums(key, upload_id)
 
     def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:
         return self.multipart.upload_zero_part(key, upload_id, number, length)

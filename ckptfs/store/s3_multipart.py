@@ -79,7 +79,7 @@ class S3Multipart:
             self._checksummed[r["UploadId"]] = checksummed
         return r["UploadId"]
 
-    def _uses_checksums(self, key: str, upload_id: str) -> bool:
+    def uses_checksums(self, key: str, upload_id: str) -> bool:
         """Whether the upload was created with CRC32C (then each part and the completion carry
         theirs). Known for the uploads this process created; for one resumed from the journal,
         the server's list of unfinished uploads says (once)."""
@@ -104,8 +104,14 @@ class S3Multipart:
                 self._checksummed[upload_id] = known
         return known
 
-    def upload_part(self, key: str, upload_id: str, number: int, data: bytes | memoryview) -> PartInfo:
-        crc = crc32c_b64(data) if self._uses_checksums(key, upload_id) else None
+    def upload_part(
+        self, key: str, upload_id: str, number: int, data: bytes | memoryview, checksummed: bool | None = None
+    ) -> PartInfo:
+        """UploadPart; ``checksummed``: whether the upload carries CRC32C, where the caller knows
+        (a store worker: the daemon that created the upload does), else found out."""
+        if checksummed is None:
+            checksummed = self.uses_checksums(key, upload_id)
+        crc = crc32c_b64(data) if checksummed else None
         return self.client.send_part(key, upload_id, number, data, crc)
 
     def upload_zero_part(self, key: str, upload_id: str, number: int, length: int) -> PartInfo:

@@ -30,7 +30,8 @@ from ckptfs.parts import PartSchedule
 from ckptfs.store.base import PartInfo
 from ckptfs.transfer.store_calls import StoreCalls
 from ckptfs.transfer.upload_encoding import Encoder
-from ckptfs.transfer.upload_tasks import PartBuffers, Stream, Task, Upload, in_thread_if_large
+from ckptfs.transfer.upload_tasks import INLINE_BYTES, PartBuffers, Stream, Task, Upload, in_thread_if_large
+from ckptfs.transfer.workers import StoreWorkers
 from ckptfs.util.background import Gate
 from ckptfs.util.byte_budget import ByteBudget
 from ckptfs.util.stats import RateMeter
@@ -54,6 +55,7 @@ class PartSender:
         concurrency: int,
         hash_threads: trio.CapacityLimiter,
         yield_to: Callable[[], bool] | None = None,
+        workers: StoreWorkers | None = None,
     ):
         self.calls = calls
         self.store = calls.store
@@ -84,6 +86,9 @@ class PartSender:
         self.verify_seconds = 0.0
         self.changed_parts = 0
         self.nursery: trio.Nursery | None = None  # the uploader's (Uploader.run)
+        # Processes that read, hash and send a part themselves (transfer/workers.py); None: the
+        # store threads do, here. Compressed parts stay here (the frames and the seek table).
+        self.workers = workers
 
     @property
     def uploaded_bytes(self) -> int:
@@ -138,6 +143,9 @@ class PartSender:
         content = task.content
         assert content is not None  # a put's task holds its content until finish()
         if task.xxh3 or content.remote or (task.multipart and content.sparse()):
+            return
+        if self.workers is not None and content.size > INLINE_BYTES:  # (off the daemon's GIL)
+            task.xxh3 = await self.calls.call(task.op.key, self._hash_by_worker, content)
             return
         task.xxh3 = await in_thread_if_large(self.hash_threads, content.size, self._hash, content)
 
@@ -301,6 +309,8 @@ class PartSender:
                     self.store.upload_zero_part(upload.key, upload.upload_id, number, length),
                     xxh3=zeros_xxh3(length),
                 )
+            if self.workers is not None and not task.compressed:
+                return self._by_worker(upload, number, lambda: content.pieces(start, length))
             with self.part_buffers.body(
                 length, lambda out: self._from_cache(content.read_into, start, out)
             ) as body:
@@ -391,7 +401,13 @@ class PartSender:
                                 self.cache.read_into, filling[block][0], 0, out[k * bs : (k + 1) * bs]
                             )
 
+                    def pieces() -> list[tuple[int | None, int, int]]:
+                        return [(*self.cache.locate(filling[block][0], 0), bs) for block in blocks]
+
                     def send() -> tuple[PartInfo, str]:
+                        if self.workers is not None and not compressed:
+                            info = self._by_worker(upload, part + 1, pieces)
+                            return info, info.xxh3
                         with self.part_buffers.body(size, fill) as body:
                             digest = integrity.part_hash(body)  # sealed: what the manifest records
                             if compressed:
@@ -519,6 +535,23 @@ class PartSender:
         """A copy out of the cache from a store thread, refused once shutdown closed the cache."""
         with self.cache_gate.use():
             read(*args)
+
+    def _by_worker(self, upload: Upload, number: int, pieces: Callable[[], list]) -> PartInfo:
+        """Part ``number`` sent by a store worker, which reads its ``pieces`` from the cache's
+        files itself (store thread: it waits, the GIL released). The cache stays open for it
+        until it has read them."""
+        assert self.workers is not None
+        with contextlib.ExitStack() as hold:
+            hold.enter_context(self.cache_gate.use())
+            return self.workers.upload_part(
+                upload.key, upload.upload_id, number, pieces(), read_done=hold.close
+            )
+
+    def _hash_by_worker(self, content: Content) -> str:
+        assert self.workers is not None
+        with contextlib.ExitStack() as hold:
+            hold.enter_context(self.cache_gate.use())
+            return self.workers.xxh3(content.pieces(0, content.size), read_done=hold.close)
 
     def _hash(self, content: Content) -> str:
         return content_xxh3(self.cache.view, content.size, content.blocks, self.cache.block_size)

@@ -57,6 +57,7 @@ from ckptfs.transfer.store_calls import StoreCalls
 from ckptfs.transfer.upload_encoding import Encoder
 from ckptfs.transfer.upload_parts import PartSender
 from ckptfs.transfer.upload_tasks import Stream, Task, Upload
+from ckptfs.transfer.workers import StoreWorkers
 from ckptfs.util.background import BackgroundThreads
 from ckptfs.util.stats import Histogram, RateMeter
 
@@ -105,6 +106,7 @@ class Uploader:
         retained_ops: Callable[[], list[Op]] = list,
         gate: PublishGate | None = None,
         yield_to: Callable[[], bool] | None = None,
+        workers: StoreWorkers | None = None,
     ):
         self.store = store
         self.cache = cache
@@ -128,7 +130,15 @@ class Uploader:
             compression.Governor(behind=lambda: cache.waiters > 0),
         )
         self.sender = PartSender(
-            self.calls, self.encoder, cache, journal, self.schedule, concurrency, hash_threads, yield_to
+            self.calls,
+            self.encoder,
+            cache,
+            journal,
+            self.schedule,
+            concurrency,
+            hash_threads,
+            yield_to,
+            workers,
         )
         self.pending: dict[int, Task] = {}  # by seq; insertion order is sequence order
         self.progress = trio.Event()  # set (and replaced) whenever an op is done
@@ -479,6 +489,8 @@ class Uploader:
         """Shutdown ends (the trio loop is gone): abandoned calls may no longer read the cache,
         which is closed next. (They never touch the journal: only the trio loop writes it.)"""
         self.sender.close()
+        if self.sender.workers is not None:
+            self.sender.workers.close()
 
     # -- helpers ---------------------------------------------------------------------------
     def _signal_progress(self) -> None:

@@ -1,0 +1,115 @@
+"""The store's byte path in worker processes (transfer/workers.py, issue 42), on the real S3 server:
+a worker killed mid-part costs that part a resend, never the file; workers end with the daemon,
+even one killed with SIGKILL; ``--store-workers 0`` keeps the parts in the daemon's threads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import xxhash
+
+from tests.support.faultproxy import FaultProxy, Rule, hold
+from tests.support.mounting import Mount
+
+pytestmark = pytest.mark.store
+
+MiB = 1 << 20
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        text = open(f"/proc/{pid}/task/{task}/children").read()
+        found.update(int(c) for c in text.split())
+    return found
+
+
+def _stored(s3_server, bucket: str, key: str) -> bytes:
+    return s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def test_a_worker_killed_mid_part_costs_a_resend_not_the_file(s3_server, s3_bucket, tmp_path):
+    data = os.urandom(40 * MiB)  # five parts
+    with FaultProxy(s3_server.endpoint) as proxy:
+        m = Mount(
+            f"s3://{s3_bucket}/w",
+            tmp_path / "m",
+            endpoint_url=proxy.url,
+            extra=("--store-workers", "1", "--upload-concurrency", "2"),
+        )
+        try:
+            m.start()
+            held = proxy.add_rule(Rule(hold(), kind="upload_part", count=1))
+            (m.path / "ckpt.bin").write_bytes(data)
+            held.wait_held()  # a part is on its way: its worker is waiting for the answer
+            workers = m.status()["store_workers"]
+            assert workers["processes"] == 1 and len(workers["pids"]) == 1
+            victim = workers["pids"][0]
+            assert victim in _children(m.pid)
+            os.kill(victim, signal.SIGKILL)
+            held.release(forward=False)
+            m.sync(timeout=120)
+            status = m.status()
+            assert status["store_workers"]["restarts"] >= 1
+            assert victim not in status["store_workers"]["pids"]
+            assert any("store worker" in e["message"] for e in status["errors"])
+            stored = _stored(s3_server, s3_bucket, "w/ckpt.bin")
+            assert xxhash.xxh3_64_hexdigest(stored) == xxhash.xxh3_64_hexdigest(data)
+            assert (m.path / "ckpt.bin").read_bytes() == data
+        finally:
+            m.cleanup()
+
+
+def test_workers_end_with_the_daemon_even_a_killed_one(s3_server, s3_bucket, tmp_path):
+    m = Mount(
+        f"s3://{s3_bucket}/k", tmp_path / "m", endpoint_url=s3_server.endpoint, extra=("--store-workers", "2")
+    )
+    try:
+        m.start()
+        (m.path / "a").write_bytes(os.urandom(24 * MiB))
+        m.sync()
+        pids = m.status()["store_workers"]["pids"]
+        assert len(pids) == 2 and set(pids) <= _children(m.pid)
+        m.kill()  # SIGKILL: no shutdown of its own
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "a store worker outlived its daemon"
+        m.start()  # the same cache dir: the file is there, durable
+        assert (m.path / "a").stat().st_size == 24 * MiB
+        (m.path / "b").write_bytes(os.urandom(24 * MiB))
+        m.sync()
+        pids = m.status()["store_workers"]["pids"]
+        assert pids
+        m.stop()  # a clean unmount ends them too
+        assert not any(_alive(p) for p in pids)
+    finally:
+        m.cleanup()
+
+
+def test_no_workers_keeps_the_parts_in_the_daemon(s3_server, s3_bucket, tmp_path):
+    data = os.urandom(20 * MiB)
+    m = Mount(
+        f"s3://{s3_bucket}/t", tmp_path / "m", endpoint_url=s3_server.endpoint, extra=("--store-workers", "0")
+    )
+    try:
+        m.start()
+        (m.path / "a").write_bytes(data)
+        m.sync()
+        status = m.status()
+        assert status["store_workers"] is None
+        assert not _children(m.pid)
+        assert _stored(s3_server, s3_bucket, "t/a") == data
+    finally:
+        m.cleanup()
