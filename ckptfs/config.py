@@ -114,6 +114,11 @@ class MountConfig:
             return 0
         return self.store_workers if self.store_workers >= 0 else default_store_workers()
 
+    def worker_channels(self) -> int:
+        """Requests the store workers serve at once, all together: a part per upload slot, two
+        whole files' hashes, a fetch per fetch slot (both --upload-concurrency)."""
+        return 2 * self.upload_concurrency + 2
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 

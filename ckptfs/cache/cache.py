@@ -440,11 +440,12 @@ class Cache:
     def read_into(self, ref: BlockRef, offset: int, out: memoryview) -> None:
         self.tier(ref[0]).read_into(ref[1], offset, out)
 
-    def locate(self, ref: BlockRef, offset: int) -> tuple[int, int]:
-        """Where byte ``offset`` of a block is: its file's descriptor and position (a store
-        worker reads it there, transfer/workers.py)."""
+    def locate(self, ref: BlockRef, offset: int) -> tuple[int, int, bool]:
+        """Where byte ``offset`` of a block is: its file's descriptor and position, and whether
+        the file may end before the block does (a working file: its hole; an arena never does).
+        A store worker reads or writes it there (transfer/workers.py)."""
         tier = self.tier(ref[0])
-        return tier.fd, ref[1] * self.block_size + offset
+        return tier.fd, ref[1] * self.block_size + offset, ref[0] >= backing.FIRST_TIER
 
     def send_to(self, ref: BlockRef, length: int, out_fd: int, out_pos: int) -> None:
         """``Tier.send_to``: a block's bytes into another file, from a worker thread."""

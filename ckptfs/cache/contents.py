@@ -142,17 +142,22 @@ class Content:
                 self.cache.read_into(ref, start, chunk)
             done += len(chunk)
 
-    def pieces(self, offset: int, length: int) -> list[tuple[int | None, int, int]]:
+    def pieces(self, offset: int, length: int) -> list[tuple[int | None, int, int, bool]]:
         """Where bytes [offset, offset + length) lie, as ``read_into`` would read them: (the
-        descriptor of a cache file, position, length) per block, None for a hole's zeros."""
+        descriptor of a cache file or None for a hole's zeros, position, length, whether the
+        file may end before it: zeros then) per block."""
         bs = self.cache.block_size
-        out: list[tuple[int | None, int, int]] = []
+        out: list[tuple[int | None, int, int, bool]] = []
         done = 0
         while done < length:
             index, start = divmod(offset + done, bs)
             n = min(bs - start, length - done)
             ref = self._block_ref(index)
-            out.append((None, 0, n) if ref is None else (*self.cache.locate(ref, start), n))
+            if ref is None:
+                out.append((None, 0, n, True))
+            else:
+                fd, pos, short = self.cache.locate(ref, start)
+                out.append((fd, pos, n, short))
             done += n
         return out
 

@@ -82,11 +82,9 @@ def memory_bound(config: MountConfig) -> int:
     bound = config.ram_cache + (3 * config.upload_concurrency + 4) * config.part_size + FIXED_OVERHEAD
     bound += config.fuse_threads * FUSE_THREAD
     workers = config.store_worker_count()
-    if (
-        workers
-    ):  # (each its interpreter; a part buffer per channel: --upload-concurrency + 2 in all, rounded up)
-        channels = -(-(config.upload_concurrency + 2) // workers) * workers
-        bound += workers * WORKER_OVERHEAD + channels * config.part_size
+    if workers:  # (each its interpreter; a part buffer per channel, a fetched body per fetch)
+        channels = -(-config.worker_channels() // workers) * workers
+        bound += workers * WORKER_OVERHEAD + (channels + config.upload_concurrency) * config.part_size
     if config.cluster:
         bound += (config.upload_concurrency + MAX_REPLICA_STREAMS) * config.part_size
         threads = config.peer_connections + config.replicas + config.upload_concurrency + MAX_REPLICA_STREAMS

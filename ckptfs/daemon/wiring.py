@@ -167,14 +167,15 @@ class Core:
         self.cache.close()
 
 
-def _store_workers(config: MountConfig, store: ObjectStore) -> StoreWorkers | None:
-    """The processes that send parts (transfer/workers.py), for a store whose byte path they do."""
+def _store_workers(config: MountConfig, store: ObjectStore, health: StoreHealth) -> StoreWorkers | None:
+    """The processes that send parts and fetch ranges (transfer/workers.py), for a store whose
+    byte path they do."""
     inner = getattr(store, "inner", store)  # (under the LogicalStore)
     count = config.store_worker_count()
     if not count or not inner.sends_from_workers:
         return None
-    # (a channel per part in flight, and two for whole files' hashes)
-    return StoreWorkers(inner, count, -(-(config.upload_concurrency + 2) // count), config.part_size)
+    channels = -(-config.worker_channels() // count)
+    return StoreWorkers(inner, count, channels, config.part_size, health)
 
 
 def build_core(
@@ -285,6 +286,7 @@ def build_core(
         # replicator, built a few lines later)
         return replicator is not None and replicator.behind()
 
+    workers = _store_workers(config, store, health)
     uploader = Uploader(
         store,
         cache,
@@ -296,7 +298,7 @@ def build_core(
         retained_ops=shadows.retained_ops,
         gate=gate,
         yield_to=replicas_behind,
-        workers=_store_workers(config, store),
+        workers=workers,
     )
     peers, holder, replicator = None, None, None
     if config.cluster:  # (the cycle peers -> namespace, fetcher -> peers: see the module doc)
@@ -372,6 +374,7 @@ def build_core(
         health=health,
         read_timeout=config.read_timeout,
         peers=peers,
+        workers=workers,
     )
     retention = Retention(tree, cache, uploader, policy)
     # Passthrough reads need the kernel's channel; the files live beside the disk tier.

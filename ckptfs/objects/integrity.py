@@ -126,6 +126,24 @@ class Checksums:
         begin = layout.start(first)
         return begin, min(layout.start(last) + layout.size(last), self.size) - begin
 
+    def parts_in(self, start: int, length: int) -> list[tuple[int, int, str]] | None:
+        """(offset from ``start``, length, xxh3) of each part of [start, start + length) (a
+        range of whole parts, as ``span`` gives), what ``check`` compares; None where the
+        checksums do not cover it (unverified, or a part past those recorded)."""
+        if not self.verified:
+            return None
+        layout = self.layout
+        found: list[tuple[int, int, str]] = []
+        offset = 0
+        while offset < length:
+            index = layout.index(start + offset)
+            if index >= len(self.parts):
+                return None
+            end = min(layout.start(index) + layout.size(index), start + length) - start
+            found.append((offset, end - offset, self.parts[index]))
+            offset = end
+        return found
+
     def check(self, start: int, data) -> None:
         """Raise IntegrityError unless ``data`` (whole parts from ``start``) matches."""
         if not self.verified:

@@ -23,12 +23,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import humanfriendly
+import outcome
 import trio
 
-from ckptfs.blocks import n_blocks
+from ckptfs.blocks import BlockRef, n_blocks
 from ckptfs.cache.arena import in_pages
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
@@ -39,6 +40,7 @@ from ckptfs.parts import PartSchedule
 from ckptfs.store.base import ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer import retry
+from ckptfs.transfer.workers import StoreWorkers
 from ckptfs.util.byte_budget import ByteBudget
 from ckptfs.util.single_flight import SingleFlight
 from ckptfs.util.stats import LATENCY_BUCKETS, Histogram
@@ -51,6 +53,9 @@ VERIFY_ATTEMPTS = 3  # fetches of a range whose bytes do not match their checksu
 # Files smaller than this are read from the store even in a cluster: a peer would save few bytes
 # for the HEAD (the checksums to check its bytes against) and the round trip it costs.
 PEER_MIN_SIZE = 1 << 20
+# A store worker fetches a range into cache slots allocated before its GET: at most this many
+# blocks at once (a grown layout's larger parts go through the daemon's threads, as before).
+LANDED_BLOCKS = 4
 
 
 class _ShortRead(Exception):
@@ -89,8 +94,14 @@ class Fetcher:
         health: StoreHealth | None = None,
         read_timeout: float | None = None,
         peers: PeerSource | None = None,
+        workers: StoreWorkers | None = None,
     ):
         self.store = store
+        # Processes that GET, check and write a range into its cache slots themselves
+        # (transfer/workers.py); None: this daemon's threads do (and always for a first read,
+        # a compressed or an unchecked object, a part of more than LANDED_BLOCKS blocks).
+        self.workers = workers
+        self.landing_bytes = 0  # of ranges being fetched by workers into slots taken before their GET
         self.cache = cache
         self.threads = trio.CapacityLimiter(concurrency)
         # Fetched blocks held in memory at once, GET to cache (one may wait for cache space):
@@ -393,6 +404,17 @@ class Fetcher:
             # (Content types checksums ``object``: it holds integrity.Checksums or None)
             checks = cast("Checksums | None", content.checksums)
             begin, span = checks.span(start, length) if checks is not None else (start, length)
+            parts = self._landable(checks, begin, span)
+            if parts is not None:
+                try:
+                    if await self._land(content, index, begin, span, parts):
+                        return
+                    continue  # the object changed under the GET: its checksums again
+                except IntegrityError as exc:
+                    attempt += 1
+                    content.checksums = None
+                    self._mismatch(content, index, exc, final=attempt == VERIFY_ATTEMPTS)
+                    continue
             if checks is not None and checks.compressed:  # the frames holding those parts
                 stored, stored_length, first, last = checks.stored_range(begin, span)
                 data, metadata = await self._get(content, stored, stored_length)
@@ -423,6 +445,113 @@ class Fetcher:
         if not fresh.verified:
             self.unverified_reads += 1
         await self._attach(content, begin, data, index)
+
+    # -- a range a store worker fetches, checks and writes into the cache itself -----------------
+    def _landable(self, checks: Checksums | None, begin: int, span: int) -> list[tuple[int, int, str]] | None:
+        """The parts a store worker checks a fetch of [begin, begin + span) against, where one
+        can do it: the checksums known and plain (not frames), a range of a few blocks."""
+        if self.workers is None or not self.workers.usable or checks is None or checks.compressed:
+            return None
+        if span > LANDED_BLOCKS * self.cache.block_size:
+            return None
+        # Slots taken before their GET: a quarter of the cache at most (as ``_attach`` keeps),
+        # so fetches ahead of a reader never hold what the reader's own blocks need.
+        room = max(self.cache.block_size, sum(tier.budget for tier in self.cache.tiers) // 4)
+        if self.landing_bytes + span > room:
+            return None
+        return checks.parts_in(begin, span)
+
+    async def _land(
+        self, content: Content, wanted: int, begin: int, span: int, parts: list[tuple[int, int, str]]
+    ) -> bool:
+        """Fetch [begin, begin + span) through a store worker, straight into fresh cache slots
+        for the blocks it covers whole that are missing, then attach them. False when the
+        object's checksums changed under the GET (nothing attached: the caller looks again);
+        IntegrityError when a part did not match (nothing was written)."""
+        bs = self.cache.block_size
+        self.landing_bytes += span
+        landing = _Landing(self.cache, lambda: self._landed(span))
+        try:
+            # (the blocks of the range already here stay while the others are allocated)
+            with content.reading(begin, span):
+                index = n_blocks(begin, bs)
+                while (
+                    index < len(content.blocks) and index * bs + content.block_length(index) <= begin + span
+                ):
+                    if content.blocks[index] is None:
+                        landing.refs[index] = await self.cache.alloc()
+                    index += 1
+            blocks = []
+            for i, ref in landing.refs.items():
+                fd, pos, _ = self.cache.locate(ref, 0)
+                blocks.append((fd, pos, i * bs - begin, content.block_length(i)))
+            try:
+                answer, metadata = await self._get(content, begin, span, (landing, parts, blocks))
+            except _NoWorkers:
+                return False  # (the caller looks again, and reads through its threads)
+            fresh = await self._checksums(content, metadata)
+            if (
+                fresh.span(begin, span) != (begin, span)
+                or fresh.compressed
+                or fresh.parts_in(begin, span) != parts
+            ):
+                return False
+            if metadata.get(compression.FORMAT_META) == compression.FORMAT:
+                raise IntegrityError(
+                    "stored compressed, but its frames are not recorded: it cannot be decoded"
+                )
+            if "mismatch" in answer:
+                at = begin + answer["mismatch"]
+                raise IntegrityError(f"the part at byte {at} does not match its checksum")
+            for i, ref in landing.take().items():
+                self.cache.fit(ref, content.block_length(i))
+                if content.blocks[i] is None and content.holders > 0:
+                    content.blocks[i] = ref
+                else:  # raced, or the content was dropped meanwhile
+                    self.cache.decref(ref)
+            self.fetched_bytes += span
+            return True
+        finally:
+            landing.release()
+
+    def _landed(self, span: int) -> None:
+        self.landing_bytes -= span
+
+    async def _by_worker(
+        self, key: str, start: int, length: int, landed: tuple
+    ) -> tuple[dict, dict[str, str]]:
+        """One GET by a store worker into the landing's slots. The worker may write them until
+        it answers, so the call runs in a task of its own that holds them until then: a reader
+        that gives up (interrupted, timed out) does not free slots a worker still writes."""
+        landing, parts, blocks = landed
+        assert self.workers is not None and self.nursery is not None
+        if not self.workers.usable:
+            raise _NoWorkers
+        box: list = []
+        done = trio.Event()
+        fetch = self.workers.fetch
+
+        async def call() -> None:
+            landing.busy += 1
+            try:
+                # (abandoned only at shutdown, when the fetcher's nursery is cancelled: its slots
+                # are then never freed, and the workers are killed before the cache closes)
+                box.append(
+                    await trio.to_thread.run_sync(
+                        lambda: outcome.capture(fetch, key, start, length, parts, blocks),
+                        limiter=self.threads,
+                        abandon_on_cancel=True,
+                    )
+                )
+            finally:
+                done.set()
+            landing.busy -= 1
+            landing.release_if_done()
+
+        self.nursery.start_soon(call)
+        await done.wait()
+        answer = box[0].unwrap()
+        return answer, answer["metadata"]
 
     async def _attach(self, content: Content, begin: int, data: bytes | bytearray, wanted: int) -> None:
         """Put the blocks that ``data`` (checked bytes from ``begin``) covers whole into the cache.
@@ -461,21 +590,25 @@ class Fetcher:
             else:  # raced, or the content was dropped meanwhile
                 self.cache.decref(ref)
 
-    async def _get(self, content: Content, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+    async def _get(
+        self, content: Content, start: int, length: int, landed: tuple | None = None
+    ) -> tuple[Any, dict[str, str]]:
         """Bytes [start, start + length) of ``content``'s object and the metadata of that answer,
-        through transient failures and short bodies (retry.reading)."""
+        through transient failures and short bodies (retry.reading). ``landed``: a store worker
+        GETs them into cache slots (``_land``), and the answer is the worker's, not the bytes."""
         key = content.key
         assert key is not None  # only contents in the store are fetched: they have a key
 
-        async def once() -> tuple[bytes, dict[str, str]]:
+        async def once() -> tuple[Any, dict[str, str]]:
             nonlocal key
             key = content.key
             started = time.monotonic()
-            data, metadata = await self._get_range(content, start, length)
+            data, metadata = await self._get_range(content, start, length, landed)
             self.get_latency.observe(time.monotonic() - started)
-            self.store_bytes += len(data)
-            if len(data) != length:
-                raise _ShortRead(len(data))
+            got = data["got"] if landed is not None else len(data)
+            self.store_bytes += got
+            if got != length:
+                raise _ShortRead(got)
             return data, metadata
 
         def retrying(exc: BaseException) -> None:
@@ -501,7 +634,9 @@ class Fetcher:
         )
         return sum(lengths[: max(0, len(lengths) - ram.budget // self.cache.block_size)]) <= disk.budget
 
-    async def _get_range(self, content: Content, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+    async def _get_range(
+        self, content: Content, start: int, length: int, landed: tuple | None = None
+    ) -> tuple[Any, dict[str, str]]:
         """A ranged GET of ``content``, following its key when a rename moves the object.
 
         The server-side move of a rename (copy, then delete) may run under the GET, which then
@@ -516,6 +651,8 @@ class Fetcher:
             try:
                 # Abandoned when cancelled (shutdown, an interrupted reader): the thread touches no
                 # shared state, its answer is dropped; the limiter still counts it until it ends.
+                if landed is not None:
+                    return await self._by_worker(key, start, length, landed)
                 return await trio.to_thread.run_sync(
                     self.store.get_range_meta,
                     key,
@@ -650,6 +787,40 @@ class Fetcher:
                 self._logged.clear()
             self._logged.add((key, reason))
             log.log(level, msg, *args)
+
+
+class _NoWorkers(Exception):
+    """The store workers can no longer start: the fetch goes through the daemon's threads."""
+
+
+class _Landing:
+    """Cache slots a store worker writes a fetched range into (``Fetcher._land``): freed when
+    both the fetch that took them is done with them and no worker call still holds them."""
+
+    def __init__(self, cache: Cache, freed: Callable[[], None]):
+        self.cache = cache
+        self.freed: Callable[[], None] | None = freed  # (called once, when its slots are given up)
+        self.refs: dict[int, BlockRef] = {}  # block index -> its fresh slot
+        self.busy = 0  # worker calls under way
+        self.released = False
+
+    def take(self) -> dict[int, BlockRef]:
+        """The slots, for the content: no longer the landing's to free."""
+        refs, self.refs = self.refs, {}
+        return refs
+
+    def release(self) -> None:
+        self.released = True
+        self.release_if_done()
+
+    def release_if_done(self) -> None:
+        if self.released and not self.busy and self.freed is not None:
+            for ref in self.refs.values():
+                self.cache.decref(ref)
+            self.refs = {}
+            self.freed()
+            self.freed = None
+            self.cache.notify_space()
 
 
 def _fmt(n: int) -> str:

@@ -18,6 +18,7 @@ from ckptfs.store.base import ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer import retry
 from ckptfs.transfer.upload_tasks import Task
+from ckptfs.transfer.workers import WorkerGone
 from ckptfs.util.background import BackgroundThreads
 from ckptfs.util.stats import LATENCY_BUCKETS, Histogram
 
@@ -71,7 +72,8 @@ class StoreCalls:
         message = str(exc)
         self.retries += 1
         self.errors.append({"time": time.time(), "key": key, "message": message})
-        self.health.failed("", key, message)
+        if not isinstance(exc, WorkerGone):  # (a worker of ours, not the store)
+            self.health.failed("", key, message)
         if (key, message) not in self._logged_errors:  # once per key and reason, not per retry
             self._logged_errors.add((key, message))
             log.error("store error on %s (will retry): %s", key, message)

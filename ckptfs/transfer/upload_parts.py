@@ -31,7 +31,7 @@ from ckptfs.store.base import PartInfo
 from ckptfs.transfer.store_calls import StoreCalls
 from ckptfs.transfer.upload_encoding import Encoder
 from ckptfs.transfer.upload_tasks import INLINE_BYTES, PartBuffers, Stream, Task, Upload, in_thread_if_large
-from ckptfs.transfer.workers import StoreWorkers
+from ckptfs.transfer.workers import Piece, StoreWorkers
 from ckptfs.util.background import Gate
 from ckptfs.util.byte_budget import ByteBudget
 from ckptfs.util.stats import RateMeter
@@ -145,8 +145,10 @@ class PartSender:
         if task.xxh3 or content.remote or (task.multipart and content.sparse()):
             return
         if self.workers is not None and content.size > INLINE_BYTES:  # (off the daemon's GIL)
-            task.xxh3 = await self.calls.call(task.op.key, self._hash_by_worker, content)
-            return
+            pieces = content.pieces(0, content.size)
+            if self.workers.hashable(pieces):
+                task.xxh3 = await self.calls.call(task.op.key, self._hash_by_worker, content, pieces)
+                return
         task.xxh3 = await in_thread_if_large(self.hash_threads, content.size, self._hash, content)
 
     async def _adopt_stream(self, task: Task) -> None:
@@ -309,7 +311,7 @@ class PartSender:
                     self.store.upload_zero_part(upload.key, upload.upload_id, number, length),
                     xxh3=zeros_xxh3(length),
                 )
-            if self.workers is not None and not task.compressed:
+            if self.workers is not None and self.workers.usable and not task.compressed:
                 return self._by_worker(upload, number, lambda: content.pieces(start, length))
             with self.part_buffers.body(
                 length, lambda out: self._from_cache(content.read_into, start, out)
@@ -401,11 +403,12 @@ class PartSender:
                                 self.cache.read_into, filling[block][0], 0, out[k * bs : (k + 1) * bs]
                             )
 
-                    def pieces() -> list[tuple[int | None, int, int]]:
-                        return [(*self.cache.locate(filling[block][0], 0), bs) for block in blocks]
+                    def pieces() -> list[Piece]:
+                        located = [self.cache.locate(filling[block][0], 0) for block in blocks]
+                        return [(fd, pos, bs, short) for fd, pos, short in located]
 
                     def send() -> tuple[PartInfo, str]:
-                        if self.workers is not None and not compressed:
+                        if self.workers is not None and self.workers.usable and not compressed:
                             info = self._by_worker(upload, part + 1, pieces)
                             return info, info.xxh3
                         with self.part_buffers.body(size, fill) as body:
@@ -547,11 +550,17 @@ class PartSender:
                 upload.key, upload.upload_id, number, pieces(), read_done=hold.close
             )
 
-    def _hash_by_worker(self, content: Content) -> str:
+    def _hash_by_worker(self, content: Content, pieces: list[Piece]) -> str:
         assert self.workers is not None
+        if not self.workers.usable:  # (they could not start: here, then)
+            return self._from_cache_result(self._hash, content)
         with contextlib.ExitStack() as hold:
             hold.enter_context(self.cache_gate.use())
-            return self.workers.xxh3(content.pieces(0, content.size), read_done=hold.close)
+            return self.workers.xxh3(pieces, read_done=hold.close)
+
+    def _from_cache_result(self, fn, *args):
+        with self.cache_gate.use():
+            return fn(*args)
 
     def _hash(self, content: Content) -> str:
         return content_xxh3(self.cache.view, content.size, content.blocks, self.cache.block_size)

@@ -1,19 +1,22 @@
 """The store's byte path in worker processes (issue 42): ``StoreWorkers``, the daemon's side.
 
 Every part a mount uploads to S3 is read from the cache, hashed (xxh3 for the manifest, CRC32C
-where the server verifies it, SHA-256 for the signature), signed and sent; in one interpreter
-that work holds the GIL the FUSE handlers and the trio loop need (docs/architecture.md, "What
-runs where"). Here it runs in ``processes`` worker processes (``worker_process.py``), each
-serving ``channels`` requests at once, one per socket. A store thread of the daemon takes a free
-channel, sends the part's pieces (file descriptor, position, length) with the descriptors
-themselves, and waits, its GIL released, for the answer. The daemon keeps every decision:
-retries (a failed part is a ``StoreError`` as before), the journal, what is durable.
+where the server verifies it, SHA-256 for the signature), signed and sent; every block it
+fetches is received, checked and written into the cache. In one interpreter that work holds
+the GIL the FUSE handlers and the trio loop need (docs/architecture.md, "What runs where").
+Here it runs in ``processes`` worker processes (``worker_process.py``), each serving
+``channels`` requests at once, one per socket. A store thread of the daemon takes a free
+channel, sends the request with the descriptors of the cache files it names, and waits, its GIL
+released, for the answer. The daemon keeps every decision: retries (a failure is a
+``StoreError`` as before), the journal, what is durable, which slots a fetch fills.
 
-Processes start at the first part (a mount that never uploads costs none) from one long-lived
-thread, so that ``PR_SET_PDEATHSIG`` ties them to the daemon. A worker that dies (killed, out of
-memory) fails the parts it held with a transient error, so they are sent again, and is started
-again by the next part that needs it. A wait on a worker is bounded: a minute plus the body at
-64 KiB/s, past which the worker is killed (``DEADLINE_*``).
+Processes start at the first request (a mount that never talks to the store costs none) from
+one long-lived thread, so that ``PR_SET_PDEATHSIG`` ties them to the daemon. A worker that dies
+(killed, out of memory) fails the requests it held with ``WorkerGone``, a transient error, so
+they are made again, and is started again by the next request that needs it. A wait on a
+worker is bounded: a minute plus its bytes at 64 KiB/s (a hash: at 16 MiB/s), past which the
+worker is killed. Workers that cannot start (three times running) leave the work to the
+daemon's threads (``usable``), with one error in the log.
 """
 
 from __future__ import annotations
@@ -28,41 +31,63 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptfs.errors import NotFound, PartsLeftOut, StoreError
 from ckptfs.store.base import PartInfo
+from ckptfs.store.health import StoreHealth
 
 log = logging.getLogger(__name__)
 
-DEADLINE_S = 60.0  # a worker's answer: this long plus its body at DEADLINE_RATE
-DEADLINE_RATE = 64 * 1024
+DEADLINE_S = 60.0  # a worker's answer: this long plus its bytes at the request's rate
+STORE_RATE = 64 * 1024  # (a part, a fetch: the store's slowest acceptable)
+DISK_RATE = 16 << 20  # (a hash: the cache's files)
+READY_S = 30.0  # a new worker's "ready"
+MAX_FAILED_STARTS = 3
 MAX_FDS = 200  # descriptors one request may carry (SCM_RIGHTS takes 253)
-MAX_PROCESSES = 64
+MAX_REQUEST = 128 << 10  # bytes of one request (a SOCK_SEQPACKET message fits the socket's buffer)
+MAX_PIECES = 3000  # pieces of one request (~30 bytes each): a whole file over more is hashed here
+
+Piece = tuple[int | None, int, int, bool]  # (fd or None for zeros, position, length, zeros past its end)
 
 
 @dataclass
 class _Process:
     index: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
     popen: subprocess.Popen | None = None
     sockets: list[socket.socket] = field(default_factory=list)
     generation: int = 0
-    started: float = 0.0
 
 
 class WorkerGone(StoreError):
-    """The worker died or stopped answering while it held a part: the part is sent again."""
+    """The worker died, could not start or stopped answering while it held a request: the
+    request is made again. Not the store's fault (StoreCalls does not count it against it)."""
 
     def __init__(self, message: str):
         super().__init__(message, transient=True)
 
 
+def coalesce(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent pieces of one file as one (a working file's blocks are contiguous)."""
+    merged: list[Piece] = []
+    for piece in pieces:
+        if merged:
+            fd, pos, length, zeros = merged[-1]
+            if fd == piece[0] and zeros == piece[3] and (fd is None or pos + length == piece[1]):
+                merged[-1] = (fd, pos, length + piece[2], zeros)
+                continue
+        merged.append(piece)
+    return merged
+
+
 class StoreWorkers:
     """``processes`` worker processes of ``channels`` channels each, for ``store`` (an S3Store)."""
 
-    def __init__(self, store, processes: int, channels: int, part_size: int):
+    def __init__(
+        self, store, processes: int, channels: int, part_size: int, health: StoreHealth | None = None
+    ):
         client = store.client
         self._config = {
             "bucket": client.bucket,
@@ -71,31 +96,38 @@ class StoreWorkers:
             "part_size": part_size,
         }
         self.store = store
+        self.health = health or StoreHealth()
         self.processes = [_Process(i) for i in range(processes)]
         self.channels = channels
         self._free: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
-        for c in range(channels):  # (round robin: parts spread over the processes)
+        for c in range(channels):  # (round robin: requests spread over the processes)
             for p in range(processes):
                 self._free.put((p, c))
-        self._lock = threading.Lock()
         self._spawns: queue.SimpleQueue = queue.SimpleQueue()
         self._spawner: threading.Thread | None = None
+        self._count_lock = threading.Lock()
         self.closed = False
+        self.failed_starts = 0  # in a row: at MAX_FAILED_STARTS the daemon's threads take over
         self.restarts = 0  # workers started again after one died
         self.parts = 0  # parts sent through them
+        self.fetches = 0  # ranges fetched through them
 
-    # -- a part, a hash ------------------------------------------------------------------------
+    @property
+    def usable(self) -> bool:
+        return not self.closed and self.failed_starts < MAX_FAILED_STARTS
+
+    # -- the requests ---------------------------------------------------------------------------
     def upload_part(
         self,
         key: str,
         upload_id: str,
         number: int,
-        pieces: list[tuple[int | None, int, int]],
+        pieces: list[Piece],
         read_done: Callable[[], None] | None = None,
     ) -> PartInfo:
-        """Send part ``number`` made of ``pieces`` (fd or None for zeros, position, length): its
-        PartInfo with the xxh3 of its bytes. ``read_done()`` is called once the worker has read
-        them all (the caller's hold on the cache ends there)."""
+        """Send part ``number`` made of ``pieces``: its PartInfo with the xxh3 of its bytes.
+        ``read_done()`` is called once the worker has read them all (the caller's hold on the
+        cache ends there)."""
         request = {
             "op": "part",
             "key": key,
@@ -103,55 +135,112 @@ class StoreWorkers:
             "number": number,
             "crc": self.store.part_checksums(key, upload_id),
         }
-        answer = self._request(request, pieces, read_done, f"part {number} of {key}")
-        self.parts += 1
+        what = f"part {number} of {key}"
+        answer = self._request_pieces(request, pieces, read_done, what, ("upload_part", key))
+        with self._count_lock:
+            self.parts += 1
         return PartInfo(number, answer["token"], answer["xxh3"])
 
-    def xxh3(
-        self, pieces: list[tuple[int | None, int, int]], read_done: Callable[[], None] | None = None
-    ) -> str:
-        """The xxh3-64 of the bytes of ``pieces`` (a whole file's, for its metadata)."""
-        return self._request({"op": "xxh3"}, pieces, read_done, "a file's hash")["xxh3"]
+    def xxh3(self, pieces: list[Piece], read_done: Callable[[], None] | None = None) -> str:
+        """The xxh3-64 of the bytes of ``pieces`` (a whole file's, for its metadata): see
+        ``hashable``."""
+        return self._request_pieces({"op": "xxh3"}, pieces, read_done, "a file's hash", None)["xxh3"]
+
+    @staticmethod
+    def hashable(pieces: list[Piece]) -> bool:
+        """Whether ``xxh3`` takes these pieces in one request."""
+        return len(coalesce(pieces)) <= MAX_PIECES
+
+    def fetch(
+        self,
+        key: str,
+        start: int,
+        length: int,
+        parts: list[tuple[int, int, str]],
+        blocks: list[tuple[int, int, int, int]],
+    ) -> dict:
+        """Bytes [start, start + length) of ``key``, each of ``parts`` (offset in the range,
+        length, xxh3) checked, then each of ``blocks`` (fd, position, offset in the range,
+        length) written there; only when the body is whole and every part matched. The answer:
+        ``got`` (the body's length), ``metadata`` (the object's, from the GET), ``mismatch``
+        (the offset of a part that did not match) when it did not."""
+        fds: list[int] = []
+        for fd, *_ in blocks:
+            if fd not in fds:
+                fds.append(fd)
+        request = {
+            "op": "fetch",
+            "key": key,
+            "start": start,
+            "length": length,
+            "parts": parts,
+            "blocks": [[fds.index(fd), pos, offset, n] for fd, pos, offset, n in blocks],
+        }
+        answer = self._request(request, fds, length / STORE_RATE, None, f"a read of {key}", ("get", key))
+        with self._count_lock:
+            self.fetches += 1
+        return answer
+
+    def _request_pieces(
+        self,
+        request: dict,
+        pieces: list[Piece],
+        read_done: Callable[[], None] | None,
+        what: str,
+        attempt: tuple[str, str] | None,
+    ) -> dict:
+        fds: list[int] = []
+        wire: list[list[int]] = []
+        for fd, pos, length, zeros in coalesce(pieces):
+            if fd is None:
+                wire.append([-1, 0, length, 1])
+                continue
+            if fd not in fds:
+                fds.append(fd)
+            wire.append([fds.index(fd), pos, length, int(zeros)])
+        nbytes = sum(p[2] for p in pieces)
+        seconds = nbytes / (STORE_RATE if attempt is not None else DISK_RATE)
+        return self._request({**request, "pieces": wire}, fds, seconds, read_done, what, attempt)
 
     def _request(
         self,
         request: dict,
-        pieces: list[tuple[int | None, int, int]],
+        fds: list[int],
+        seconds: float,
         read_done: Callable[[], None] | None,
         what: str,
+        attempt: tuple[str, str] | None,
     ) -> dict:
-        fds: list[int] = []
-        wire: list[list[int]] = []
-        for fd, pos, length in pieces:
-            if fd is None:
-                wire.append([-1, 0, length])
-                continue
-            if fd not in fds:
-                fds.append(fd)
-            wire.append([fds.index(fd), pos, length])
-        if len(fds) > MAX_FDS:
-            raise ValueError(f"{what} is read from {len(fds)} files: at most {MAX_FDS}")
-        deadline = DEADLINE_S + sum(p[2] for p in pieces) / DEADLINE_RATE
+        """Send ``request`` on a free channel and wait for its answer: ``read_done()`` once the
+        worker has read what it names (or has died), the store's health told about each of its
+        HTTP attempts, an error raised as the store call itself would have."""
+        payload = json.dumps(request).encode()
+        if len(payload) > MAX_REQUEST or len(fds) > MAX_FDS:  # (callers keep within: a bug)
+            raise ValueError(f"{what}: a request of {len(payload)} bytes and {len(fds)} descriptors")
         read = False
         slot = self._free.get()
+        token = self.health.attempt_started(*attempt) if attempt is not None else None
         try:
             process, sock, generation = self._channel(slot)
             try:
-                sock.settimeout(deadline)
-                socket.send_fds(sock, [json.dumps({**request, "pieces": wire}).encode()], fds)
+                sock.settimeout(DEADLINE_S + seconds)
+                socket.send_fds(sock, [payload], fds)
                 answer = self._answer(sock)
-                if answer == {"read": True}:
+                if answer.get("read"):
                     read = True
                     if read_done is not None:
                         read_done()
                     answer = self._answer(sock)
             except (OSError, ValueError) as exc:  # (timeout, reset, EOF, a garbled answer)
                 why = self._lost(process, generation, exc)
-                raise WorkerGone(f"store worker {why} while sending {what}") from None
+                raise WorkerGone(f"store worker {why} while on {what}") from None
+            self._replay(answer.get("health", []))
             if "error" in answer:
                 raise _error(answer["error"])
             return answer
         finally:
+            if token is not None:
+                self.health.attempt_ended(token)
             if not read and read_done is not None:  # (the worker failed first: it is dead now)
                 read_done()
             self._free.put(slot)
@@ -162,11 +251,19 @@ class StoreWorkers:
             raise ConnectionResetError(errno.ECONNRESET, "the worker closed its channel")
         return json.loads(data)
 
+    def _replay(self, events: list) -> None:
+        """What the worker's HTTP attempts said about the store, told to the daemon's health."""
+        for event in events:
+            if event[0] == "failed":
+                self.health.failed(event[1], event[2], event[3], reachable=event[4])
+            elif event[0] == "answered":
+                self.health.answered()
+
     # -- the processes ------------------------------------------------------------------------
     def _channel(self, slot: tuple[int, int]) -> tuple[_Process, socket.socket, int]:
         p, c = slot
         process = self.processes[p]
-        with self._lock:
+        with process.lock:
             if self.closed:
                 raise WorkerGone("the mount is shutting down")
             if process.popen is None or process.popen.poll() is not None:
@@ -178,28 +275,48 @@ class StoreWorkers:
                         process.popen.pid,
                         _how(process.popen.returncode),
                     )
-                    self._drop(process)
+                    _close_all(process.sockets)
+                    process.sockets = []
                 self._start(process)
             return process, process.sockets[c], process.generation
 
     def _start(self, process: _Process) -> None:
-        mine, theirs = zip(
-            *(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(self.channels))
-        )
-        config = {**self._config, "server_checksums": self.store.server_checksums}
-        argv = [sys.executable, "-m", "ckptfs.transfer.worker_process", str(os.getpid())]
-        argv += [str(s.fileno()) for s in theirs]
+        """A new worker for ``process`` (its lock held): ready, or WorkerGone and nothing left."""
+        if not self.usable:
+            raise WorkerGone("store workers cannot start")
+        mine: list[socket.socket] = []
+        theirs: list[socket.socket] = []
+        popen: subprocess.Popen | None = None
         try:
-            popen = self._spawn(argv, [s.fileno() for s in theirs])
+            for _ in range(self.channels):
+                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                mine.append(a)
+                theirs.append(b)
+            argv = [sys.executable, "-m", "ckptfs.transfer.worker_process", str(os.getpid())]
+            popen = self._spawn(argv + [str(s.fileno()) for s in theirs], [s.fileno() for s in theirs])
+            _close_all(theirs)
             assert popen.stdin is not None
+            config = {**self._config, "server_checksums": self.store.server_checksums}
             popen.stdin.write((json.dumps(config) + "\n").encode())
             popen.stdin.close()
-        finally:
-            for s in theirs:
-                s.close()
-        process.popen, process.sockets = popen, list(mine)
+            mine[0].settimeout(READY_S)
+            if mine[0].recv(64) != b'{"ready": true}':
+                raise ConnectionResetError(errno.ECONNRESET, f"it ended ({_how(popen.wait(5))})")
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            _close_all(theirs + mine)
+            if popen is not None:
+                _kill(popen)
+            self.failed_starts += 1
+            if not self.usable:
+                log.error(
+                    "store workers cannot start (%s, %d times): the daemon's threads send and fetch from now on",
+                    exc,
+                    self.failed_starts,
+                )
+            raise WorkerGone(f"a store worker could not start: {exc}") from None
+        self.failed_starts = 0
+        process.popen, process.sockets = popen, mine
         process.generation += 1
-        process.started = time.monotonic()
         log.info("store worker %d started (pid %d, %d channels)", process.index, popen.pid, self.channels)
 
     def _spawn(self, argv: list[str], fds: list[int]) -> subprocess.Popen:
@@ -221,51 +338,45 @@ class StoreWorkers:
             try:
                 answer.put(
                     subprocess.Popen(
-                        argv,
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.DEVNULL,
-                        pass_fds=fds,
-                        close_fds=True,
+                        argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=fds, close_fds=True
                     )
                 )
             except BaseException as exc:
                 answer.put(exc)
 
     def _lost(self, process: _Process, generation: int, exc: BaseException) -> str:
-        """The worker stopped answering on one channel: kill it (its other parts fail too and
-        are sent again), so the next part starts a fresh one. What happened, in words."""
-        with self._lock:
-            popen = process.popen
-            if popen is None or process.generation != generation:
-                return "was replaced"
-            if popen.poll() is None:
-                _kill(popen)
-                return f"stopped answering ({exc}) and was killed"
-            return f"ended ({_how(popen.returncode)})"
-
-    def _drop(self, process: _Process) -> None:
-        for s in process.sockets:
-            s.close()
-        process.sockets = []
+        """The worker stopped answering on one channel: kill it (its other requests fail too
+        and are made again), so the next request starts a fresh one. What happened, in words.
+        It is dead when this returns (what it read or wrote of the cache is over)."""
+        popen = process.popen
+        if popen is None or process.generation != generation:
+            return "was replaced"
+        if popen.poll() is None:
+            _kill(popen)
+            return f"stopped answering ({exc}) and was killed"
+        return f"ended ({_how(popen.returncode)})"
 
     def pids(self) -> list[int]:
-        with self._lock:
-            return [p.popen.pid for p in self.processes if p.popen is not None and p.popen.poll() is None]
+        """The live workers' PIDs (no lock: ``status`` runs on the trio loop)."""
+        popens = [p.popen for p in self.processes]
+        return [popen.pid for popen in popens if popen is not None and popen.returncode is None]
 
     def close(self) -> None:
-        """Shutdown: end every worker (parts in flight are abandoned, as the store threads' are)."""
-        with self._lock:
-            self.closed = True
-            for process in self.processes:
-                for s in process.sockets:
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)  # (wakes the threads waiting on it)
-                    except OSError:
-                        pass
+        """Shutdown: end every worker (requests in flight are abandoned, as the store threads'
+        are); they are dead when this returns, before the cache closes."""
+        self.closed = True
         for process in self.processes:
-            if process.popen is not None:
-                _kill(process.popen)
-                self._drop(process)
+            for s in process.sockets:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)  # (wakes the threads waiting on it)
+                except OSError:
+                    pass
+        for process in self.processes:
+            with process.lock:
+                if process.popen is not None:
+                    _kill(process.popen)
+                _close_all(process.sockets)
+                process.sockets = []
 
     def status(self) -> dict:
         return {
@@ -273,6 +384,8 @@ class StoreWorkers:
             "pids": self.pids(),
             "restarts": self.restarts,
             "parts": self.parts,
+            "fetches": self.fetches,
+            "usable": self.usable,
         }
 
 
@@ -289,6 +402,11 @@ def _error(error: dict) -> BaseException:
     return RuntimeError(f"store worker: {message}")
 
 
+def _close_all(sockets: list[socket.socket]) -> None:
+    for s in sockets:
+        s.close()
+
+
 def _kill(popen: subprocess.Popen) -> None:
     """End a worker by its PID and reap it."""
     if popen.poll() is None:
@@ -297,9 +415,9 @@ def _kill(popen: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     try:
-        popen.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        log.warning("store worker pid %d did not end after SIGKILL", popen.pid)
+        popen.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # (uninterruptible I/O: D state)
+        log.warning("store worker pid %d did not end 30 s after SIGKILL", popen.pid)
 
 
 def _how(returncode: int | None) -> str:
