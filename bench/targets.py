@@ -474,11 +474,17 @@ class Boto3(ClientTarget):
         return ("boto3", self.bucket, rel)
 
     def cold_load(self, rel: str, drop_page_cache) -> ColdLoad:
+        """The download, then the same ``torch.load`` from memory (issue 42: a restore is both)."""
         drop_page_cache()
         client = self.ctx.client()
-        return timed_load(
-            lambda: client.download_fileobj(self.bucket, rel, io.BytesIO(), Config=transfer_config())
-        )
+
+        def download_and_load() -> None:
+            body = io.BytesIO()
+            client.download_fileobj(self.bucket, rel, body, Config=transfer_config())
+            body.seek(0)
+            load(body)
+
+        return timed_load(download_and_load)
 
 
 def s3torch_checkpoint(ctx_or_endpoint, region: str = "us-east-1"):

@@ -341,6 +341,8 @@ class Uploader:
         *,
         task_status=trio.TASK_STATUS_IGNORED,
     ) -> None:
+        if self.sender.workers is not None:
+            self.sender.workers.start_soon()
         async with trio.open_nursery() as nursery:
             self.nursery = self.sender.nursery = nursery
             for journal_id, key, upload_id in open_uploads:  # left open by a dead daemon: start over

@@ -133,6 +133,16 @@ class Channel:
         self.health = health
         self.part_size = part_size
         self.buffer: bytearray | None = None
+        self.nice = 0
+
+    def prioritize(self, nice: int) -> None:
+        """This channel's thread at ``nice`` (raising it back needs CAP_SYS_NICE: root has it)."""
+        if nice != self.nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+                self.nice = nice
+            except OSError:
+                pass
 
     def serve(self) -> None:
         while True:
@@ -156,6 +166,9 @@ class Channel:
                 return
 
     def handle(self, request: dict, fds: list[int]) -> dict:
+        # Uploads give way to the save, as the daemon's store threads do (background.py); a
+        # fetch is what a reader waits for, as the daemon's fetch threads are (normal priority).
+        self.prioritize(0 if request["op"] == "fetch" else NICE)
         if request["op"] == "fetch":
             return self.fetch(request, fds)
         if request["op"] == "xxh3":
@@ -224,10 +237,6 @@ def main(argv: list[str]) -> int:
     parent, fds = int(argv[0]), [int(a) for a in argv[1:]]
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:  # (as the store threads: the upload gives way to the save, background.py)
-        os.setpriority(os.PRIO_PROCESS, 0, NICE)
-    except OSError:
-        pass
     config = json.loads(sys.stdin.readline())
     from ckptfs.store.s3 import S3Store
 
