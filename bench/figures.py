@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 
 PEERS = ("s3fs", "rclone", "boto3", "s3torchconnector")
-CKPTFS = ("ckptfs-local", "ckptfs-s3", "ckptfs-cluster")
+CKPTFS = ("ckptfs-local", "ckptfs-s3", "ckptfs-s3-crc32c", "ckptfs-cluster")
 CLUSTER_NODES = (1, 2, 4)  # the node counts of the cluster scenario (bench/cluster.py)
 
 

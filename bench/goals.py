@@ -18,12 +18,12 @@ class Goal:
 
 
 def _ratio_goal(
-    results: Results, text: str, figure: str, other: str, limit: float, faster: bool = False
+    results: Results, text: str, figure: str, other: str, limit: float, faster: bool = False, me: str = ME
 ) -> Goal:
     """mine / other <= limit, or with `faster`, other / mine >= limit (how many times faster)."""
-    mine, theirs = results.median(figure, ME), results.median(figure, other)
+    mine, theirs = results.median(figure, me), results.median(figure, other)
     if mine is None or theirs is None:
-        missing = " and ".join(t for t, value in ((ME, mine), (other, theirs)) if value is None)
+        missing = " and ".join(t for t, value in ((me, mine), (other, theirs)) if value is None)
         return Goal(text, f"not measured ({missing} not in this run)", None)
     unit = BY_ID[figure].unit
     if faster:
@@ -170,6 +170,14 @@ def check_issue32(results: Results) -> list[Goal]:
         _at_most(results, "daemon CPU <= 1.5 CPU s per GiB saved and uploaded", "daemon_cpu", 1.5),
         _gil_goal(results),
         # issue 42: the store's byte path in worker processes
+        _ratio_goal(
+            results,
+            "in s3torchconnector's integrity mode (UNSIGNED-PAYLOAD + CRC32C): time to durable <= its",
+            "durable",
+            "s3torchconnector",
+            1.0,
+            me="ckptfs-s3-crc32c",
+        ),
         _at_most(
             results,
             "daemon's main interpreter <= 0.2 CPU s per GiB saved and uploaded (the rest in store workers)",

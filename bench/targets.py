@@ -299,6 +299,41 @@ class CkptfsS3(Ckptfs):
         return f"s3://{self.bucket}", self.ctx.endpoint
 
 
+ASSUME_CHECKSUMS_ENV = "CKPTFS_S3_CHECKSUMS"  # (ckptfs/store/s3_client.py)
+
+
+class CkptfsS3Crc(CkptfsS3):
+    """ckptfs-s3 in the integrity mode an AWS bucket gets (and s3torchconnector uses everywhere):
+    bodies UNSIGNED-PAYLOAD with their CRC32C (Swift ignores the header); issue 42 compares time
+    to durable in the same integrity mode."""
+
+    name = "ckptfs-s3-crc32c"
+
+    def __init__(self, ctx: Context, ram_cache: int | None = None):
+        super().__init__(ctx, ram_cache, bucket="ckptfs-s3-crc")
+
+    def start(self) -> None:
+        super().start()
+        self.note = (
+            f"ckptfs on the Swift server (s3://{self.bucket}), parts UNSIGNED-PAYLOAD with their CRC32C"
+            f" (CKPTFS_S3_CHECKSUMS=crc32c, as on AWS); {self.describe()}"
+        )
+
+    def _mount(self) -> CkptfsMount:
+        self.mounts += 1
+        tag = f"{self.name}-{self.mounts}"
+        url, endpoint = self.store()
+        return CkptfsMount(
+            url,
+            self.ctx.work / f"{tag}-mnt",
+            self.ctx.work / f"{tag}-cache",
+            self.ram_cache,
+            self.cache_size,
+            endpoint,
+            prefix=("env", f"{ASSUME_CHECKSUMS_ENV}=crc32c"),
+        ).start()
+
+
 # --- FUSE peers ----------------------------------------------------------------------------------
 
 
@@ -536,4 +571,7 @@ class S3Torch(ClientTarget):
         return timed_load(read)
 
 
-TARGETS = {cls.name: cls for cls in (CacheDisk, CkptfsLocal, CkptfsS3, S3fs, Rclone, Boto3, S3Torch, NullFs)}
+TARGETS = {
+    cls.name: cls
+    for cls in (CacheDisk, CkptfsLocal, CkptfsS3, CkptfsS3Crc, S3fs, Rclone, Boto3, S3Torch, NullFs)
+}

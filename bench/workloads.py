@@ -141,8 +141,24 @@ def _fmt(m: Measured) -> str:
     return ", ".join(parts)
 
 
-S3_TARGETS = ("ckptfs-s3", "s3fs", "rclone", "boto3", "s3torchconnector")  # (those that talk to the server)
-SAVE_TARGETS = ("cache-disk", "ckptfs-local", "ckptfs-s3", "s3fs", "rclone", "boto3", "s3torchconnector")
+S3_TARGETS = (
+    "ckptfs-s3",
+    "ckptfs-s3-crc32c",
+    "s3fs",
+    "rclone",
+    "boto3",
+    "s3torchconnector",
+)  # (talk to the server)
+SAVE_TARGETS = (
+    "cache-disk",
+    "ckptfs-local",
+    "ckptfs-s3",
+    "ckptfs-s3-crc32c",
+    "s3fs",
+    "rclone",
+    "boto3",
+    "s3torchconnector",
+)
 GIL_TARGETS = ("ckptfs-local", "ckptfs-s3")  # Python daemons py-spy can sample
 
 
