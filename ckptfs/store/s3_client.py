@@ -186,6 +186,7 @@ class S3Client:
         self.endpoint = redact_url(self.boto.meta.endpoint_url)  # as printed: without a password
         self._attempt = threading.local()  # (token, op, key) of this thread's HTTP attempt
         self.server_checksums = False  # whether the server verifies CRC32C (detect_server_checksums)
+        self.checksums_assumed = False  # ... taken as so without the probe (ASSUME_CHECKSUMS_ENV)
         self._health: StoreHealth | None = None
         self._max_connections = max_connections
         # The CRT transport is opt-in (CKPTFS_S3_CLIENT=crt): it holds the GIL half as long per
@@ -510,7 +511,7 @@ class S3Client:
             log.warning(
                 "%s=crc32c: parts go as UNSIGNED-PAYLOAD with their CRC32C, unprobed", ASSUME_CHECKSUMS_ENV
             )
-            self.server_checksums = True
+            self.server_checksums = self.checksums_assumed = True
             return True
         wrong = crc32c_b64(PROBE_BODY + b"x")
         probe = PROBE_PREFIX + uuid.uuid4().hex[:16]

@@ -165,9 +165,17 @@ class S3Multipart:
         return key
 
     def complete(self, key: str, upload_id: str, parts: list[PartInfo]) -> None:
+        # (checksums assumed, not probed: a server that may not know them, Swift, refuses a
+        # completion that lists them; its parts carried theirs all the same)
+        listed = not self.client.checksums_assumed
+
         def entry(p: PartInfo) -> dict[str, Any]:
             etag, _, crc = p.token.partition(" ")
-            return {"PartNumber": p.number, "ETag": etag, **({"ChecksumCRC32C": crc} if crc else {})}
+            return {
+                "PartNumber": p.number,
+                "ETag": etag,
+                **({"ChecksumCRC32C": crc} if crc and listed else {}),
+            }
 
         try:
             self.client.call(

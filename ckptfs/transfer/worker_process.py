@@ -34,6 +34,7 @@ HTTP attempt said about the store, for the daemon's ``StoreHealth``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -124,15 +125,40 @@ def read_pieces(fds: list[int], pieces: list[list[int]], out: memoryview) -> Non
         raise ValueError(f"pieces cover {done} bytes of a {len(out)}-byte part")
 
 
+class Buffers:
+    """Part-sized buffers shared by a worker's channels: made when first needed and reused, as
+    many as requests needed them at once (a part, a hash; a fetch uses none), never one per
+    channel (channels outnumber the parts in flight)."""
+
+    def __init__(self, part_size: int):
+        self.part_size = part_size
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def body(self, length: int):
+        if length > self.part_size:  # (a grown part: a buffer of its own, freed after)
+            yield memoryview(bytearray(length))
+            return
+        with self._lock:
+            buffer = self._free.pop() if self._free else None
+        if buffer is None:
+            buffer = bytearray(self.part_size)
+        try:
+            yield memoryview(buffer)[:length]
+        finally:
+            with self._lock:
+                self._free.append(buffer)
+
+
 class Channel:
     """One socket to the daemon and the thread that serves it, with its reused part buffer."""
 
-    def __init__(self, sock: socket.socket, store, health: HealthRecorder, part_size: int):
+    def __init__(self, sock: socket.socket, store, health: HealthRecorder, buffers: Buffers):
         self.sock = sock
         self.store = store
         self.health = health
-        self.part_size = part_size
-        self.buffer: bytearray | None = None
+        self.buffers = buffers
         self.nice = 0
 
     def prioritize(self, nice: int) -> None:
@@ -174,15 +200,15 @@ class Channel:
         if request["op"] == "xxh3":
             return {"xxh3": self.xxh3(fds, request["pieces"])}
         pieces = request["pieces"]
-        body = self.body(sum(p[2] for p in pieces))
-        try:
-            read_pieces(fds, pieces, body)
-        finally:
-            self.sock.send(b'{"read": true}')
-        digest = part_hash(body)  # (the manifest's, of the bytes sent)
-        info = self.store.upload_part(
-            request["key"], request["upload_id"], request["number"], body, checksummed=request["crc"]
-        )
+        with self.buffers.body(sum(p[2] for p in pieces)) as body:
+            try:
+                read_pieces(fds, pieces, body)
+            finally:
+                self.sock.send(b'{"read": true}')
+            digest = part_hash(body)  # (the manifest's, of the bytes sent)
+            info = self.store.upload_part(
+                request["key"], request["upload_id"], request["number"], body, checksummed=request["crc"]
+            )
         return {"token": info.token, "xxh3": digest}
 
     def fetch(self, request: dict, fds: list[int]) -> dict:
@@ -204,23 +230,17 @@ class Channel:
     def xxh3(self, fds: list[int], pieces: list[list[int]]) -> str:
         """The xxh3-64 of the pieces' bytes, read a part-sized buffer at a time."""
         hasher = xxhash.xxh3_64()
+        part = self.buffers.part_size
         try:
-            for index, pos, length, zeros_past_end in pieces:
-                for at in range(0, length, self.part_size):
-                    n = min(self.part_size, length - at)
-                    chunk = self.body(n)
-                    read_pieces(fds, [[index, pos + at, n, zeros_past_end]], chunk)
-                    hasher.update(chunk)
+            with self.buffers.body(part) as buffer:
+                for index, pos, length, zeros_past_end in pieces:
+                    for at in range(0, length, part):
+                        chunk = buffer[: min(part, length - at)]
+                        read_pieces(fds, [[index, pos + at, len(chunk), zeros_past_end]], chunk)
+                        hasher.update(chunk)
         finally:
             self.sock.send(b'{"read": true}')
         return hasher.hexdigest()
-
-    def body(self, length: int) -> memoryview:
-        if length > self.part_size:  # (a grown part: a buffer of its own, freed after)
-            return memoryview(bytearray(length))
-        if self.buffer is None:
-            self.buffer = bytearray(self.part_size)
-        return memoryview(self.buffer)[:length]
 
 
 def _die_with_parent(parent: int) -> None:
@@ -248,7 +268,8 @@ def main(argv: list[str]) -> int:
     store.report_to(health)  # type: ignore[arg-type]  # (what StoreHealth hears, recorded)
     sockets = [socket.socket(fileno=fd) for fd in fds]
     sockets[0].send(b'{"ready": true}')
-    channels = [Channel(s, store, health, config["part_size"]) for s in sockets]
+    buffers = Buffers(config["part_size"])
+    channels = [Channel(s, store, health, buffers) for s in sockets]
     threads = [
         threading.Thread(target=c.serve, name=f"ckptfs-worker-{i}", daemon=True)
         for i, c in enumerate(channels)
