@@ -40,7 +40,7 @@ from ckptfs.parts import PartSchedule
 from ckptfs.store.base import ObjectStore
 from ckptfs.store.health import StoreHealth
 from ckptfs.transfer import retry
-from ckptfs.transfer.workers import StoreWorkers
+from ckptfs.transfer.workers import StoreWorkers, WorkerGone
 from ckptfs.util.byte_budget import ByteBudget
 from ckptfs.util.single_flight import SingleFlight
 from ckptfs.util.stats import LATENCY_BUCKETS, Histogram
@@ -550,6 +550,8 @@ class Fetcher:
 
         self.nursery.start_soon(call)
         await done.wait()
+        if not box:  # (its task was cancelled: the mount is shutting down)
+            raise WorkerGone("the mount is shutting down")
         answer = box[0].unwrap()
         return answer, answer["metadata"]
 
