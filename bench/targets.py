@@ -201,6 +201,7 @@ class NullFs(Target):
 
 class Ckptfs(Target):
     role = "ckptfs"
+    mount_prefix: tuple[str, ...] = ()  # what `ckptfs mount` runs under (CkptfsMount's prefix)
 
     def __init__(self, ctx: Context, ram_cache: int | None = None):
         super().__init__(ctx)
@@ -223,6 +224,7 @@ class Ckptfs(Target):
             self.ram_cache,
             self.cache_size,
             endpoint,
+            prefix=self.mount_prefix,
         ).start()
 
     def start(self) -> None:
@@ -319,19 +321,7 @@ class CkptfsS3Crc(CkptfsS3):
             f" (CKPTFS_S3_CHECKSUMS=crc32c, as on AWS); {self.describe()}"
         )
 
-    def _mount(self) -> CkptfsMount:
-        self.mounts += 1
-        tag = f"{self.name}-{self.mounts}"
-        url, endpoint = self.store()
-        return CkptfsMount(
-            url,
-            self.ctx.work / f"{tag}-mnt",
-            self.ctx.work / f"{tag}-cache",
-            self.ram_cache,
-            self.cache_size,
-            endpoint,
-            prefix=("env", f"{ASSUME_CHECKSUMS_ENV}=crc32c"),
-        ).start()
+    mount_prefix = ("env", f"{ASSUME_CHECKSUMS_ENV}=crc32c")
 
 
 # --- FUSE peers ----------------------------------------------------------------------------------

@@ -149,16 +149,7 @@ S3_TARGETS = (
     "boto3",
     "s3torchconnector",
 )  # (talk to the server)
-SAVE_TARGETS = (
-    "cache-disk",
-    "ckptfs-local",
-    "ckptfs-s3",
-    "ckptfs-s3-crc32c",
-    "s3fs",
-    "rclone",
-    "boto3",
-    "s3torchconnector",
-)
+SAVE_TARGETS = ("cache-disk", "ckptfs-local", *S3_TARGETS)
 GIL_TARGETS = ("ckptfs-local", "ckptfs-s3")  # Python daemons py-spy can sample
 
 

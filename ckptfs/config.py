@@ -114,10 +114,10 @@ class MountConfig:
             return 0
         return self.store_workers if self.store_workers >= 0 else default_store_workers()
 
-    def worker_channels(self) -> int:
-        """Requests the store workers serve at once, all together: a part per upload slot, two
-        whole files' hashes, a fetch per fetch slot (both --upload-concurrency)."""
-        return 2 * self.upload_concurrency + 2
+    def channels_per_worker(self) -> int:
+        """Requests each store worker serves at once: together a part per upload slot, two whole
+        files' hashes and a fetch per fetch slot (both --upload-concurrency), spread evenly."""
+        return -(-(2 * self.upload_concurrency + 2) // max(1, self.store_worker_count()))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

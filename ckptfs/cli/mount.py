@@ -12,6 +12,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import humanfriendly
@@ -40,26 +41,23 @@ READY_TIMEOUT_S = 60.0  # how long `mount` waits for the detached daemon to serv
 LOG_LEVELS = logs.LEVELS
 
 
-def parse_replicas(text: str) -> int:
-    """--replicas K: 0 (off) to MAX_REPLICAS."""
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 0 <= k <= MAX_REPLICAS:
-        raise argparse.ArgumentTypeError(f"give 0 to {MAX_REPLICAS}, not {k}")
-    return k
+def _zero_to(high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from 0 to ``high``."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not 0 <= n <= high:
+            raise argparse.ArgumentTypeError(f"give 0 to {high}, not {n}")
+        return n
+
+    return parse
 
 
-def parse_store_workers(text: str) -> int:
-    """--store-workers N: 0 (the daemon's threads) to MAX_STORE_WORKERS."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 0 <= n <= MAX_STORE_WORKERS:
-        raise argparse.ArgumentTypeError(f"give 0 to {MAX_STORE_WORKERS}, not {n}")
-    return n
+parse_replicas = _zero_to(MAX_REPLICAS)  # --replicas K: 0 (off) to MAX_REPLICAS
+parse_store_workers = _zero_to(MAX_STORE_WORKERS)  # --store-workers N: 0 (the daemon's threads) to 16
 
 
 def _compress(text: str) -> int:
@@ -135,7 +133,7 @@ def add_parser(sub) -> None:
         "--store-workers",
         type=parse_store_workers,
         metavar="N",
-        help="processes that read, hash, sign and send the parts of an s3:// store; 0: the daemon's "
+        help="processes that move the bytes of an s3:// store (parts sent, blocks fetched); 0: the daemon's "
         f"threads do it (default: one per two cores, 1 to 8: {default_store_workers()} here)",
     )
     p.add_argument(

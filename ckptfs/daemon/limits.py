@@ -83,7 +83,7 @@ def memory_bound(config: MountConfig) -> int:
     bound += config.fuse_threads * FUSE_THREAD
     workers = config.store_worker_count()
     if workers:  # (each its interpreter; a part buffer per channel, a fetched body per fetch)
-        channels = -(-config.worker_channels() // workers) * workers
+        channels = config.channels_per_worker() * workers
         bound += workers * WORKER_OVERHEAD + (channels + config.upload_concurrency) * config.part_size
     if config.cluster:
         bound += (config.upload_concurrency + MAX_REPLICA_STREAMS) * config.part_size

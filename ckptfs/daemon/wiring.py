@@ -174,8 +174,7 @@ def _store_workers(config: MountConfig, store: ObjectStore, health: StoreHealth)
     count = config.store_worker_count()
     if not count or not inner.sends_from_workers:
         return None
-    channels = -(-config.worker_channels() // count)
-    return StoreWorkers(inner, count, channels, config.part_size, health)
+    return StoreWorkers(inner, count, config.channels_per_worker(), config.part_size, health)
 
 
 def build_core(

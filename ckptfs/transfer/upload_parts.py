@@ -534,10 +534,11 @@ class PartSender:
         """Refuse copies out of the cache from now on (waits for those under way)."""
         self.cache_gate.close()
 
-    def _from_cache(self, read, *args) -> None:
-        """A copy out of the cache from a store thread, refused once shutdown closed the cache."""
+    def _from_cache(self, read, *args):
+        """A copy (or hash) out of the cache from a store thread, refused once shutdown closed
+        the cache: what ``read`` returns."""
         with self.cache_gate.use():
-            read(*args)
+            return read(*args)
 
     def _by_worker(self, upload: Upload, number: int, pieces: Callable[[], list]) -> PartInfo:
         """Part ``number`` sent by a store worker, which reads its ``pieces`` from the cache's
@@ -553,14 +554,10 @@ class PartSender:
     def _hash_by_worker(self, content: Content, pieces: list[Piece]) -> str:
         assert self.workers is not None
         if not self.workers.usable:  # (they could not start: here, then)
-            return self._from_cache_result(self._hash, content)
+            return self._from_cache(self._hash, content)
         with contextlib.ExitStack() as hold:
             hold.enter_context(self.cache_gate.use())
             return self.workers.xxh3(pieces, read_done=hold.close)
-
-    def _from_cache_result(self, fn, *args):
-        with self.cache_gate.use():
-            return fn(*args)
 
     def _hash(self, content: Content) -> str:
         return content_xxh3(self.cache.view, content.size, content.blocks, self.cache.block_size)
