@@ -62,6 +62,11 @@ class MountConfig:
     # Bytes of complete cached versions kept as plain files in the cache dir, which the kernel
     # reads itself (FUSE passthrough: model/passthrough.py); -1: as much as --cache-size; 0: off.
     passthrough_cache: int = -1
+    # A read-only open of a file none of which is cached, up to this many bytes, fetches it whole
+    # (through the store workers) into a file of the cache that the kernel then reads itself
+    # (model/files.py ``land_whole``): a cold torch.load reads at page-cache speed, with no READ
+    # request through the daemon. The open returns once the file is here. 0: never.
+    fetch_whole: int = 16 << 30
     # New contents of write-only opens (torch.save, any checkpoint writer) go into files of
     # their own that the kernel writes itself (FUSE passthrough: cache/backing.py); False: every
     # write goes through the daemon's arenas. Off with --replicas (their stream sees the writes).

@@ -138,7 +138,8 @@ def test_a_cold_read_is_fetched_by_the_workers_and_survives_one_killed_mid_get(
             url,
             tmp_path / "r",
             endpoint_url=proxy.url,
-            extra=("--store-workers", "1", "--upload-concurrency", "2"),
+            # (reads through the daemon: not fetched whole at the open, tests/test_fetch_whole.py)
+            extra=("--store-workers", "1", "--upload-concurrency", "2", "--fetch-whole", "0"),
         )
         try:
             r.start()

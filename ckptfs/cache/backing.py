@@ -10,6 +10,10 @@ written again: the next ``O_TRUNC`` writer gets a new file, any other writer cop
 changes into the arenas (copy on write, as for any shared block). A file goes when no version,
 upload or reader holds a block of it; one the kernel still reads from lives on, unlinked, until
 that reader closes.
+
+A version read cold from the store may be fetched whole into such a file too (``Cache.new_landing``,
+model/files.py ``land_whole``): its blocks land at their own positions, and once all are there the
+kernel reads the file itself, as it does a committed working copy.
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ class BackingTier:
         self.block_size = block_size
         self.slots: set[int] = set()  # blocks the cache counts references to
         self.writer = False  # a working copy still writes it
+        self.filling = False  # a version is being fetched whole into it (``Cache.new_landing``)
         # Handed to the kernel for an open that can read it (and map it: a mapping outlives the
         # open): no hole is ever punched in it then; before, a block no one holds is punched out.
         self.exposed = False
         self.charged_bytes = 0  # what it takes on disk, as last measured (``measure``)
 
     def unused(self) -> bool:
-        return not self.slots and not self.writer
+        return not self.slots and not self.writer and not self.filling
 
     def measure(self) -> int:
         """The bytes it takes on disk now, less what was charged before (the caller's change)."""
@@ -97,7 +102,7 @@ class BackingTier:
         """No one holds block ``slot`` any more: its space goes back to the filesystem, unless the
         file is still written or the kernel may read it (a hole would read as zeros there)."""
         self.slots.discard(slot)
-        if not (self.writer or self.exposed):
+        if not (self.writer or self.filling or self.exposed):
             if err := punch_hole(self.fd, slot * self.block_size, self.block_size):
                 log.debug("cannot punch a hole in %s: %s", self.path, os.strerror(err))
 

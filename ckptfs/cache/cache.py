@@ -202,6 +202,29 @@ class Cache:
         tier.slots.add(index)
         return ref
 
+    def new_landing(self, size: int) -> BackingTier:
+        """A file of ``size`` bytes (all hole) that a version's fetched blocks land in, at their own
+        positions (``alloc_for``), until ``landed``."""
+        tier = self.new_backing()
+        tier.filling = True
+        os.ftruncate(tier.fd, size)
+        return tier
+
+    def landed(self, tier: BackingTier) -> None:
+        """The fetches into ``tier`` are over: count what it takes; it goes if nothing landed."""
+        tier.filling = False
+        if tier.index in self.backing:
+            self.measure_backing(tier)
+            self.drop_backing_if_unused(tier)
+
+    async def alloc_for(self, content: Content, index: int) -> BlockRef:
+        """A fresh block for block ``index`` of ``content`` fetched from the store: its place in
+        the file the content is landing in, if it is (``new_landing``), else an arena slot."""
+        tier = content.landing
+        if tier is not None and tier.index in self.backing:
+            return self.hold_backing(tier, index)
+        return await self.alloc()
+
     def measure_backing(self, tier: BackingTier) -> None:
         """Count what the file takes on disk now against the disk tier's budget."""
         self.tiers[DISK].outside += tier.measure()

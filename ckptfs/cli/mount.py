@@ -152,6 +152,15 @@ def add_parser(sub) -> None:
         "(default: as much as --cache-size)",
     )
     p.add_argument(
+        "--fetch-whole",
+        type=parse_size_arg,
+        metavar="SIZE",
+        help="a read-only open of a file not cached, up to SIZE, fetches it whole first, into a "
+        "file of the cache the kernel then reads itself (with passthrough reads); larger files "
+        "are read through the daemon as they are fetched; 0: always that way "
+        f"(default {MountConfig.fetch_whole >> 30}G)",
+    )
+    p.add_argument(
         "--compress",
         type=_compress,
         metavar="zstd[:LEVEL]",
@@ -361,6 +370,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         "fuse_threads": args.fuse_threads,
         "passthrough_cache": args.passthrough_cache,
         "passthrough_writes": args.passthrough_writes,
+        "fetch_whole": args.fetch_whole,
         "compress": args.compress,
         "list_ttl": args.list_ttl,
         "write_timeout": args.write_timeout,
@@ -481,6 +491,7 @@ def daemon_argv(config: MountConfig) -> list[str]:
     argv += ["--umask", f"{config.umask:04o}"]
     argv += ["--passthrough-cache", str(config.passthrough_cache)] * (config.passthrough_cache >= 0)
     argv += ["--store-workers", str(config.store_workers)] * (config.store_workers >= 0)
+    argv += ["--fetch-whole", str(config.fetch_whole)]
     argv += ["--no-passthrough-writes"] * (not config.passthrough_writes)
     for glob in config.no_marker:
         argv += [f"--no-marker={glob}"]

@@ -178,6 +178,9 @@ class Commands:
             # only after a file's attributes were refreshed (the filesystem clears set-id bits itself)
             "getxattr_requests": self.ops.getxattr_requests,
             "working_files": self.namespace.files.working_files,  # such files made, since the mount
+            # cold read-only opens answered after fetching the file whole (--fetch-whole), since the mount
+            "whole_fetches": self.namespace.files.whole_fetches,
+            "whole_fetched_bytes": self.namespace.files.whole_fetched_bytes,
             # their streamed parts read again at the commit: bytes, seconds, parts found changed
             "streamed_bytes": self.uploader.sender.streamed_bytes,  # parts sent before a close (all files)
             "verified_bytes": self.uploader.sender.verified_bytes,
@@ -237,17 +240,20 @@ class Commands:
             await progress(update)
 
         timeout = request.get("timeout")
+        landing: list = []
         try:
             with trio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
                 for content, _ in targets:  # blocks kept from the last mount are checked before they count
                     if content.verify:
                         await self.namespace.verify_kept(content)
-                result = await self.fetcher.warm(
-                    [content for content, _ in targets], report, PROGRESS_INTERVAL_S
-                )
+                contents = [content for content, _ in targets]
+                # (files not cached at all land in files of their own: opened, the kernel reads them)
+                landing = self.namespace.start_landings(contents)
+                result = await self.fetcher.warm(contents, report, PROGRESS_INTERVAL_S)
         except FsError as exc:
             raise CkptfsError(str(exc)) from None
         finally:
+            self.namespace.end_landings(landing)
             for _, done in targets:  # in order: the last file becomes the most recently used
                 done()
         if scope.cancelled_caught:

@@ -391,6 +391,7 @@ def build_core(
     prefill = Prefill(retention.busy, kernel, files)
     commits = Commits(tree, cache, journal, uploader, retention, prefill, shadows, records, replicator)
     namespace = Namespace(commits, fetcher, health, list_ttl=config.list_ttl, kernel=kernel)
+    namespace.files.fetch_whole = config.fetch_whole
     return Core(
         store,
         health,

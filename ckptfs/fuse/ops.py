@@ -17,6 +17,8 @@ import os
 import stat
 import time
 
+import trio
+
 from ckptfs.errors import FsError, StoreError, to_errno
 from ckptfs.fuse.nodeids import NodeIds
 from ckptfs.fuse.openers import Openers
@@ -391,10 +393,18 @@ class Operations(Filesystem):
             self.nodes.retire(inode)
             raise FsError(errno.ESTALE, "this node id is bound to another version's file")
         # (root keeps set-id bits when writing, as with CAP_FSETID: model/files.drops_setid)
-        handle, keep_cache, direct_io = await self.ns.open(
-            ino, flags, keeps_setid=ctx.uid == 0, kill_setid=ctx.kill_setid
-        )
+        with trio.CancelScope(shield=True):  # (only fetching a reader's file whole is interruptible)
+            handle, keep_cache, direct_io = await self.ns.open(
+                ino, flags, keeps_setid=ctx.uid == 0, kill_setid=ctx.kill_setid
+            )
         backing = self._passthrough_fd(inode, ino, flags)  # (again: a commit may have come meanwhile)
+        if backing is None and read_only and self.passthrough_on and self.nodes.may_bind(inode):
+            try:
+                await self.ns.land_whole(handle.fh)
+            except BaseException:  # interrupted: the opener is gone or took a signal (EINTR)
+                self.ns.release(handle.fh, commit=False)
+                raise
+            backing = self._passthrough_fd(inode, ino, flags)
         if self.nodes.open_refused(inode, backing):
             self.ns.release(handle.fh, commit=False)
             self.nodes.retire(inode)

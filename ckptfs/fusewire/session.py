@@ -56,7 +56,9 @@ WANTED = (
 )
 MAX_WRITE = 1 << 20  # the largest WRITE (and READ) request: 256 pages, the kernel's usual cap
 INIT_WAIT_S = 10.0
-INTERRUPTIBLE = frozenset({abi.READ})  # what a signal may cut short (see Session._handle)
+# What a signal may cut short (see Session._handle): a READ, and an OPEN, whose filesystem
+# shields what it must not leave half done (fuse/ops.py: only fetching the file whole is cut).
+INTERRUPTIBLE = frozenset({abi.READ, abi.OPEN})
 PARKED_INTERRUPTS = 1024  # interrupts read before their request, kept at most
 
 
@@ -555,7 +557,8 @@ class Session:
         try:
             if req.opcode not in INTERRUPTIBLE:
                 return await handler(self, req, ctx, flight)
-            # A cancelled handler leaves nothing half done for these (a read only waits).
+            # A cancelled handler leaves nothing half done for these (a read only waits; an
+            # open shields all but its wait).
             with trio.CancelScope() as scope:
                 if not self.inflight.attach(req.unique, scope):
                     scope.cancel()

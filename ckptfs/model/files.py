@@ -86,6 +86,11 @@ class Files:
         self.kernel_written = 0  # bytes of the versions committed from them (the writes are not seen)
         self.largest_file = 0  # the largest file such a working copy committed (room kept at open)
         self.tailed: dict[Writing, Node] = {}  # working files being written (model/tailing.py)
+        # A read-only open of a version not cached, up to this size, fetches it whole into a
+        # file of its own that the kernel then reads itself (``land_whole``); 0: never.
+        self.fetch_whole = 0
+        self.whole_fetches = 0  # versions fetched whole that way (status)
+        self.whole_fetched_bytes = 0
 
     def _new_working_copy(self, node: Node, flags: int, setid_ok: bool) -> StagedFile | WorkingFile:
         """A new, empty working copy: a file of its own where the kernel can write it and the
@@ -292,6 +297,58 @@ class Files:
             if content.orphaned:
                 raise FsError(errno.EIO, "this version was replaced before it reached the store")
             await self.uploader.progress.wait()
+
+    async def land_whole(self, fh: int) -> None:
+        """Before answering a read-only open: fetch the version it reads, if none of it is cached
+        and it is at most ``fetch_whole`` bytes that the disk budget has room for, into a file of
+        its own (``Cache.new_landing``), where the kernel then serves the open's reads itself
+        (FUSE passthrough: no READ request reaches the daemon). An open of a version already
+        landing waits for that fetch. Cancellable (the opener was interrupted): what landed
+        stays cached. The store's error fails the open (its reads would get it too: once is
+        enough in an outage); a cache disk too full for the file leaves the open to read through
+        the daemon."""
+        handle = self.tree.handle(fh)
+        content = handle.content
+        if content is None or handle.node.writing is not None:
+            return
+        if content.landing_done is not None:
+            await content.landing_done.wait()
+            return
+        if not self.start_landing(content):
+            return
+        try:
+            await self._fetch_range(handle.node, content, 0, content.size)
+        except OSError as exc:  # (the cache's own files: ENOSPC, say)
+            log.info("%s: not fetched whole at open (%s): read through the daemon", content.key, exc)
+        finally:
+            self.end_landing(content)
+
+    def start_landing(self, content: Content, also: int = 0) -> bool:
+        """Whether ``content`` is fetched into a file of its own from now (``land_whole``): none of
+        it cached, at most ``fetch_whole`` bytes, and room in the disk budget for it and ``also``
+        bytes more (other files landing with it: ``ckptfs warmup``)."""
+        if not (
+            content.in_store
+            and not content.remote
+            and content.landing is None
+            and 0 < content.size <= self.fetch_whole
+            and all(ref is None for ref in content.blocks)
+            and self.cache.room_for_file(also + content.size)
+        ):
+            return False
+        content.landing = self.cache.new_landing(content.size)
+        content.landing_done = trio.Event()
+        return True
+
+    def end_landing(self, content: Content) -> None:
+        tier, done = content.landing, content.landing_done
+        assert tier is not None and done is not None  # (after start_landing)
+        content.landing = content.landing_done = None
+        self.cache.landed(tier)
+        done.set()
+        if self.cache.backing_of(content) is tier:
+            self.whole_fetches += 1
+            self.whole_fetched_bytes += content.size
 
     async def _fetch_range(self, node: Node, content: Content, offset: int, size: int) -> None:
         """Cache a range of ``content`` to build a writer's copy from: none of it may be evicted

@@ -286,6 +286,30 @@ class Namespace:
     ) -> tuple[Handle, bool, bool]:
         return await self.files.open(ino, flags, keeps_setid, kill_setid)
 
+    def _reads_pass_through(self) -> bool:
+        return self.prefill.files is not None and self.prefill.files.on
+
+    async def land_whole(self, fh: int) -> None:
+        """A read-only open's version, fetched whole into a file the kernel reads (files.py)."""
+        if self._reads_pass_through():
+            await self.files.land_whole(fh)
+
+    def start_landings(self, contents: list[Content]) -> list[Content]:
+        """Those of ``contents`` (to be fetched: ``ckptfs warmup``) that land in files of their
+        own, which the kernel will read itself; the caller ends them (``end_landings``)."""
+        landing: list[Content] = []
+        if self._reads_pass_through():
+            taken = 0
+            for content in contents:
+                if self.files.start_landing(content, taken):
+                    landing.append(content)
+                    taken += content.size
+        return landing
+
+    def end_landings(self, contents: list[Content]) -> None:
+        for content in contents:
+            self.files.end_landing(content)
+
     async def read(self, fh: int, offset: int, size: int, view: bool = False) -> bytes | memoryview:
         """``view``: a block's own bytes may come back as a view of the arena (for a reply sent
         before anything else runs: fuse_ops)."""

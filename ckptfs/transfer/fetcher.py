@@ -404,7 +404,7 @@ class Fetcher:
             # (Content types checksums ``object``: it holds integrity.Checksums or None)
             checks = cast("Checksums | None", content.checksums)
             begin, span = checks.span(start, length) if checks is not None else (start, length)
-            parts = self._landable(checks, begin, span)
+            parts = self._landable(checks, begin, span, content.landing is not None)
             if parts is not None:
                 try:
                     if await self._land(content, index, begin, span, parts):
@@ -447,9 +447,12 @@ class Fetcher:
         await self._attach(content, begin, data, index)
 
     # -- a range a store worker fetches, checks and writes into the cache itself -----------------
-    def _landable(self, checks: Checksums | None, begin: int, span: int) -> list[tuple[int, int, str]] | None:
+    def _landable(
+        self, checks: Checksums | None, begin: int, span: int, into_file: bool = False
+    ) -> list[tuple[int, int, str]] | None:
         """The parts a store worker checks a fetch of [begin, begin + span) against, where one
-        can do it: the checksums known and plain (not frames), a range of a few blocks."""
+        can do it: the checksums known and plain (not frames), a range of a few blocks.
+        ``into_file``: the blocks land in a file of their own (``Content.landing``), not slots."""
         if self.workers is None or not self.workers.usable or checks is None or checks.compressed:
             return None
         if span > LANDED_BLOCKS * self.cache.block_size:
@@ -457,7 +460,7 @@ class Fetcher:
         # Slots taken before their GET: a quarter of the cache at most (as ``_attach`` keeps),
         # so fetches ahead of a reader never hold what the reader's own blocks need.
         room = max(self.cache.block_size, sum(tier.budget for tier in self.cache.tiers) // 4)
-        if self.landing_bytes + span > room:
+        if not into_file and self.landing_bytes + span > room:
             return None
         return checks.parts_in(begin, span)
 
@@ -479,7 +482,7 @@ class Fetcher:
                     index < len(content.blocks) and index * bs + content.block_length(index) <= begin + span
                 ):
                     if content.blocks[index] is None:
-                        landing.refs[index] = await self.cache.alloc()
+                        landing.refs[index] = await self.cache.alloc_for(content, index)
                     index += 1
             blocks = []
             for i, ref in landing.refs.items():
@@ -575,7 +578,7 @@ class Fetcher:
                 break
             if content.blocks[index] is not None:
                 continue
-            ref = await self.cache.alloc()
+            ref = await self.cache.alloc_for(content, index)
             try:  # (copied in a thread: 8 MiB on the trio thread would hold up every request)
                 await trio.to_thread.run_sync(
                     self.cache.fill,
