@@ -67,6 +67,19 @@ FIGURES = [
     Figure(
         "daemon_cpu_workers", "daemon", "daemon's store workers: CPU per GiB saved and uploaded", "CPU s/GiB"
     ),
+    Figure(
+        "daemon_cpu_main_cold",
+        "daemon",
+        "daemon's main interpreter: CPU per GiB of a cold load (fetched and read)",
+        "CPU s/GiB",
+    ),
+    Figure(
+        "restore_ceiling",
+        "daemon",
+        "projected per-mount restore ceiling on many cores = 1 / main interpreter CPU s per GiB of a cold load",
+        "GiB/s",
+        True,
+    ),
     Figure("daemon_rss", "daemon", "daemon peak RSS while saving and uploading", "MiB"),
     Figure("ram_4x_rss", "daemon", "ckptfs peak RSS saving 4x its RAM-tier budget", "MiB"),
     # issue 32: what the client side spends (daemon + application, or the client library)

@@ -184,6 +184,12 @@ def check_issue32(results: Results) -> list[Goal]:
             "daemon_cpu_main",
             0.2,
         ),
+        _at_most(
+            results,
+            "daemon's main interpreter <= 0.2 CPU s per GiB of a cold load (restore ceiling >= 5 GiB/s)",
+            "daemon_cpu_main_cold",
+            0.2,
+        ),
     ]
 
 

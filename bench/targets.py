@@ -63,6 +63,7 @@ class ColdLoad:
     seconds: float
     app_cpu: float  # CPU seconds of this process: the reader (torch.load) or the client library
     daemon_cpu: float | None  # of the fresh mount's daemon over the same window; None: no daemon
+    daemon_main_cpu: float | None = None  # of that, its own process (its main interpreter)
 
     @property
     def client_cpu(self) -> float:
@@ -73,11 +74,15 @@ def timed_load(read, daemon_pid: int | None = None) -> ColdLoad:
     """Run `read()`: its wall time, this process's CPU and the daemon's over it. Nothing else of
     the bench runs meanwhile (no poller), so this process's CPU is the reader's or the library's."""
     daemon0 = sysinfo.cpu_seconds(daemon_pid) if daemon_pid else None
+    main0 = sysinfo.main_cpu_seconds(daemon_pid) if daemon_pid else None
     app0, start = sysinfo.own_cpu_seconds(), time.monotonic()
     read()
     seconds, app = time.monotonic() - start, sysinfo.own_cpu_seconds() - app0
-    daemon = sysinfo.cpu_seconds(daemon_pid) - daemon0 if daemon_pid else None
-    return ColdLoad(seconds, app, daemon)
+    if not daemon_pid:
+        return ColdLoad(seconds, app, None)
+    assert daemon0 is not None and main0 is not None
+    daemon, main = sysinfo.cpu_seconds(daemon_pid) - daemon0, sysinfo.main_cpu_seconds(daemon_pid) - main0
+    return ColdLoad(seconds, app, daemon, main)
 
 
 class Target:

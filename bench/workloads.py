@@ -214,6 +214,12 @@ def cold_loads(bench: Bench, nbytes: int) -> None:
         bench.results.add("cold_load", t.name, load.seconds)
         bench.results.add("client_cpu_cold", t.name, load.client_cpu / (nbytes / GiB))
         cpu = _client_cpu(nbytes / GiB, load.app_cpu, load.daemon_cpu)
+        if load.daemon_main_cpu is not None:  # (issue 42: what the restore leaves in the GIL's process)
+            main = load.daemon_main_cpu / (nbytes / GiB)
+            bench.results.add("daemon_cpu_main_cold", t.name, main)
+            if main > 0:
+                bench.results.add("restore_ceiling", t.name, 1 / main)
+            cpu += f"; daemon main {main:.2f} CPU s/GiB"
         if t.name in S3_TARGETS:
             bench.results.add("server_cpu_cold", t.name, server)
             cpu += f"; server {server:.2f} CPU s/GiB"

@@ -108,6 +108,51 @@ class S3Store(ObjectStore):
         except (bex.BotoCoreError, OSError) as e:
             self.client.fail("get", key, e)
 
+    def get_range_into(self, key: str, start: int, out: memoryview) -> tuple[int, dict[str, str]]:
+        """``get_range_meta`` into ``out`` (a reused buffer): the bytes received, at most
+        ``len(out)`` (fewer: a short body), and the object's metadata. The body goes from the
+        socket straight into ``out`` (http.client's ``readinto``, under botocore and urllib3):
+        no new object per GET, whose first touch and copy cost about as much again (measured:
+        0.46 against 0.87 CPU s per GiB)."""
+        length = len(out)
+        try:
+            resp = self.client.boto.get_object(
+                Bucket=self.client.bucket,
+                Key=self.client.key(key),
+                Range=f"bytes={start}-{start + length - 1}",
+            )
+            metadata = dict(resp.get("Metadata", {}))
+            body = resp["Body"]
+            raw = getattr(body, "_raw_stream", None)
+            wire = getattr(raw, "_fp", None)  # (urllib3's HTTPResponse: its http.client response)
+            if wire is None or not hasattr(raw, "release_conn"):  # (other versions: copy once more)
+                try:
+                    data = body.read()
+                finally:
+                    body.close()
+                out[: len(data)] = data[:length]
+                return min(len(data), length), metadata
+            assert raw is not None
+            got = 0
+            try:
+                while got < length and (n := wire.readinto(out[got:])):
+                    got += n
+            except BaseException:
+                body.close()  # (the connection is in no state to be reused)
+                raise
+            if got == length and wire.isclosed():
+                raw.release_conn()  # (the whole body read: the connection serves the next request)
+            else:
+                body.close()
+            return got, metadata
+        except bex.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+                info = self.head(key)
+                return 0, info.metadata if info is not None else {}
+            self.client.fail("get", key, e)
+        except (bex.BotoCoreError, OSError) as e:
+            self.client.fail("get", key, e)
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         try:
             pages = self.client.boto.get_paginator("list_objects_v2").paginate(

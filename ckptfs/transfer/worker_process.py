@@ -127,7 +127,7 @@ def read_pieces(fds: list[int], pieces: list[list[int]], out: memoryview) -> Non
 
 class Buffers:
     """Part-sized buffers shared by a worker's channels: made when first needed and reused, as
-    many as requests needed them at once (a part, a hash; a fetch uses none), never one per
+    many as requests needed them at once (a part, a hash, a fetch), never one per
     channel (channels outnumber the parts in flight)."""
 
     def __init__(self, part_size: int):
@@ -215,17 +215,17 @@ class Channel:
         """A ranged GET, each part of it checked against its xxh3, then its whole blocks written
         into the cache slots the daemon allocated for them. Nothing is written unless every
         part matched and the body is whole."""
-        data, metadata = self.store.get_range_meta(request["key"], request["start"], request["length"])
-        answer: dict = {"got": len(data), "metadata": metadata}
-        if len(data) != request["length"]:
-            return answer  # (short: the daemon asks again)
-        view = memoryview(data)
-        for offset, length, expected in request["parts"]:
-            if part_hash(view[offset : offset + length]) != expected:
-                return {**answer, "mismatch": offset}
-        for index, pos, offset, length in request["blocks"]:
-            pwrite_all(fds[index], view[offset : offset + length], pos)
-        return answer
+        with self.buffers.body(request["length"]) as view:
+            got, metadata = self.store.get_range_into(request["key"], request["start"], view)
+            answer: dict = {"got": got, "metadata": metadata}
+            if got != request["length"]:
+                return answer  # (short: the daemon asks again)
+            for offset, length, expected in request["parts"]:
+                if part_hash(view[offset : offset + length]) != expected:
+                    return {**answer, "mismatch": offset}
+            for index, pos, offset, length in request["blocks"]:
+                pwrite_all(fds[index], view[offset : offset + length], pos)
+            return answer
 
     def xxh3(self, fds: list[int], pieces: list[list[int]]) -> str:
         """The xxh3-64 of the pieces' bytes, read a part-sized buffer at a time."""
