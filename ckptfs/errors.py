@@ -45,6 +45,10 @@ class FsError(Exception):
         self.errno = errno
 
 
+class StoreUnreachable(FsError):
+    """A read gave up: the store failed or did not answer for ``--read-timeout`` (an outage)."""
+
+
 class StoreError(Exception):
     """A store call failed. ``transient`` says whether retrying may help. (Defined here, below
     the stores, so that ``to_errno`` can map it; ``ckptfs.store.base`` exports it.)"""

@@ -254,7 +254,7 @@ def test_a_cold_ranged_read_fetches_only_the_frames_it_needs(
     data, meta = stored(client, s3_bucket, "big.bin")
     frames = json.loads(manifest_of(client, s3_bucket, meta))["compression"]["frames"]
     assert len(frames) == 5 and all(by == 4 for _, by in frames)
-    r = s3_mounts(tmp_path / "r", proxy.url)
+    r = s3_mounts(tmp_path / "r", proxy.url, "--fetch-whole", "0")  # (not fetched whole at the open)
     proxy.reset_counts()
     with open(r.path / "big.bin", "rb", buffering=0) as f:
         f.seek(3 * PART + 100)

@@ -210,18 +210,20 @@ class Cache:
         os.ftruncate(tier.fd, size)
         return tier
 
-    def landed(self, tier: BackingTier) -> None:
-        """The fetches into ``tier`` are over: count what it takes; it goes if nothing landed."""
-        tier.filling = False
-        if tier.index in self.backing:
+    def landed(self, index: int) -> None:
+        """The fetches into backing file ``index`` are over: count what it takes; it goes if
+        nothing landed."""
+        tier = self.backing.get(index)
+        if tier is not None:
+            tier.filling = False
             self.measure_backing(tier)
             self.drop_backing_if_unused(tier)
 
     async def alloc_for(self, content: Content, index: int) -> BlockRef:
         """A fresh block for block ``index`` of ``content`` fetched from the store: its place in
         the file the content is landing in, if it is (``new_landing``), else an arena slot."""
-        tier = content.landing
-        if tier is not None and tier.index in self.backing:
+        tier = self.backing.get(content.landing) if content.landing is not None else None
+        if tier is not None:
             return self.hold_backing(tier, index)
         return await self.alloc()
 

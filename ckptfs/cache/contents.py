@@ -19,8 +19,6 @@ from ckptfs.cache.arena import RAM
 if TYPE_CHECKING:
     import trio
 
-    from ckptfs.cache.backing import BackingTier
-
 
 @dataclass
 class BlockCopy:
@@ -57,9 +55,10 @@ class Content:
         self.verify = ""  # cached blocks kept from the last mount: their digest, checked at first open
         self.checksums: object | None = None  # integrity.Checksums of its object, once known
         self.in_use: Counter[int] = Counter()  # blocks reads are gathering (eviction passes them by)
-        # The backing file (cache/backing.py) its fetched blocks land in while it is fetched
-        # whole for a passthrough open (model/files.py ``land_whole``), and that fetch's end.
-        self.landing: BackingTier | None = None
+        # The backing file (cache/backing.py: its tier number) its fetched blocks land in while
+        # it is fetched whole for a passthrough open (model/files.py ``land_whole``), and that
+        # fetch's end.
+        self.landing: int | None = None
         self.landing_done: trio.Event | None = None
 
     def hold(self) -> Content:

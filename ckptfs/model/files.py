@@ -18,7 +18,7 @@ from ckptfs.cache.arena import RAM
 from ckptfs.cache.backing import WorkingFile
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import BlockCopy, Content, StagedFile
-from ckptfs.errors import FsError
+from ckptfs.errors import FsError, StoreUnreachable
 from ckptfs.model.commits import Commits
 from ckptfs.model.tree import Attr, Handle, Node, Writing, attr_metadata
 from ckptfs.transfer.fetcher import Fetcher
@@ -68,6 +68,13 @@ def drops_setid(flags: int, keeps_setid: bool) -> bool:
     daemon clears them for an opener without the privilege (``keeps_setid``: CAP_FSETID, which
     the FUSE request does not carry: taken as uid 0)."""
     return direct_writes(flags) and not keeps_setid
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions in ``exc``, out of any (nested) exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
 
 
 class Files:
@@ -304,9 +311,10 @@ class Files:
         its own (``Cache.new_landing``), where the kernel then serves the open's reads itself
         (FUSE passthrough: no READ request reaches the daemon). An open of a version already
         landing waits for that fetch. Cancellable (the opener was interrupted): what landed
-        stays cached. The store's error fails the open (its reads would get it too: once is
-        enough in an outage); a cache disk too full for the file leaves the open to read through
-        the daemon."""
+        stays cached. An outage (``StoreUnreachable``) fails the open: its reads would wait out
+        ``--read-timeout`` again. Any other failure (a part that never matches its checksum, a
+        cache disk too full for the file) leaves the open to read through the daemon, where only
+        the reads of what is wrong fail, as on a disk with a bad sector."""
         handle = self.tree.handle(fh)
         content = handle.content
         if content is None or handle.node.writing is not None:
@@ -318,8 +326,13 @@ class Files:
             return
         try:
             await self._fetch_range(handle.node, content, 0, content.size)
-        except OSError as exc:  # (the cache's own files: ENOSPC, say)
-            log.info("%s: not fetched whole at open (%s): read through the daemon", content.key, exc)
+        except Exception as exc:  # (the blocks are fetched at once: a group of failures)
+            failures = _leaves(exc)
+            if not all(isinstance(f, FsError | OSError) for f in failures) or any(
+                isinstance(f, StoreUnreachable) for f in failures
+            ):
+                raise
+            log.info("%s: not fetched whole at open (%s): read through the daemon", content.key, failures[0])
         finally:
             self.end_landing(content)
 
@@ -336,7 +349,7 @@ class Files:
             and self.cache.room_for_file(also + content.size)
         ):
             return False
-        content.landing = self.cache.new_landing(content.size)
+        content.landing = self.cache.new_landing(content.size).index
         content.landing_done = trio.Event()
         return True
 
@@ -346,7 +359,8 @@ class Files:
         content.landing = content.landing_done = None
         self.cache.landed(tier)
         done.set()
-        if self.cache.backing_of(content) is tier:
+        whole = self.cache.backing_of(content)
+        if whole is not None and whole.index == tier:
             self.whole_fetches += 1
             self.whole_fetched_bytes += content.size
 

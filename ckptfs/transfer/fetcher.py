@@ -33,7 +33,7 @@ from ckptfs.blocks import BlockRef, n_blocks
 from ckptfs.cache.arena import in_pages
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content
-from ckptfs.errors import FsError, NotFound, StoreError
+from ckptfs.errors import FsError, NotFound, StoreError, StoreUnreachable
 from ckptfs.objects import compression, integrity
 from ckptfs.objects.integrity import Checksums, IntegrityError
 from ckptfs.parts import PartSchedule
@@ -379,7 +379,7 @@ class Fetcher:
             )
             self._log_once(content.key or "", "read timeout", logging.ERROR, "%s", message)
             self.health.failed("read", content.key or "", f"EIO: {message}")
-            raise FsError(errno.EIO, message)
+            raise StoreUnreachable(errno.EIO, message)
 
     async def _give_up_in_an_outage(
         self, download: trio.CancelScope, watch: trio.CancelScope, started: float
