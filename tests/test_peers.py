@@ -90,8 +90,10 @@ def _checkpoint(cluster, size: int) -> tuple[str, int]:
     return digest, path.stat().st_size
 
 
-def _members(cluster, names: list[str], **kwargs) -> list:
-    nodes = [cluster.node(name, extra=CLUSTER, **kwargs) for name in names]
+def _members(cluster, names: list[str], more: dict[str, tuple[str, ...]] | None = None, **kwargs) -> list:
+    """Nodes ``names`` that see each other (``more``: a node's own extra mount arguments)."""
+    more = more or {}
+    nodes = [cluster.node(name, extra=(*CLUSTER, *more.get(name, ())), **kwargs) for name in names]
     for node in nodes:  # (a node that has not seen the others yet would fetch their parts itself)
         wait_until(
             lambda node=node: len(node.status()["peers"]["live"]) == len(nodes) - 1,
@@ -146,7 +148,9 @@ def test_staggered_restores_read_the_store_once(cluster):
 
 def test_a_peer_lost_mid_restore_costs_a_retry(cluster):
     digest, size = _checkpoint(cluster, 96 * MiB)
-    a, b, c = _members(cluster, ["a", "b", "c"])
+    # (a reads through its daemon as it fetches, so the read can pause with the rest to come:
+    # fetched whole at the open it would have it all before b is lost)
+    a, b, c = _members(cluster, ["a", "b", "c"], more={"a": ("--fetch-whole", "0")})
     if b.proxy is not None:  # S3: b's link is slow, so b's fetches for a are on the wire when it dies
         b.proxy.rate = 20 * MiB
     reader = _python(LOAD, str(a.path / "ckpt" / "model.pt"), str(4 * MiB), stdin=subprocess.PIPE)
