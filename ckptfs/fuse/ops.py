@@ -398,7 +398,15 @@ class Operations(Filesystem):
                 ino, flags, keeps_setid=ctx.uid == 0, kill_setid=ctx.kill_setid
             )
         backing = self._passthrough_fd(inode, ino, flags)  # (again: a commit may have come meanwhile)
-        if backing is None and read_only and self.passthrough_on and self.nodes.may_bind(inode):
+        # (not for O_DIRECT: through the backing file the kernel would ask its alignment of every
+        # read, where the daemon takes any buffer, as a reader through FUSE had so far)
+        if (
+            backing is None
+            and read_only
+            and not flags & os.O_DIRECT
+            and self.passthrough_on
+            and self.nodes.may_bind(inode)
+        ):
             try:
                 await self.ns.land_whole(handle.fh)
             except BaseException:  # interrupted: the opener is gone or took a signal (EINTR)
