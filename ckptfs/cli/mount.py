@@ -155,7 +155,7 @@ def add_parser(sub) -> None:
         "--fetch-whole",
         type=parse_size_arg,
         metavar="SIZE",
-        help="a read-only open of a file not cached, up to SIZE, fetches it whole first, into a "
+        help="a read-only open of a file not cached, from --part-size up to SIZE, fetches it whole first, into a "
         "file of the cache the kernel then reads itself (with passthrough reads); larger files "
         "are read through the daemon as they are fetched; 0: always that way "
         f"(default {MountConfig.fetch_whole >> 30}G)",

@@ -342,13 +342,14 @@ class Files:
 
     def start_landing(self, content: Content, also: int = 0) -> bool:
         """Whether ``content`` is fetched into a file of its own from now (``land_whole``): none of
-        it cached, at most ``fetch_whole`` bytes, and room in the disk budget for it and ``also``
-        bytes more (other files landing with it: ``ckptfs warmup``)."""
+        it cached, at least a block and at most ``fetch_whole`` bytes, and room in the disk
+        budget for it and ``also`` bytes more (other files landing with it: ``ckptfs warmup``)."""
         if not (
             content.in_store
             and not content.remote
             and content.landing is None
-            and 0 < content.size <= self.fetch_whole
+            # (a smaller file is a few READs: not worth a file, and its descriptor, of its own)
+            and self.cache.block_size <= content.size <= self.fetch_whole
             and all(ref is None for ref in content.blocks)
             and self.cache.room_for_file(also + content.size)
         ):
