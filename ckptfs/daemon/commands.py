@@ -248,7 +248,7 @@ class Commands:
                         await self.namespace.verify_kept(content)
                 contents = [content for content, _ in targets]
                 # (files not cached at all land in files of their own: opened, the kernel reads them)
-                await self.namespace.start_landings(contents, landing)
+                self.namespace.start_landings(contents, landing)
                 result = await self.fetcher.warm(contents, report, PROGRESS_INTERVAL_S)
         except FsError as exc:
             raise CkptfsError(str(exc)) from None

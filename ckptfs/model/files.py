@@ -70,9 +70,6 @@ def drops_setid(flags: int, keeps_setid: bool) -> bool:
     return direct_writes(flags) and not keeps_setid
 
 
-LEARN_CHECKSUMS_S = 5.0  # a file fetched whole asks for its checksums first, this long at most
-
-
 def _leaves(exc: BaseException) -> list[BaseException]:
     """The exceptions in ``exc``, out of any (nested) exception groups."""
     if isinstance(exc, BaseExceptionGroup):
@@ -328,7 +325,9 @@ class Files:
         if not self.start_landing(content):
             return
         try:
-            await self.learn_checksums(content)
+            # The first block alone, first: its GET tells the object's checksums (no request
+            # more), so the store workers, which fetch only what they can check, take the rest.
+            await self._fetch_range(handle.node, content, 0, self.cache.block_size)
             await self._fetch_range(handle.node, content, 0, content.size)
         except Exception as exc:  # (the blocks are fetched at once: a group of failures)
             failures = _leaves(exc)
@@ -357,17 +356,6 @@ class Files:
         content.landing = self.cache.new_landing(content.size).index
         content.landing_done = trio.Event()
         return True
-
-    async def learn_checksums(self, content: Content) -> None:
-        """What ``content``'s parts are checked against, before its blocks are fetched at once: a
-        store worker fetches a block only where they are known (else the first fetches of each
-        block would all go through the daemon's threads)."""
-        fetcher = self.fetcher
-        if content.checksums is None and len(content.blocks) > 1 and fetcher.health.trouble_since() is None:
-            # (a HEAD answers in milliseconds; one that does not leaves the fetches to find out,
-            # within --read-timeout)
-            with trio.move_on_after(LEARN_CHECKSUMS_S):
-                await fetcher.checksums_of(content)
 
     def end_landing(self, content: Content) -> None:
         tier, done = content.landing, content.landing_done

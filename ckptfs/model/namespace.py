@@ -294,18 +294,16 @@ class Namespace:
         if self._reads_pass_through():
             await self.files.land_whole(fh)
 
-    async def start_landings(self, contents: list[Content], landing: list[Content]) -> None:
+    def start_landings(self, contents: list[Content], landing: list[Content]) -> None:
         """Add to ``landing`` those of ``contents`` (to be fetched: ``ckptfs warmup``) that land in
         files of their own, which the kernel will read itself; the caller ends them
-        (``end_landings``), also when this fails (the store's error)."""
+        (``end_landings``)."""
         if self._reads_pass_through():
             taken = 0
             for content in contents:
                 if self.files.start_landing(content, taken):
                     landing.append(content)
                     taken += content.size
-            for content in landing:
-                await self.files.learn_checksums(content)
 
     def end_landings(self, contents: list[Content]) -> None:
         for content in contents:
