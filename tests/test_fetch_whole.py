@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.support.faultproxy import FaultProxy, Rule, hold
+from tests.support.faultproxy import FaultProxy, Rule, corrupt_response_body, hold
 from tests.support.mounting import Mount, ckptfs
 
 pytestmark = pytest.mark.store
@@ -176,5 +176,27 @@ def test_signal_handlers_see_eintr_not_a_hang(s3_server, s3_bucket, tmp_path):
             assert done.stdout.strip() == "interrupted", done
             held.release()
             assert (r.path / "ckpt.bin").read_bytes() == data
+        finally:
+            r.cleanup()
+
+
+def test_a_body_bent_on_the_wire_is_fetched_again_and_the_file_still_lands(s3_server, s3_bucket, tmp_path):
+    """Bytes checked before they land: a bent GET body (a worker's) is fetched again, and the file
+    still lands whole with the store's bytes."""
+    data = os.urandom(40 * MiB)
+    url = f"s3://{s3_bucket}/bent"
+    _written(s3_server, url, tmp_path / "w", {"ckpt.bin": data})
+    with FaultProxy(s3_server.endpoint) as proxy:
+        r = Mount(url, tmp_path / "r", endpoint_url=proxy.url)
+        try:
+            r.start()
+            _passthrough(r)
+            # (the first GET: the first block, fetched alone before the others)
+            rule = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"/ckpt\.bin$", count=1))
+            assert (r.path / "ckpt.bin").read_bytes() == data
+            status = r.status()
+            assert rule.hits == 1 and status["integrity_retries"] >= 1
+            assert status["integrity_errors"] == []
+            assert status["passthrough"]["whole_fetches"] == 1
         finally:
             r.cleanup()
