@@ -6,6 +6,7 @@ daemon as before."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,6 +40,19 @@ def _passthrough(m: Mount) -> dict:
     return status["passthrough"]
 
 
+@contextlib.contextmanager
+def _through_proxy(s3_server, url: str, root):
+    """(proxy, mount): a started mount of ``url`` whose requests go through a fault proxy."""
+    with FaultProxy(s3_server.endpoint) as proxy:
+        r = Mount(url, root, endpoint_url=proxy.url)
+        try:
+            r.start()
+            _passthrough(r)
+            yield proxy, r
+        finally:
+            r.cleanup()
+
+
 def test_a_cold_open_fetches_the_file_whole_and_the_kernel_reads_it(s3_server, s3_bucket, tmp_path):
     data = os.urandom(72 * MiB + 12345)  # (a last block shorter than the others)
     url = f"s3://{s3_bucket}/cold"
@@ -69,31 +83,25 @@ def test_an_opener_killed_while_the_store_holds_its_file_is_let_go(s3_server, s3
     data = os.urandom(40 * MiB)
     url = f"s3://{s3_bucket}/held"
     _written(s3_server, url, tmp_path / "w", {"ckpt.bin": data})
-    with FaultProxy(s3_server.endpoint) as proxy:
-        r = Mount(url, tmp_path / "r", endpoint_url=proxy.url)
+    with _through_proxy(s3_server, url, tmp_path / "r") as (proxy, r):
+        held = proxy.add_rule(Rule(hold(), kind="get", path=r"/ckpt\.bin$", count=1))
+        opener = subprocess.Popen(
+            [sys.executable, "-c", f"open({str(r.path / 'ckpt.bin')!r}, 'rb'); print('opened')"],
+            stdout=subprocess.PIPE,
+        )
         try:
-            r.start()
-            _passthrough(r)
-            held = proxy.add_rule(Rule(hold(), kind="get", path=r"/ckpt\.bin$", count=1))
-            opener = subprocess.Popen(
-                [sys.executable, "-c", f"open({str(r.path / 'ckpt.bin')!r}, 'rb'); print('opened')"],
-                stdout=subprocess.PIPE,
-            )
-            try:
-                held.wait_held()
-                time.sleep(0.5)
-                assert opener.poll() is None  # still in its open, waiting for the held GET
-                opener.kill()
-                opener.wait(timeout=10)  # (without the interrupt: until the GET is let go)
-            finally:
-                if opener.poll() is None:
-                    opener.kill()
-                    opener.wait()
-            held.release()
-            assert (r.path / "ckpt.bin").read_bytes() == data
-            assert r.status()["integrity_errors"] == []
+            held.wait_held()
+            time.sleep(0.5)
+            assert opener.poll() is None  # still in its open, waiting for the held GET
+            opener.kill()
+            opener.wait(timeout=10)  # (without the interrupt: until the GET is let go)
         finally:
-            r.cleanup()
+            if opener.poll() is None:
+                opener.kill()
+                opener.wait()
+        held.release()
+        assert (r.path / "ckpt.bin").read_bytes() == data
+        assert r.status()["integrity_errors"] == []
 
 
 def test_warmup_lands_files_the_kernel_then_reads(s3_server, s3_bucket, tmp_path):
@@ -154,30 +162,24 @@ def test_signal_handlers_see_eintr_not_a_hang(s3_server, s3_bucket, tmp_path):
     data = os.urandom(16 * MiB)
     url = f"s3://{s3_bucket}/sig"
     _written(s3_server, url, tmp_path / "w", {"ckpt.bin": data})
-    with FaultProxy(s3_server.endpoint) as proxy:
-        r = Mount(url, tmp_path / "r", endpoint_url=proxy.url)
-        try:
-            r.start()
-            _passthrough(r)
-            held = proxy.add_rule(Rule(hold(), kind="get", path=r"/ckpt\.bin$", count=1))
-            script = (
-                "import signal, sys\n"
-                "class Late(Exception): pass\n"
-                "def alarm(*_): raise Late()\n"
-                "signal.signal(signal.SIGALRM, alarm)\n"
-                "signal.alarm(1)\n"
-                "try:\n"
-                f"    open({str(r.path / 'ckpt.bin')!r}, 'rb')\n"
-                "except Late:\n"
-                "    print('interrupted'); sys.exit(0)\n"
-                "print('opened')\n"
-            )
-            done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
-            assert done.stdout.strip() == "interrupted", done
-            held.release()
-            assert (r.path / "ckpt.bin").read_bytes() == data
-        finally:
-            r.cleanup()
+    with _through_proxy(s3_server, url, tmp_path / "r") as (proxy, r):
+        held = proxy.add_rule(Rule(hold(), kind="get", path=r"/ckpt\.bin$", count=1))
+        script = (
+            "import signal, sys\n"
+            "class Late(Exception): pass\n"
+            "def alarm(*_): raise Late()\n"
+            "signal.signal(signal.SIGALRM, alarm)\n"
+            "signal.alarm(1)\n"
+            "try:\n"
+            f"    open({str(r.path / 'ckpt.bin')!r}, 'rb')\n"
+            "except Late:\n"
+            "    print('interrupted'); sys.exit(0)\n"
+            "print('opened')\n"
+        )
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+        assert done.stdout.strip() == "interrupted", done
+        held.release()
+        assert (r.path / "ckpt.bin").read_bytes() == data
 
 
 def test_a_body_bent_on_the_wire_is_fetched_again_and_the_file_still_lands(s3_server, s3_bucket, tmp_path):
@@ -186,17 +188,11 @@ def test_a_body_bent_on_the_wire_is_fetched_again_and_the_file_still_lands(s3_se
     data = os.urandom(40 * MiB)
     url = f"s3://{s3_bucket}/bent"
     _written(s3_server, url, tmp_path / "w", {"ckpt.bin": data})
-    with FaultProxy(s3_server.endpoint) as proxy:
-        r = Mount(url, tmp_path / "r", endpoint_url=proxy.url)
-        try:
-            r.start()
-            _passthrough(r)
-            # (the first GET: the first block, fetched alone before the others)
-            rule = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"/ckpt\.bin$", count=1))
-            assert (r.path / "ckpt.bin").read_bytes() == data
-            status = r.status()
-            assert rule.hits == 1 and status["integrity_retries"] >= 1
-            assert status["integrity_errors"] == []
-            assert status["passthrough"]["whole_fetches"] == 1
-        finally:
-            r.cleanup()
+    with _through_proxy(s3_server, url, tmp_path / "r") as (proxy, r):
+        # (the first GET: the first block, fetched alone before the others)
+        rule = proxy.add_rule(Rule(corrupt_response_body(), kind="get", path=r"/ckpt\.bin$", count=1))
+        assert (r.path / "ckpt.bin").read_bytes() == data
+        status = r.status()
+        assert rule.hits == 1 and status["integrity_retries"] >= 1
+        assert status["integrity_errors"] == []
+        assert status["passthrough"]["whole_fetches"] == 1

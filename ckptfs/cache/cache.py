@@ -206,8 +206,12 @@ class Cache:
         """A file of ``size`` bytes (all hole) that a version's fetched blocks land in, at their own
         positions (``alloc_for``), until ``landed``."""
         tier = self.new_backing()
+        try:
+            os.ftruncate(tier.fd, size)
+        except OSError:
+            self._drop_backing(tier)
+            raise
         tier.filling = True
-        os.ftruncate(tier.fd, size)
         return tier
 
     def landed(self, index: int) -> None:

@@ -353,7 +353,11 @@ class Files:
             and self.cache.room_for_file(also + content.size)
         ):
             return False
-        content.landing = self.cache.new_landing(content.size).index
+        try:
+            content.landing = self.cache.new_landing(content.size).index
+        except OSError as exc:  # (the cache dir's filesystem: read through the daemon instead)
+            log.info("%s: not fetched whole at open (%s): read through the daemon", content.key, exc)
+            return False
         content.landing_done = trio.Event()
         return True
 

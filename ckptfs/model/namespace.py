@@ -324,7 +324,7 @@ class Namespace:
           version is complete in the cache)."""
         node = self.tree.node(ino)
         files = self.prefill.files
-        reads = files is not None and files.on
+        reads = self._reads_pass_through()
         access = flags & os.O_ACCMODE
         if node.writing is not None:
             staged = node.writing.staged

@@ -86,27 +86,7 @@ class S3Store(ObjectStore):
             if info is None:
                 raise NotFound(f"get s3://{self.client.bucket}/{self.client.base}{key}: no such key")
             return b"", info.metadata
-        try:
-            resp = self.client.boto.get_object(
-                Bucket=self.client.bucket,
-                Key=self.client.key(key),
-                Range=f"bytes={start}-{start + length - 1}",
-            )
-            body = resp["Body"]
-            try:
-                # StreamingBody.read (not the raw stream its context manager hands out) turns
-                # a reset or a short body into a botocore error, which we map below.
-                return body.read(), dict(resp.get("Metadata", {}))
-            finally:
-                body.close()
-        except bex.ClientError as e:
-            # 416: the object exists but starts before `start` (or is empty): nothing to read.
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
-                info = self.head(key)
-                return b"", info.metadata if info is not None else {}
-            self.client.fail("get", key, e)
-        except (bex.BotoCoreError, OSError) as e:
-            self.client.fail("get", key, e)
+        return self._ranged_get(key, start, length, _read_whole, b"")
 
     def get_range_into(self, key: str, start: int, out: memoryview) -> tuple[int, dict[str, str]]:
         """``get_range_meta`` into ``out`` (a reused buffer): the bytes received, at most
@@ -114,41 +94,23 @@ class S3Store(ObjectStore):
         socket straight into ``out`` (http.client's ``readinto``, under botocore and urllib3):
         no new object per GET, whose first touch and copy cost about as much again (measured:
         0.46 against 0.87 CPU s per GiB)."""
-        length = len(out)
+        return self._ranged_get(key, start, len(out), lambda body: _read_into(body, out), 0)
+
+    def _ranged_get(self, key: str, start: int, length: int, take, nothing):
+        """One ranged GET: what ``take`` makes of its body, and the object's user metadata;
+        ``nothing`` where the object has no byte at ``start``. Errors mapped as every call's."""
         try:
             resp = self.client.boto.get_object(
                 Bucket=self.client.bucket,
                 Key=self.client.key(key),
                 Range=f"bytes={start}-{start + length - 1}",
             )
-            metadata = dict(resp.get("Metadata", {}))
-            body = resp["Body"]
-            raw = getattr(body, "_raw_stream", None)
-            wire = getattr(raw, "_fp", None)  # (urllib3's HTTPResponse: its http.client response)
-            if wire is None or not hasattr(raw, "release_conn"):  # (other versions: copy once more)
-                try:
-                    data = body.read()
-                finally:
-                    body.close()
-                out[: len(data)] = data[:length]
-                return min(len(data), length), metadata
-            assert raw is not None
-            got = 0
-            try:
-                while got < length and (n := wire.readinto(out[got:])):
-                    got += n
-            except BaseException:
-                body.close()  # (the connection is in no state to be reused)
-                raise
-            if got == length and wire.isclosed():
-                raw.release_conn()  # (the whole body read: the connection serves the next request)
-            else:
-                body.close()
-            return got, metadata
+            return take(resp["Body"]), dict(resp.get("Metadata", {}))
         except bex.ClientError as e:
+            # 416: the object exists but starts before `start` (or is empty): nothing to read.
             if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
                 info = self.head(key)
-                return 0, info.metadata if info is not None else {}
+                return nothing, info.metadata if info is not None else {}
             self.client.fail("get", key, e)
         except (bex.BotoCoreError, OSError) as e:
             self.client.fail("get", key, e)
@@ -338,3 +300,35 @@ class S3Store(ObjectStore):
 
     def list_multipart_started(self, prefix: str = "") -> builtins.list[float]:
         return self.multipart.unfinished_started(prefix)
+
+
+def _read_whole(body) -> bytes:
+    try:
+        # StreamingBody.read (not the raw stream its context manager hands out) turns a reset
+        # or a short body into a botocore error, which the caller maps.
+        return body.read()
+    finally:
+        body.close()
+
+
+def _read_into(body, out: memoryview) -> int:
+    """The body into ``out``: the bytes received (fewer than ``len(out)``: a short body)."""
+    length = len(out)
+    raw = getattr(body, "_raw_stream", None)
+    wire = getattr(raw, "_fp", None)  # (urllib3's HTTPResponse: its http.client response)
+    if raw is None or wire is None or not hasattr(raw, "release_conn"):  # (other versions: one copy more)
+        data = _read_whole(body)
+        out[: min(len(data), length)] = data[:length]
+        return min(len(data), length)
+    got = 0
+    try:
+        while got < length and (n := wire.readinto(out[got:])):
+            got += n
+    except BaseException:
+        body.close()  # (the connection is in no state to be reused)
+        raise
+    if got == length and wire.isclosed():
+        raw.release_conn()  # (the whole body read: the connection serves the next request)
+    else:
+        body.close()
+    return got
