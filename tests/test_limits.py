@@ -18,7 +18,7 @@ from ckptfs.config import MiB, MountConfig
 from ckptfs.daemon import limits
 from tests.conftest import LocalStoreView
 from tests.support.harness import assert_one_line_error, run_cli, wait_until
-from tests.support.mounting import Mount
+from tests.support.mounting import CKPTFS, Mount
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
 
@@ -211,6 +211,80 @@ def test_limits_scale_with_the_machine(monkeypatch, tmp_path):
 
 
 # -- the daemon's memory ---------------------------------------------------------------------
+
+
+# -- descriptors: each cache file the kernel reads or writes itself keeps one open -----------
+
+
+def open_files(pid: int) -> tuple[int, int]:
+    """The process's open descriptors now, and its soft RLIMIT_NOFILE."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft = int(line.split()[3])
+    return len(os.listdir(f"/proc/{pid}/fd")), soft
+
+
+def test_open_file_limit_bounds_the_cache_files_kept_open(tmp_path, mount_factory):
+    """Under a low hard limit (a shell's or a service's), many small files written: each would
+    keep its working copy's file open. Past the budget the limit leaves, files go through the
+    daemon's arenas instead: no EMFILE for the writer, for the control socket (sync, status,
+    umount) or for the store, and every file reads back."""
+    m = mount_factory("m", prefix=("prlimit", "--nofile=480:480", "--")).start()
+    assert m.pid is not None
+    passthrough = m.status()["passthrough"]
+    cap = passthrough["max_backing_files"]
+    assert 0 < cap < 480 and passthrough["max_files"] < 480 - cap
+    files = {f"f{i}": os.urandom(4096 + i) for i in range(cap + 150)}
+    for name, data in files.items():
+        (m.path / name).write_bytes(data)
+    used, soft = open_files(m.pid)
+    assert soft == 480 and used < soft
+    passthrough = m.status()["passthrough"]
+    assert passthrough["backing_files"] <= cap and passthrough["working_files"] == cap
+    m.sync()
+    for name, data in files.items():
+        assert (m.path / name).read_bytes() == data, name
+    m.stop()
+
+
+def test_soft_open_file_limit_is_raised_to_the_hard_one(tmp_path, mount_factory):
+    m = mount_factory("m", prefix=("prlimit", "--nofile=512:4096", "--")).start()
+    assert m.pid is not None
+    assert open_files(m.pid)[1] == 4096
+    assert m.status()["passthrough"]["max_backing_files"] > 512
+    m.stop()
+
+
+def test_a_low_open_file_limit_is_a_warning_at_mount(tmp_path, store):
+    """A limit that leaves no room for cache files kept open still mounts (files then go through
+    the daemon), with one line saying so."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(
+        [
+            "prlimit",
+            "--nofile=300:300",
+            "--",
+            *CKPTFS,
+            "mount",
+            store.url,
+            str(mnt),
+            "--cache-dir",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        assert done.returncode == 0, done.stderr
+        warning = [line for line in done.stderr.splitlines() if "open-file limit" in line]
+        assert len(warning) == 1 and "ulimit -n" in warning[0], done.stderr
+        (mnt / "f").write_bytes(b"x" * 5000)
+        assert (mnt / "f").read_bytes() == b"x" * 5000
+    finally:
+        subprocess.run([*CKPTFS, "umount", str(mnt)], capture_output=True, timeout=120)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_rss_stays_under_the_formula(tmp_path, own_shm, mount_factory):

@@ -108,6 +108,8 @@ class Cache:
         self.working_dir = cache_dir / backing.WORKING_DIR
         private_files.ensure_dir(self.working_dir, "working copies directory")
         self.backing: dict[int, BackingTier] = {}
+        self.max_backing_files = 1 << 30  # each keeps a descriptor (set at mount: ``backing_room``)
+        self._told_backing_cap = False
         # The last close of a dropped file frees its extents: tens to hundreds of ms for a GiB
         # on ext4 (measured: 46-212 ms), so it happens in a thread of its own, not on the loop.
         self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfs-drop")
@@ -164,7 +166,24 @@ class Cache:
         return self.tiers[index] if index < backing.FIRST_TIER else self.backing[index]
 
     # -- working copies in files of their own (cache/backing.py) ----------------------------------
+    def backing_room(self) -> bool:
+        """Whether one more backing file may be kept open (``max_backing_files``: each holds a
+        descriptor, daemon/limits.py ``cached_file_budget``). Past it a writer's copy goes in
+        the arenas and a cold reader reads through the daemon."""
+        if len(self.backing) < self.max_backing_files:
+            return True
+        if not self._told_backing_cap:
+            self._told_backing_cap = True
+            log.warning(
+                "%d cache files are open, as many as the open-file limit leaves room for: more "
+                "files are written and read through the daemon (raise the limit: ulimit -n)",
+                len(self.backing),
+            )
+        return False
+
     def new_backing(self) -> BackingTier:
+        if not self.backing_room():
+            raise OSError(errno.EMFILE, f"{self.max_backing_files} backing files are open already")
         index = self._next_backing
         self._next_backing += 1
         path, fd = backing.new_file(self.working_dir, index)

@@ -181,6 +181,9 @@ class Commands:
             # cold read-only opens answered after fetching the file whole (--fetch-whole), since the mount
             "whole_fetches": self.namespace.files.whole_fetches,
             "whole_fetched_bytes": self.namespace.files.whole_fetched_bytes,
+            # working copies and files fetched whole kept open now, and at most (the open-file limit)
+            "backing_files": len(self.cache.backing),
+            "max_backing_files": self.cache.max_backing_files,
             # their streamed parts read again at the commit: bytes, seconds, parts found changed
             "streamed_bytes": self.uploader.sender.streamed_bytes,  # parts sent before a close (all files)
             "verified_bytes": self.uploader.sender.verified_bytes,

@@ -23,6 +23,7 @@ for another node) + 2 MiB per thread of the peer channel (--peer-connections + -
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import humanfriendly
@@ -90,6 +91,62 @@ def memory_bound(config: MountConfig) -> int:
         threads = config.peer_connections + config.replicas + config.upload_concurrency + MAX_REPLICA_STREAMS
         bound += threads * PEER_THREAD + CLUSTER_OVERHEAD
     return bound
+
+
+# Descriptors (issue 42): each cached file the kernel may read or write itself (a working copy,
+# a file fetched whole, a passthrough copy: cache/backing.py, model/passthrough.py) keeps one
+# open. What the daemon needs besides: the arenas, journal, log, control and metrics sockets, a
+# file:// store's files being put or read (``FD_RESERVE``), and per flag a cloned /dev/fuse fd
+# per FUSE reader, the store's connections (2 x --upload-concurrency + 4, daemon/run.py), a
+# worker's channels, and with --cluster a socket per peer-channel thread.
+FD_RESERVE = 256
+FD_PER_WORKER = 8  # its pipes, its process's descriptors while it starts, the descriptors it is sent
+MIN_CACHED_FILES = 64  # fewer kept open than this: a warning at mount (more files go through the daemon)
+BACKING_SHARE = 4  # working copies and landed files take 3/4 of the budget, passthrough copies 1/4
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (a shell's or systemd's 1024
+    is far below what a daemon keeping cached files open needs); return the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # (a hard limit the kernel caps lower, nr_open: keep the soft one)
+    return soft
+
+
+def descriptors_needed(config: MountConfig) -> int:
+    """The descriptors the daemon holds besides cached files kept open, at most (see above)."""
+    needed = FD_RESERVE + config.fuse_threads + 2 * config.upload_concurrency + 4
+    needed += FD_PER_WORKER * config.store_worker_count() + config.channels_per_worker()
+    if config.cluster:
+        needed += config.peer_connections + config.replicas + config.upload_concurrency + MAX_REPLICA_STREAMS
+    return needed
+
+
+def cached_file_budget(config: MountConfig, soft_limit: int) -> tuple[int, int]:
+    """How many working copies and files fetched whole (``Cache.max_backing_files``), and how
+    many passthrough copies (``PassthroughFiles.max_files``), may be kept open under
+    ``soft_limit`` descriptors. Past them a file is written, or read, through the daemon."""
+    room = max(0, soft_limit - descriptors_needed(config))
+    return room - room // BACKING_SHARE, room // BACKING_SHARE
+
+
+def _open_file_warning(config: MountConfig) -> str | None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = max(soft, hard) if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    files = sum(cached_file_budget(config, limit))
+    if files >= MIN_CACHED_FILES:
+        return None
+    return (
+        f"the open-file limit ({limit}, ulimit -Hn) leaves room for {files} cached files kept open "
+        f"besides the {descriptors_needed(config)} descriptors these flags need: past them files are "
+        "written and read through the daemon, slower; raise it (ulimit -n, or LimitNOFILE= for a service)"
+    )
 
 
 def machine_memory() -> int:
@@ -221,7 +278,7 @@ def check(config: MountConfig) -> list[str]:
             f"--cache-size {fmt(disk)} is more than the whole filesystem of {_existing(cache_dir)} "
             f"({fmt(disk_size)}): lower --cache-size or pass --cache-dir on a larger disk"
         )
-    warnings = []
+    warnings = [w for w in [_open_file_warning(config)] if w]
     room = disk_free + _allocated(cache_dir / "disk.arena")
     if disk > room:
         warnings.append(

@@ -23,6 +23,7 @@ from ckptfs.cache.arena import RAM
 from ckptfs.cache.journal import Journal
 from ckptfs.config import MountConfig, control_socket_path, mount_table
 from ckptfs.control.server import ControlServer
+from ckptfs.daemon import limits
 from ckptfs.daemon.commands import Commands
 from ckptfs.daemon.mount_paths import check_mount_paths, prepare_mountpoint
 from ckptfs.daemon.wiring import CLEAN_INDEX, build_core
@@ -190,6 +191,9 @@ class Daemon:
         self.ram_dir = claim_ram_dir(self.cache_dir, Path(self.config.shm_dir))
         covered = os.stat(self.mountpoint)  # the root looks like the directory it covers
         kernel = FuseKernelCache(self.mountpoint)
+        open_files = limits.raise_open_file_limit()
+        cached_files = limits.cached_file_budget(self.config, open_files)
+        log.info("open-file limit %d: up to %d + %d cache files kept open", open_files, *cached_files)
         self.core = build_core(
             self.config,
             self.store,
@@ -197,6 +201,7 @@ class Daemon:
             self.ram_dir,
             root=(covered.st_mode, covered.st_uid, covered.st_gid),
             kernel=kernel,
+            cached_files=cached_files,
         )
         core = self.core
         self.health, self.cache, self.journal = core.health, core.cache, core.journal

@@ -186,13 +186,15 @@ def build_core(
     check_ram_room: bool = True,
     health: StoreHealth | None = None,
     kernel: KernelCache | None = None,
+    cached_files: tuple[int, int] | None = None,
 ) -> Core:
     """The cache, journal (replayed), uploader, fetcher and namespace of a mount of ``store``
     with ``config``'s sizes and timeouts. ``cache_dir`` holds the disk arena, the journal and
     the clean index; ``ram_dir`` the RAM arena; ``root``: (mode, uid, gid) of the top
     directory. ``check_ram_room``: refuse a RAM tier larger than its filesystem can back.
     ``kernel``: the kernel's caches, for the page-cache prefill and the refresh (None: no
-    FUSE channel; prefill is off)."""
+    FUSE channel; prefill is off). ``cached_files``: how many backing files and passthrough
+    copies may be kept open (daemon/limits.py ``cached_file_budget``; None: no bound)."""
     health = health or StoreHealth()  # one view of the store's trouble, fed by everything that calls it
     tree = Tree(os.getuid(), os.getgid(), config.umask, root, max_key_bytes=store.key_room())
 
@@ -211,6 +213,8 @@ def build_core(
         policy=policy,
         write_timeout=config.write_timeout,
     )
+    if cached_files is not None:
+        cache.max_backing_files = cached_files[0]
     try:
         if check_ram_room:
             ram = cache.tiers[RAM]
@@ -385,7 +389,11 @@ def build_core(
         return st.f_bavail * st.f_frsize - max(0, disk.budget - disk.charged_bytes - disk.outside)
 
     files = PassthroughFiles(
-        cache_dir / PASSTHROUGH_DIR, budget if kernel is not None else 0, retention.busy, spare
+        cache_dir / PASSTHROUGH_DIR,
+        budget if kernel is not None else 0,
+        retention.busy,
+        spare,
+        max_files=cached_files[1] if cached_files is not None else 1 << 30,
     )
     files.start()
     prefill = Prefill(retention.busy, kernel, files)

@@ -108,10 +108,16 @@ class Files:
             self.passthrough_writes
             and passes_through(flags)
             and setid_ok
+            and self.cache.backing_room()
             and self.cache.room_for_file(expected)
         ):
-            self.working_files += 1
-            return WorkingFile(self.cache, self.cache.new_backing())
+            try:
+                tier = self.cache.new_backing()
+            except OSError as exc:  # (the cache dir's filesystem, or descriptors: in the arenas then)
+                log.info("%s: its working copy goes in the cache's arenas (%s)", node.key(), exc)
+            else:
+                self.working_files += 1
+                return WorkingFile(self.cache, tier)
         return StagedFile(self.cache)
 
     def writes_to_file(self, node: Node, flags: int) -> bool:
@@ -122,7 +128,11 @@ class Files:
         writing = node.writing
         if writing is not None and not (writing.frozen or writing.error):
             return isinstance(writing.staged, WorkingFile)
-        return passes_through(flags) and bool(flags & os.O_TRUNC or node.version is None)
+        return (
+            passes_through(flags)
+            and bool(flags & os.O_TRUNC or node.version is None)
+            and self.cache.backing_room()
+        )
 
     def _writing(self, node: Node, staged: StagedFile | WorkingFile) -> Writing:
         writing = Writing(staged)
@@ -349,6 +359,7 @@ class Files:
             and content.landing is None
             # (a smaller file is a few READs: not worth a file, and its descriptor, of its own)
             and self.cache.block_size <= content.size <= self.fetch_whole
+            and self.cache.backing_room()
             and all(ref is None for ref in content.blocks)
             and self.cache.room_for_file(also + content.size)
         ):

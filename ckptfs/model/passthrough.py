@@ -9,7 +9,8 @@ one file of ``<cache dir>/passthrough/``: after the commit of a checkpoint a res
 next read-only open of that version is answered with the file; until then opens go through the
 daemon, as before.
 
-Bound: ``budget`` bytes of such files (``--passthrough-cache``), the least recently opened
+Bound: ``budget`` bytes of such files (``--passthrough-cache``) and ``max_files`` of them (each
+keeps a descriptor open: daemon/limits.py ``cached_file_budget``), the least recently opened
 dropped first, and never the space the disk tier may still claim (``spare``). A file dropped
 while the kernel still reads it lives on, unlinked, until that reader closes. The files are
 made fresh at each mount (the directory is emptied at start).
@@ -59,9 +60,11 @@ class PassthroughFiles:
         budget: int,
         busy: Callable[[], bool],
         spare: Callable[[], int] = lambda: 1 << 62,
+        max_files: int = 1 << 30,
     ):
         self.directory = directory
         self.budget = budget
+        self.max_files = max_files
         # Bytes the cache dir's filesystem can give these files: its free space less what the
         # disk tier may still claim (the files never take the space writers will need).
         self.spare = spare
@@ -75,7 +78,9 @@ class PassthroughFiles:
         self.copying = 0
         self.threads = BackgroundThreads(1, "ckptfs-passthrough")
         self.wakeup = trio.Event()
-        self.on = budget > 0  # (turned off for the mount when the kernel refuses passthrough)
+        self.on = (
+            budget > 0 and max_files > 0
+        )  # (turned off for the mount when the kernel refuses passthrough)
 
     def start(self) -> None:
         """Empty the directory (files of the last mount describe versions this one may not have)."""
@@ -167,7 +172,11 @@ class PassthroughFiles:
         old = self.files.pop(node.ino, None)
         if old is not None:
             self._remove(old)
-        while (self.used + content.size > self.budget or self.spare() < content.size) and self.files:
+        while (
+            self.used + content.size > self.budget
+            or self.spare() < content.size
+            or len(self.files) >= self.max_files
+        ) and self.files:
             _, oldest = self.files.popitem(last=False)
             self._remove(oldest)
         if self.spare() < content.size:
@@ -222,6 +231,7 @@ class PassthroughFiles:
             "files": len(self.files),
             "bytes": self.used,
             "budget": self.budget,
+            "max_files": self.max_files,
             "copied_bytes": self.built_bytes,
             "queued_files": self.queued_files,
         }

@@ -20,8 +20,11 @@ from tests.support.harness import proc_state
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 
 
-def ckptfs(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run([*CKPTFS, *args], capture_output=True, text=True, timeout=timeout)
+def ckptfs(
+    *args: str, check: bool = True, timeout: float = 300, prefix: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """``prefix``: a command that runs it (``prlimit --nofile=...``: the daemon inherits its limits)."""
+    done = subprocess.run([*prefix, *CKPTFS, *args], capture_output=True, text=True, timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(f"ckptfs {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
     return done
@@ -44,8 +47,10 @@ class Mount:
         ram_cache: str = "256MiB",
         cache_size: str = "2GiB",
         extra: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
     ):
         self.store_url = store_url
+        self.prefix = prefix  # what `ckptfs mount` runs under (see ``ckptfs``)
         self.path = root / "mnt"
         self.cache_dir = root / "cache"
         self.endpoint_url = endpoint_url
@@ -72,7 +77,7 @@ class Mount:
         return args
 
     def start(self) -> Mount:
-        ckptfs("mount", *self.args(), timeout=120)
+        ckptfs("mount", *self.args(), timeout=120, prefix=self.prefix)
         self.pid = self.status()["pid"]
         return self
 
