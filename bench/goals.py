@@ -109,7 +109,7 @@ def check(results: Results, ram_budget: int) -> list[Goal]:
         _ratio_goal(results, "warm torch.load <= 1.1x the cache disk", "warm_load", "cache-disk", 1.1),
         _ratio_goal(
             results,
-            "cold torch.load >= 1.3x the throughput of boto3 download_fileobj",
+            "cold torch.load >= 1.3x the throughput of boto3 (download_fileobj, then torch.load)",
             "cold_load",
             "boto3",
             1.3,

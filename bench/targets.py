@@ -485,7 +485,7 @@ class Boto3(ClientTarget):
     note = (
         "boto3 upload_fileobj / download_fileobj, 8 MiB parts, 8 in flight; save stall = torch.save into "
         "memory + upload, time to durable = the upload alone of the bytes already in memory, "
-        "cold load = download_fileobj alone (no torch.load)"
+        "cold load = download_fileobj into memory, then the same torch.load from it"
     )
 
     def save(self, state, rel: str) -> dict:
