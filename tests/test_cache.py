@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
 import threading
 
 import pytest
@@ -525,7 +526,7 @@ def test_new_ram_arena_gets_a_new_id(tmp_path):
     first = cache.ram_arena_id
     cache.close()
     for p in (tmp_path / "ram").iterdir():  # a reboot empties tmpfs
-        p.unlink()
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     cache = make_cache(tmp_path)
     try:
         assert cache.ram_arena_id != first

@@ -77,6 +77,35 @@ def test_a_cold_open_fetches_the_file_whole_and_the_kernel_reads_it(s3_server, s
         r.cleanup()
 
 
+def test_a_file_lands_in_the_ram_tier_when_it_fits_else_on_the_cache_disk(s3_server, s3_bucket, tmp_path):
+    """The first cold file fits the RAM budget: it lands on the RAM tier's tmpfs and counts
+    against --ram-cache. The second does not fit beside it: it lands in the cache dir and counts
+    against --cache-size. Both read back whole, through the kernel."""
+    first, second = os.urandom(40 * MiB), os.urandom(40 * MiB + 1)
+    url = f"s3://{s3_bucket}/where"
+    _written(s3_server, url, tmp_path / "w", {"a.bin": first, "b.bin": second})
+    r = Mount(url, tmp_path / "r", endpoint_url=s3_server.endpoint, ram_cache="64MiB")
+    try:
+        r.start()
+        _passthrough(r)
+        ram_dir = r.ram_dir()
+        assert ram_dir is not None
+        assert (r.path / "a.bin").read_bytes() == first
+        status = r.status()
+        assert 40 * MiB <= status["ram"]["used"] <= status["ram"]["budget"]
+        assert [p.stat().st_size for p in (ram_dir / "working").iterdir()] == [len(first)]
+        disk_before = status["disk"]["used"]
+        assert (r.path / "b.bin").read_bytes() == second
+        status = r.status()
+        assert status["passthrough"]["whole_fetches"] == 2
+        assert status["ram"]["used"] <= status["ram"]["budget"]
+        assert status["disk"]["used"] >= disk_before + 40 * MiB
+        assert len(list((ram_dir / "working").iterdir())) == 1
+        assert status["passthrough"]["daemon_reads"] == 0
+    finally:
+        r.cleanup()
+
+
 def test_an_opener_killed_while_the_store_holds_its_file_is_let_go(s3_server, s3_bucket, tmp_path):
     """The open waits for the whole file; SIGKILL ends the opener at once (the kernel's
     INTERRUPT cancels the wait), what was fetched stays, and the next open gets the file."""
@@ -140,12 +169,12 @@ def test_fetch_whole_0_reads_through_the_daemon(s3_server, s3_bucket, tmp_path):
         r.cleanup()
 
 
-def test_a_file_over_the_disk_budget_is_read_through_the_daemon(s3_server, s3_bucket, tmp_path):
-    """No room in --cache-size for the whole file: the open does not wait for it."""
+def test_a_file_over_the_cache_budgets_is_read_through_the_daemon(s3_server, s3_bucket, tmp_path):
+    """No room in --ram-cache nor in --cache-size for the whole file: the open does not wait for it."""
     data = os.urandom(48 * MiB)
     url = f"s3://{s3_bucket}/big"
     _written(s3_server, url, tmp_path / "w", {"ckpt.bin": data})
-    r = Mount(url, tmp_path / "r", endpoint_url=s3_server.endpoint, ram_cache="64MiB", cache_size="32MiB")
+    r = Mount(url, tmp_path / "r", endpoint_url=s3_server.endpoint, ram_cache="32MiB", cache_size="32MiB")
     try:
         r.start()
         _passthrough(r)

@@ -85,7 +85,9 @@ class Tier:
         self.free: list[int] = []
         self.charged: dict[int, int] = {}  # slot -> bytes it costs the budget
         self.charged_bytes = 0
-        self.outside = 0  # budget bytes taken outside the arena (disk: working copies' files)
+        self.outside = (
+            0  # budget bytes taken outside the arena (disk: working copies' files; RAM: files fetched whole)
+        )
         self.fd = private_files.open_file(path, os.O_RDWR | os.O_CREAT)  # the caller checked its directory
         # Never shrink: slots beyond a smaller new budget may still hold committed data.
         self.file_size = max(os.fstat(self.fd).st_size, self.n_slots * block_size)
@@ -166,11 +168,23 @@ class Tier:
         # Pop from the end: low slots first, so a small working set stays in touched pages.
         self.free = [s for s in range(self.n_slots - 1, -1, -1) if s not in used]
 
+    def room_to_touch(self, nbytes: int) -> bool:
+        """RAM: whether the tmpfs may take ``nbytes`` more pages within the budget. The arena's
+        touched slots keep their pages (never punched), files beside it (``outside``: files
+        fetched whole) take theirs."""
+        return len(self.touched) * self.block_size + self.outside + nbytes <= self.budget
+
     def take(self) -> int | None:
         """A free slot, charged a whole block (its final length is not known yet); None when
         the budget has no room for one."""
         if self.charged_bytes + self.outside + self.block_size > self.budget:
             return None
+        if self.mm is not None and self.outside and self.free and self.free[-1] not in self.touched:
+            if not self.room_to_touch(self.block_size):  # (only a slot that has its pages, then)
+                touched = [i for i, s in enumerate(self.free) if s in self.touched]
+                if not touched:
+                    return None
+                self.free.append(self.free.pop(touched[-1]))
         if not self.free:
             if self.mm is not None or (self.n_slots + 1) * self.block_size > MAX_DISK_ARENA:
                 return None

@@ -13,7 +13,11 @@ that reader closes.
 
 A version read cold from the store may be fetched whole into such a file too (``Cache.new_landing``,
 model/files.py ``land_whole``): its blocks land at their own positions, and once all are there the
-kernel reads the file itself, as it does a committed working copy.
+kernel reads the file itself, as it does a committed working copy. Such a file lives on the RAM
+tier's tmpfs when the RAM budget has room for it beside the arena's pages, and counts against
+that budget: fetched bytes written there cost the store worker about half the CPU they cost into
+an ext4 file (docs/architecture.md, "Cold opens fetched whole"). It is never reopened after a
+restart.
 """
 
 from __future__ import annotations
@@ -40,11 +44,14 @@ class BackingTier:
 
     mm = None  # (never mapped: read and written through the file)
 
-    def __init__(self, index: int, path: Path, fd: int, block_size: int):
+    def __init__(self, index: int, path: Path, fd: int, block_size: int, home: int = 1):
         self.index = index
         self.path = path
         self.fd = fd
         self.block_size = block_size
+        # The arena whose budget its bytes count against, on whose filesystem it lives: the disk
+        # tier's (1, ``arena.DISK``), or the RAM tier's tmpfs (0) for a file fetched whole that fits.
+        self.home = home
         self.slots: set[int] = set()  # blocks the cache counts references to
         self.writer = False  # a working copy still writes it
         self.filling = False  # a version is being fetched whole into it (``Cache.new_landing``)

@@ -107,6 +107,12 @@ class Cache:
         # disk use counts against the disk tier's budget (``Tier.outside``).
         self.working_dir = cache_dir / backing.WORKING_DIR
         private_files.ensure_dir(self.working_dir, "working copies directory")
+        # Files fetched whole that fit the RAM budget (``new_landing``), never reopened after a
+        # restart: what a kept RAM tier left here goes now.
+        self.ram_working_dir = ram_dir / backing.WORKING_DIR
+        private_files.ensure_dir(self.ram_working_dir, "RAM tier's working directory")
+        for path in self.ram_working_dir.iterdir():
+            path.unlink(missing_ok=True)
         self.backing: dict[int, BackingTier] = {}
         self.max_backing_files = 1 << 30  # each keeps a descriptor (set at mount: ``backing_room``)
         self._told_backing_cap = False
@@ -181,15 +187,23 @@ class Cache:
             )
         return False
 
-    def new_backing(self) -> BackingTier:
+    def new_backing(self, home: int = DISK) -> BackingTier:
+        """A new, empty backing file: in the cache dir, or (``home`` RAM) on the RAM tier's tmpfs."""
         if not self.backing_room():
             raise OSError(errno.EMFILE, f"{self.max_backing_files} backing files are open already")
         index = self._next_backing
         self._next_backing += 1
-        path, fd = backing.new_file(self.working_dir, index)
-        tier = self.backing[index] = BackingTier(index, path, fd, self.block_size)
-        self._new_names = True  # (its name is durable once the directory is synced: sync_disk)
+        path, fd = backing.new_file(self.working_dir if home == DISK else self.ram_working_dir, index)
+        tier = self.backing[index] = BackingTier(index, path, fd, self.block_size, home)
+        self._new_names = self._new_names or home == DISK  # (durable once its directory is synced: sync_disk)
         return tier
+
+    def _home(self, tier: int) -> int:
+        """The arena whose budget a block of ``tier`` counts against (eviction's preference)."""
+        if tier < backing.FIRST_TIER:
+            return tier
+        found = self.backing.get(tier)
+        return found.home if found is not None else DISK
 
     def _backing_file(self, index: int) -> BackingTier | None:
         """The backing file ``index`` a journal or index record names, opened once."""
@@ -221,15 +235,30 @@ class Cache:
         tier.slots.add(index)
         return ref
 
+    def room_for_landing(self, size: int, also: int = 0) -> bool:
+        """Whether a file of ``size`` bytes fetched whole fits: in the RAM budget beside the
+        arena's pages, or (with ``also`` bytes more landing with it) in the disk budget."""
+        return self._ram_room_for_landing(size) or self.room_for_file(also + size)
+
+    def _ram_room_for_landing(self, size: int) -> bool:
+        ram = self.tiers[RAM]
+        return ram.mm is not None and not ram.shrunk and ram.room_to_touch(size)
+
     def new_landing(self, size: int) -> BackingTier:
         """A file of ``size`` bytes (all hole) that a version's fetched blocks land in, at their own
-        positions (``alloc_for``), until ``landed``."""
-        tier = self.new_backing()
+        positions (``alloc_for``), until ``landed``: on the RAM tier's tmpfs when the RAM budget
+        has room for all of it beside the arena's pages (charged at once, so the landings and
+        slots that come meanwhile count it), else in the cache dir."""
+        home = RAM if self._ram_room_for_landing(size) else DISK
+        tier = self.new_backing(home)
         try:
             os.ftruncate(tier.fd, size)
         except OSError:
             self._drop_backing(tier)
             raise
+        if home == RAM:
+            tier.charged_bytes = size
+            self.tiers[RAM].outside += size
         tier.filling = True
         return tier
 
@@ -251,8 +280,8 @@ class Cache:
         return await self.alloc()
 
     def measure_backing(self, tier: BackingTier) -> None:
-        """Count what the file takes on disk now against the disk tier's budget."""
-        self.tiers[DISK].outside += tier.measure()
+        """Count what the file takes now against its tier's budget (the disk's, or the RAM's)."""
+        self.tiers[tier.home].outside += tier.measure()
 
     def drop_backing_if_unused(self, tier: BackingTier) -> None:
         if tier.unused() and tier.index in self.backing:
@@ -260,7 +289,7 @@ class Cache:
 
     def _drop_backing(self, tier: BackingTier) -> None:
         del self.backing[tier.index]
-        self.tiers[DISK].outside -= tier.charged_bytes
+        self.tiers[tier.home].outside -= tier.charged_bytes
         tier.path.unlink(missing_ok=True)
         self._closer.submit(tier.close, False)
         self._freed_at = time.monotonic()
@@ -297,7 +326,7 @@ class Cache:
         closes them) of what a journal record may name on disk besides the disk arena: the
         committed backing files, and their directory while it has new names (a new file's name
         survives a power cut once its directory is synced)."""
-        fds = [os.dup(tier.fd) for tier in self.backing.values() if tier.slots]
+        fds = [os.dup(tier.fd) for tier in self.backing.values() if tier.slots and tier.home == DISK]
         if self._new_names:
             self._new_names = False
             fds.append(os.open(self.working_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
@@ -318,7 +347,7 @@ class Cache:
     def try_alloc(self, only: int | None = None) -> BlockRef | None:
         """A free slot: RAM first (evicting clean RAM data), then disk; ``only`` forces a tier."""
         ram, disk = self.tiers
-        if only is None and ram.charged_bytes + self.block_size > ram.budget:
+        if only is None and ram.charged_bytes + ram.outside + self.block_size > ram.budget:
             self._evict(prefer_tier=RAM)
         for tier in (ram, disk) if only is None else (self.tiers[only],):
             if (slot := tier.take()) is not None:
@@ -440,7 +469,7 @@ class Cache:
             held = [
                 i
                 for i, r in enumerate(content.blocks)
-                if r is not None and prefer_tier in (None, min(r[0], DISK)) and i not in content.in_use
+                if r is not None and prefer_tier in (None, self._home(r[0])) and i not in content.in_use
             ]
             if not held:
                 continue
@@ -578,7 +607,7 @@ class Cache:
             return None
         for slot in reversed(ram.free[-self.populate_ahead :] if self.populate_ahead else []):
             if slot not in ram.touched:  # (the free list is taken from its end)
-                return slot
+                return slot if ram.room_to_touch(self.block_size) else None
         return None
 
     async def run_populate(self, threads, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -609,7 +638,7 @@ class Cache:
         for tier in self.tiers:
             tier.close()
         for file in self.backing.values():
-            file.close(remove=False)  # (the journal or the clean index may name them)
+            file.close(remove=file.home == RAM)  # (the journal or the clean index may name the others)
         self.backing.clear()
 
 

@@ -361,7 +361,7 @@ class Files:
             and self.cache.block_size <= content.size <= self.fetch_whole
             and self.cache.backing_room()
             and all(ref is None for ref in content.blocks)
-            and self.cache.room_for_file(also + content.size)
+            and self.cache.room_for_landing(content.size, also)
         ):
             return False
         try:
