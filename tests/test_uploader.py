@@ -16,7 +16,7 @@ import xxhash
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content, StagedFile
 from ckptfs.cache.journal import PUT, Journal, Op
-from ckptfs.objects.integrity import UPLOAD_META, Checksums, manifest_key, part_hash
+from ckptfs.objects.integrity import MANIFEST_META, UPLOAD_META, Checksums, manifest_key, part_hash
 from ckptfs.parts import PartLayout, PartSchedule
 from ckptfs.store import open_store
 from ckptfs.store.base import MAX_PARTS
@@ -85,7 +85,16 @@ class Env:
         assert info is not None, f"{key} is not in the store"
         assert info.size == len(data)
         assert self.inner.get_range(key, 0, len(data) + 1) == data
-        assert info.metadata.get("xxh3") == (xxhash.xxh3_64(data).hexdigest() if whole_file_hash else None)
+        assert self.whole_file_hash(info) == (xxhash.xxh3_64(data).hexdigest() if whole_file_hash else None)
+
+    def whole_file_hash(self, info) -> str | None:
+        """The whole file's recorded xxh3: a multipart object's in its manifest (put once its
+        parts are sent, the hash read beside them), a one-PUT object's in its metadata."""
+        if info.metadata.get(MANIFEST_META):
+            raw = self.inner.get_range(manifest_key(info.metadata[UPLOAD_META]), 0, 1 << 20)
+            assert "xxh3" not in info.metadata  # (not known when the upload was created)
+            return Checksums.from_manifest(raw, info.size).xxh3 or None
+        return info.metadata.get("xxh3")
 
     def keys(self) -> set[str]:
         return {o.key for o in self.inner.list("") if not o.key.startswith(".ckptfs-manifest/")}

@@ -123,23 +123,30 @@ class PartSender:
                 task.bytes_sent += task.part_bounds(index)[1]
             # (those parts say whether the upload holds frames, whatever this mount's --compress)
             task.compressed = any(compression.untag(h)[1] is not None for h in task.op.hashes.values())
-        if task.stream is not None and task.stream.verify:
-            # (a file the kernel wrote: its streamed parts are read again; the whole file's hash
-            # reads it too, beside them rather than after)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._adopt_stream, task)
-                nursery.start_soon(self._hash_whole_file, task)
-        else:
+        if not task.multipart:  # (its hash goes in its object's metadata: first)
             if task.stream is not None:
                 await self._adopt_stream(task)
             await self._hash_whole_file(task)
-        if task.multipart:
-            await self._upload_parts(task)
+            return
+        # A multipart object's whole-file hash goes in its manifest, put once every part is sent
+        # (its CreateMultipartUpload has none, as a stream's): the hash reads the file beside the
+        # uploads, not before them, where it delayed the first part by a pass over the file. The
+        # committed content holds its blocks until the object is complete, so no part sent
+        # meanwhile frees what the hash reads.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._hash_whole_file, task)
+            nursery.start_soon(self._send_parts, task)
+
+    async def _send_parts(self, task: Task) -> None:
+        if task.stream is not None:  # (which of a stream's parts still match: re-read, kept)
+            await self._adopt_stream(task)
+        await self._upload_parts(task)
 
     async def _hash_whole_file(self, task: Task) -> None:
-        """The whole file's xxh3, for its metadata. Not where it would cost more than it tells:
-        parts evicted to the store (not here to hash), or a multipart file with holes (hashing
-        them reads a byte per byte of hole; the part checksums cover every byte anyway)."""
+        """The whole file's xxh3, for its object's metadata (one PUT) or manifest (multipart). Not
+        where it would cost more than it tells: parts evicted to the store (not here to hash), or
+        a multipart file with holes (hashing them reads a byte per byte of hole; the part
+        checksums cover every byte anyway)."""
         content = task.content
         assert content is not None  # a put's task holds its content until finish()
         if task.xxh3 or content.remote or (task.multipart and content.sparse()):
@@ -238,7 +245,6 @@ class PartSender:
                 task.op.key,
                 {
                     **task.op.meta,
-                    **({"xxh3": task.xxh3} if task.xxh3 else {}),
                     "ckptfs-part-size": str(task.layout.base),
                     integrity.MANIFEST_META: integrity.ALGORITHM,
                     **self.encoder.format_meta(task.compressed),
