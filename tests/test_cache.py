@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.cache.arena import DISK, RAM
+from ckptfs.cache.arena import DISK, RAM, Tier
 from ckptfs.cache.cache import Cache
 from ckptfs.cache.contents import Content, StagedFile
 from tests.support.harness import trio_test
@@ -615,3 +615,39 @@ def test_a_dropped_backing_file_leaves_the_directory_at_once_and_is_closed_off_t
     else:
         assert (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)
     assert len(closed_by) == 1 and closed_by[0].startswith("ckptfs-drop"), closed_by
+
+
+# -- files fetched whole beside the RAM arena (issue 42) ------------------------------------------
+
+
+def test_a_ram_slot_without_pages_waits_for_room_beside_files_fetched_whole(tmp_path):
+    """A file fetched whole on the RAM tier's tmpfs takes pages of the budget: the arena then
+    takes only slots that have their pages already, never the tmpfs past --ram-cache."""
+    tier = Tier(RAM, tmp_path / "ram.arena", BS, 4 * BS, mapped=True)
+    try:
+        tier.reset_free(set())  # (taken from the end: 0 first)
+        assert tier.back(3) and tier.back(2)
+        tier.outside = 2 * BS
+        assert sorted([tier.take(), tier.take()]) == [2, 3]
+        assert tier.take() is None
+    finally:
+        tier.close()
+
+
+def test_a_file_fetched_whole_lands_on_the_ram_tier_when_its_budget_has_room(tmp_path):
+    cache = make_cache(tmp_path, ram_blocks=6, disk_blocks=8)
+    try:
+        refs = [cache.try_alloc() for _ in range(2)]  # two RAM slots get their pages, then go
+        assert [ref[0] for ref in refs] == [RAM, RAM]
+        for ref in refs:
+            cache.decref(ref)
+        first = cache.new_landing(3 * BS)
+        assert first.home == RAM and first.path.parent == tmp_path / "ram" / "working"
+        assert cache.tiers[RAM].outside == 3 * BS and cache.usage()["ram"]["used"] == 3 * BS
+        second = cache.new_landing(2 * BS)  # (2 + 3 + 2 blocks of pages: past the budget)
+        assert second.home == DISK and second.path.parent == tmp_path / "cache" / "working"
+        cache.landed(first.index)  # (nothing landed in it: it goes, and its budget with it)
+        assert cache.tiers[RAM].outside == 0 and not first.path.exists()
+        cache.landed(second.index)
+    finally:
+        cache.close()

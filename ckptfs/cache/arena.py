@@ -170,9 +170,10 @@ class Tier:
 
     def room_to_touch(self, nbytes: int) -> bool:
         """RAM: whether the tmpfs may take ``nbytes`` more pages within the budget. The arena's
-        touched slots keep their pages (never punched), files beside it (``outside``: files
-        fetched whole) take theirs."""
-        return len(self.touched) * self.block_size + self.outside + nbytes <= self.budget
+        pages stay (touched slots are never punched; a kept RAM tier's come from the last mount),
+        files beside it (``outside``: files fetched whole) take theirs."""
+        held = max(self.held_bytes(), len(self.touched) * self.block_size)
+        return held + self.outside + nbytes <= self.budget
 
     def take(self) -> int | None:
         """A free slot, charged a whole block (its final length is not known yet); None when
