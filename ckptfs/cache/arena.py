@@ -85,9 +85,8 @@ class Tier:
         self.free: list[int] = []
         self.charged: dict[int, int] = {}  # slot -> bytes it costs the budget
         self.charged_bytes = 0
-        self.outside = (
-            0  # budget bytes taken outside the arena (disk: working copies' files; RAM: files fetched whole)
-        )
+        # Budget bytes taken outside the arena: working copies' files (disk), files fetched whole (RAM).
+        self.outside = 0
         self.fd = private_files.open_file(path, os.O_RDWR | os.O_CREAT)  # the caller checked its directory
         # Never shrink: slots beyond a smaller new budget may still hold committed data.
         self.file_size = max(os.fstat(self.fd).st_size, self.n_slots * block_size)

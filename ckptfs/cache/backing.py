@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 
 from ckptfs.blocks import BlockRef, n_blocks
-from ckptfs.cache.arena import pwrite_all, send_range
+from ckptfs.cache.arena import DISK, pwrite_all, send_range
 from ckptfs.cache.contents import BlockCopy, Content
 from ckptfs.store.localfs import punch_hole
 from ckptfs.util import private_files
@@ -44,13 +44,13 @@ class BackingTier:
 
     mm = None  # (never mapped: read and written through the file)
 
-    def __init__(self, index: int, path: Path, fd: int, block_size: int, home: int = 1):
+    def __init__(self, index: int, path: Path, fd: int, block_size: int, home: int = DISK):
         self.index = index
         self.path = path
         self.fd = fd
         self.block_size = block_size
         # The arena whose budget its bytes count against, on whose filesystem it lives: the disk
-        # tier's (1, ``arena.DISK``), or the RAM tier's tmpfs (0) for a file fetched whole that fits.
+        # tier's, or the RAM tier's tmpfs for a file fetched whole that fits (``Cache.new_landing``).
         self.home = home
         self.slots: set[int] = set()  # blocks the cache counts references to
         self.writer = False  # a working copy still writes it

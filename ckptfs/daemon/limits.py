@@ -100,7 +100,7 @@ def memory_bound(config: MountConfig) -> int:
 # per FUSE reader, the store's connections (2 x --upload-concurrency + 4, daemon/run.py), a
 # worker's channels, and with --cluster a socket per peer-channel thread.
 FD_RESERVE = 256
-FD_PER_WORKER = 8  # its pipes, its process's descriptors while it starts, the descriptors it is sent
+FD_PER_WORKER = 8  # besides a socket per channel: its pipes, and the descriptors sent to it in flight
 MIN_CACHED_FILES = 64  # fewer kept open than this: a warning at mount (more files go through the daemon)
 BACKING_SHARE = 4  # working copies and landed files take 3/4 of the budget, passthrough copies 1/4
 
@@ -122,7 +122,7 @@ def raise_open_file_limit() -> int:
 def descriptors_needed(config: MountConfig) -> int:
     """The descriptors the daemon holds besides cached files kept open, at most (see above)."""
     needed = FD_RESERVE + config.fuse_threads + 2 * config.upload_concurrency + 4
-    needed += FD_PER_WORKER * config.store_worker_count() + config.channels_per_worker()
+    needed += config.store_worker_count() * (FD_PER_WORKER + config.channels_per_worker())
     if config.cluster:
         needed += config.peer_connections + config.replicas + config.upload_concurrency + MAX_REPLICA_STREAMS
     return needed
