@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptfs.model.refresh import LOOKUP_WAIT_S
+from ckptfs.store.health import STALL_S
 from ckptfs.transfer.retry import ANSWER
 from tests.support.faultproxy import Rule, blackhole, reset_mid_body, status
 from tests.support.harness import proc_state, wait_until, write_files
@@ -136,8 +137,13 @@ def test_a_full_cache_with_the_store_down_gives_enospc_within_write_timeout(prox
     print(f"\nENOSPC after {written // MiB} MiB; the blocked write waited {waited:.1f} s (write timeout 3 s)")
     assert 2.5 < took and waited < 3 + 10, (took, waited)
     assert written <= 48 * MiB  # the cache's whole budget, no more
-    st = m.status()
-    assert st["store_health"]["state"] != "ok", st["store_health"]
+
+    # The store's trouble shows once a call has gone unanswered for STALL_S (or sooner, when a
+    # refresh of a listing gives up): the upload's CreateMultipartUpload went out at the close.
+    def trouble() -> bool:
+        return m.status()["store_health"]["state"] != "ok"
+
+    assert wait_until(trouble, STALL_S + 10, step=0.5), m.status()["store_health"]
 
     proxy.clear()
     m.sync(timeout=120)
