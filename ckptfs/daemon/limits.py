@@ -105,12 +105,18 @@ MIN_CACHED_FILES = 64  # fewer kept open than this: a warning at mount (more fil
 BACKING_SHARE = 4  # working copies and landed files take 3/4 of the budget, passthrough copies 1/4
 
 
+def _open_file_target() -> tuple[int, int, int]:
+    """(soft, hard, what the soft limit may be raised to): the hard limit, or 2^20 (the kernel's
+    default nr_open) where the hard one is unlimited."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft, hard, hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+
+
 def raise_open_file_limit() -> int:
     """Raise this process's soft RLIMIT_NOFILE to its hard limit (a shell's or systemd's 1024
     is far below what a daemon keeping cached files open needs); return the soft limit now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    soft, hard, target = _open_file_target()
+    if soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
@@ -137,8 +143,7 @@ def cached_file_budget(config: MountConfig, soft_limit: int) -> tuple[int, int]:
 
 
 def _open_file_warning(config: MountConfig) -> str | None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    limit = max(soft, hard) if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    _, _, limit = _open_file_target()  # (what the daemon will raise its soft limit to)
     files = sum(cached_file_budget(config, limit))
     if files >= MIN_CACHED_FILES:
         return None

@@ -78,9 +78,8 @@ class PassthroughFiles:
         self.copying = 0
         self.threads = BackgroundThreads(1, "ckptfs-passthrough")
         self.wakeup = trio.Event()
-        self.on = (
-            budget > 0 and max_files > 0
-        )  # (turned off for the mount when the kernel refuses passthrough)
+        # (turned off for the mount when the kernel refuses passthrough)
+        self.on = budget > 0 and max_files > 0
 
     def start(self) -> None:
         """Empty the directory (files of the last mount describe versions this one may not have)."""
