@@ -14,6 +14,7 @@ import pytest
 import xxhash
 
 from tests.support.faultproxy import FaultProxy, Rule, hold
+from tests.support.harness import wait_until
 from tests.support.mounting import Mount
 
 pytestmark = pytest.mark.store
@@ -115,6 +116,38 @@ def test_no_workers_keeps_the_parts_in_the_daemon(s3_server, s3_bucket, tmp_path
         assert status["store_workers"] is None
         assert not _children(m.pid)
         assert _stored(s3_server, s3_bucket, "t/a") == data
+    finally:
+        m.cleanup()
+
+
+def test_a_streamed_files_parts_are_checked_again_by_the_workers(s3_server, s3_bucket, tmp_path):
+    """A file written by the kernel is streamed while open (model/tailing.py); at its commit each
+    part sent is read and hashed again, by the workers as the sends were, not in the daemon's
+    process; a part written again since is sent again."""
+    block = 8 * MiB
+    data = bytearray(os.urandom(5 * block))
+    m = Mount(
+        f"s3://{s3_bucket}/s", tmp_path / "m", endpoint_url=s3_server.endpoint, extra=("--store-workers", "1")
+    )
+    try:
+        m.start()
+        hashes = m.status()["store_workers"]["hashes"]
+        with open(m.path / "ckpt.bin", "wb") as f:
+            f.write(data)
+            f.flush()
+            wait_until(
+                lambda: m.status()["passthrough"]["streamed_bytes"] >= 3 * block, 60, what="parts streamed"
+            )
+            f.seek(block + 10)  # into a part already sent
+            f.write(b"written again")
+            data[block + 10 : block + 23] = b"written again"
+        m.sync()
+        assert _stored(s3_server, s3_bucket, "s/ckpt.bin") == data
+        status = m.status()
+        verified = status["passthrough"]["verified_bytes"] // block
+        assert verified >= 3 and status["passthrough"]["changed_parts"] == 1, status["passthrough"]
+        # every part checked again, and the whole file's hash, went through the workers
+        assert status["store_workers"]["hashes"] - hashes >= verified + 1, status["store_workers"]
     finally:
         m.cleanup()
 

@@ -5,9 +5,10 @@ the daemon sees none of its writes: not their offsets, so no change stamps. What
 the file growing. Every ``TAIL_POLL_S`` the ``Tailer`` looks at each such file's size; a block
 the size has passed by a whole block more (the writer is past it) is handed to the uploader's
 stream of the file as a part, which keeps the xxh3 of the bytes it sent. At the commit every
-part sent is read and hashed again, and one whose bytes changed since is sent again
-(``PartSender._adopt_stream``): correct for any write pattern, at the cost of one read of the
-streamed bytes at memory speed, after the close (the close itself waits for none of it).
+part sent is read and hashed again (by a store worker where there are some), and one whose
+bytes changed since is sent again (``PartSender._adopt_stream``): correct for any write
+pattern, at the cost of one read of the streamed bytes at memory speed, after the close (the
+close itself waits for none of it).
 
 A file is streamed only once it has been open for ``STREAM_AFTER_S``. The kernel writes at
 page-cache speed (a GiB in a fraction of a second), so streaming a shorter save could take at

@@ -31,7 +31,7 @@ from ckptfs.store.base import PartInfo
 from ckptfs.transfer.store_calls import StoreCalls
 from ckptfs.transfer.upload_encoding import Encoder
 from ckptfs.transfer.upload_tasks import INLINE_BYTES, PartBuffers, Stream, Task, Upload, in_thread_if_large
-from ckptfs.transfer.workers import Piece, StoreWorkers
+from ckptfs.transfer.workers import Piece, StoreWorkers, WorkerGone
 from ckptfs.util.background import Gate
 from ckptfs.util.byte_budget import ByteBudget
 from ckptfs.util.stats import RateMeter
@@ -227,12 +227,28 @@ class PartSender:
         out[index] = False
         if digest is None:
             return
+        # A store worker reads and hashes them where there are workers, as it does the bytes it
+        # sends: a streamed save's second pass costs the daemon's process no more than its first.
+        workers = self.workers if self.workers is not None and self.workers.usable else None
+        pieces: list[Piece] = []
+
+        def read(out: memoryview) -> None:
+            self._from_cache(content.read_into, start, out)
 
         def check() -> bool:
-            with self.part_buffers.body(length, lambda out: content.read_into(start, out)) as body:
+            if workers is not None and workers.hashable(pieces):
+                try:
+                    with contextlib.ExitStack() as hold:
+                        hold.enter_context(self.cache_gate.use())
+                        return workers.xxh3(pieces, read_done=hold.close) == digest
+                except WorkerGone:  # (it died meanwhile: hashed here instead)
+                    pass
+            with self.part_buffers.body(length, read) as body:
                 return integrity.part_hash(body) == digest
 
         async with self.body_bytes.take(length):
+            if workers is not None:
+                pieces = content.pieces(start, length)
             same = await trio.to_thread.run_sync(check, limiter=self.hash_threads)
         self.verified_bytes += length
         out[index] = same

@@ -111,6 +111,7 @@ class StoreWorkers:
         self.restarts = 0  # workers started again after one died
         self.parts = 0  # parts sent through them
         self.fetches = 0  # ranges fetched through them
+        self.hashes = 0  # files hashed and streamed parts checked again through them
 
     @property
     def usable(self) -> bool:
@@ -142,9 +143,12 @@ class StoreWorkers:
         return PartInfo(number, answer["token"], answer["xxh3"])
 
     def xxh3(self, pieces: list[Piece], read_done: Callable[[], None] | None = None) -> str:
-        """The xxh3-64 of the bytes of ``pieces`` (a whole file's, for its metadata): see
-        ``hashable``."""
-        return self._request_pieces({"op": "xxh3"}, pieces, read_done, "a file's hash", None)["xxh3"]
+        """The xxh3-64 of the bytes of ``pieces`` (a whole file's, for its metadata or manifest,
+        or a streamed part's, checked again at its commit): see ``hashable``."""
+        digest = self._request_pieces({"op": "xxh3"}, pieces, read_done, "a hash", None)["xxh3"]
+        with self._count_lock:
+            self.hashes += 1
+        return digest
 
     @staticmethod
     def hashable(pieces: list[Piece]) -> bool:
@@ -400,6 +404,7 @@ class StoreWorkers:
             "restarts": self.restarts,
             "parts": self.parts,
             "fetches": self.fetches,
+            "hashes": self.hashes,
             "usable": self.usable,
         }
 
