@@ -192,7 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("swift", "rgw"),
         default="swift",
         help="the S3 server the store targets use: OpenStack Swift (default) or Ceph's RADOS "
-        "Gateway (tests/support/rgw.py, bluestore); its own CPU per GiB is reported either way",
+        "Gateway (tests/support/rgw.py, bluestore); its own CPU per GiB is reported either way; "
+        "rgw leaves s3torchconnector out (its writer fails there at the close)",
     )
     p.add_argument(
         "--out",
@@ -229,6 +230,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     opts = p.parse_args(argv)
     rgw = opts.store == "rgw"
+    if rgw and "s3torchconnector" in opts.targets:
+        # (its writer fails at the close against the RGW of the tests: "Header "ETag" not found")
+        given = sys.argv[1:] if argv is None else argv
+        if any(a == "--targets" or a.startswith("--targets=") for a in given):
+            p.error(
+                "s3torchconnector cannot save to Ceph RGW 16 (its writer fails at the close): leave it out"
+            )
+        opts.targets.remove("s3torchconnector")
     if opts.out is None:
         opts.out = REPO / "docs" / "benchmarks" / ("rgw" if rgw else "")
     if opts.doc is None:
