@@ -238,9 +238,7 @@ class PartSender:
         def check() -> bool:
             if workers is not None and workers.hashable(pieces):
                 try:
-                    with contextlib.ExitStack() as hold:
-                        hold.enter_context(self.cache_gate.use())
-                        return workers.xxh3(pieces, read_done=hold.close) == digest
+                    return self._xxh3_by_worker(pieces) == digest
                 except WorkerGone:  # (it died meanwhile: hashed here instead)
                     pass
             with self.part_buffers.body(length, read) as body:
@@ -577,6 +575,12 @@ class PartSender:
         assert self.workers is not None
         if not self.workers.usable:  # (they could not start: here, then)
             return self._from_cache(self._hash, content)
+        return self._xxh3_by_worker(pieces)
+
+    def _xxh3_by_worker(self, pieces: list[Piece]) -> str:
+        """The xxh3 of ``pieces`` from a store worker (store or hash thread: it waits); the cache
+        stays open for it until it has read them."""
+        assert self.workers is not None
         with contextlib.ExitStack() as hold:
             hold.enter_context(self.cache_gate.use())
             return self.workers.xxh3(pieces, read_done=hold.close)
