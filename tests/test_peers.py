@@ -149,8 +149,12 @@ def test_staggered_restores_read_the_store_once(cluster):
 def test_a_peer_lost_mid_restore_costs_a_retry(cluster):
     digest, size = _checkpoint(cluster, 96 * MiB)
     # (a reads through its daemon as it fetches, so the read can pause with the rest to come:
-    # fetched whole at the open it would have it all before b is lost)
-    a, b, c = _members(cluster, ["a", "b", "c"], more={"a": ("--fetch-whole", "0")})
+    # fetched whole at the open it would have it all before b is lost; its read-ahead, as many
+    # blocks as --upload-concurrency, kept to 2 of the 12, so that on a loaded machine it has
+    # not taken every part of b's before b is lost)
+    a, b, c = _members(
+        cluster, ["a", "b", "c"], more={"a": ("--fetch-whole", "0", "--upload-concurrency", "2")}
+    )
     if b.proxy is not None:  # S3: b's link is slow, so b's fetches for a are on the wire when it dies
         b.proxy.rate = 20 * MiB
     reader = _python(LOAD, str(a.path / "ckpt" / "model.pt"), str(4 * MiB), stdin=subprocess.PIPE)
